@@ -1,0 +1,105 @@
+"""Shared factories: tiny random-weight models per architecture, engines, and a block-leak check."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _tiny_hf_config(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(
+            **TINY_COMMON,
+            num_hidden_layers=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if arch == "mistral":
+        return tf.MistralConfig(**TINY_COMMON, num_hidden_layers=2, sliding_window=24)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TINY_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**TINY_COMMON, num_hidden_layers=2)
+    if arch == "gemma3":
+        return tf.Gemma3TextConfig(
+            **TINY_COMMON, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=16
+        )
+    raise ValueError(arch)
+
+
+def _write_byte_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with no merges: every byte is a token, ids 3..258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
+
+
+_CACHE: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model_dir("llama")`` -> a HF directory with random weights (built once per run)."""
+
+    def make(arch: str) -> Path:
+        if arch not in _CACHE:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            config = _tiny_hf_config(arch)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            # Random init is small; widen it so logits differ clearly between tokens.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0.0, 0.2 if p.dim() > 1 else 0.1)
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path, safe_serialization=True)
+            _write_byte_tokenizer(path, config.vocab_size)
+            _CACHE[arch] = path
+        return _CACHE[arch]
+
+    return make
+
+
+def assert_all_blocks_free(engine) -> None:
+    """Every engine test ends with this: no request holds a KV block."""
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.num_total_blocks

@@ -1,0 +1,107 @@
+"""Each architecture's tiny random model matches transformers, through the whole engine.
+
+Logprobs (log-softmax of the logits) are compared at every generated position: the first comes
+from a prefill, the rest from decode steps. Tolerance: 1e-4 absolute, fp32.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+
+from tokenmill.engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import kv_bytes_per_block
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ATOL = 1e-4
+_HF: dict[str, object] = {}
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    key = str(path)
+    if key not in _HF:
+        _HF[key] = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    return _HF[key]
+
+
+def hf_logprobs(path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), vocab] log-probs transformers assigns at each output position."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = hf_model(path)(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], dim=-1)
+
+
+def check_against_hf(path, prompt, completion) -> None:
+    ref = hf_logprobs(path, prompt, completion.token_ids)
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for pos, (tok, lp) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert lp.sampled.token_id == tok
+        assert lp.sampled.logprob == pytest.approx(ref[pos, tok].item(), abs=ATOL)
+        # Greedy: the pick is transformers' argmax (up to float ties).
+        assert ref[pos, tok].item() >= ref[pos].max().item() - ATOL
+        for alt in lp.top:
+            assert alt.logprob == pytest.approx(ref[pos, alt.token_id].item(), abs=ATOL)
+
+
+def prompts_for(n: int, seed: int, lo: int = 8, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_decode_match_transformers(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    engine = LLMEngine.from_args(model=str(path), max_model_len=256, kv_cache_memory="8MiB")
+    prompt = prompts_for(1, seed=1, lo=40, hi=41)[0]  # longer than the 24-token windows
+    rid = engine.add_request(prompt, GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    completion = outputs[rid].outputs[0]
+    assert len(completion.token_ids) == 16
+    check_against_hf(path, prompt, completion)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_with_chunked_prefill_and_preemption(tiny_model_dir, arch):
+    path = tiny_model_dir(arch)
+    from tokenmill.config import resolve_model
+    from tokenmill.models.loader import load_model_config
+
+    config = load_model_config(resolve_model(str(path)))
+    block_size = 8
+    per_block = kv_bytes_per_block(config, block_size, torch.float32)
+    # 16 usable blocks = 128 tokens for 6 requests of up to ~75 tokens each: forces preemption.
+    engine = LLMEngine.from_args(
+        model=str(path),
+        max_model_len=96,
+        block_size=block_size,
+        kv_cache_memory=per_block * 17,
+        max_num_batched_tokens=20,  # long prompts are chunked
+        enable_prefix_caching=False,
+    )
+    prompts = prompts_for(6, seed=2, lo=20, hi=58)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.scheduler.num_preemptions > 0
+    for rid, prompt in zip(ids, prompts):
+        check_against_hf(path, prompt, done[rid].outputs[0])
+    assert_all_blocks_free(engine)

@@ -1,0 +1,99 @@
+"""Pure-torch paged attention (CPU path and test oracle), built on scaled_dot_product_attention.
+
+Decodes gather their blocks with ``index_select`` (much faster than advanced indexing on CPU)
+into one padded batch and attend in a single call under a length/window mask. A prefill chunk
+with no computed context attends to its own fresh K/V; one on top of cached context gathers
+its blocks first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.metadata import AttentionMetadata, PrefillSeq
+
+
+class TorchAttentionBackend:
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+        for seq in meta.prefills:
+            s, e = seq.token_start, seq.token_start + seq.query_len
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, scale, window)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        nd, max_blocks = meta.decode_block_table.shape
+        _, bs, nkv, hd = k_cache.shape
+        flat_table = meta.decode_block_table.reshape(-1)
+        keys = k_cache.index_select(0, flat_table).view(nd, max_blocks * bs, nkv, hd)
+        values = v_cache.index_select(0, flat_table).view(nd, max_blocks * bs, nkv, hd)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [nd, num_heads, 1, head_dim]
+            keys.transpose(1, 2),  # [nd, num_kv_heads, max_ctx, head_dim]
+            values.transpose(1, 2),
+            attn_mask=meta.decode_mask(window),
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: PrefillSeq,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        if seq.num_computed == 0:
+            keys, values = k, v
+        else:
+            _, bs, nkv, hd = k_cache.shape
+            keys = k_cache.index_select(0, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+            values = v_cache.index_select(0, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+        needs_mask = seq.num_computed > 0 or (window is not None and window < seq.seq_len)
+        mask = None
+        if needs_mask:
+            q_pos = torch.arange(seq.num_computed, seq.seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=not needs_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,38 @@
+"""The attention layer a model calls: writes new K/V into its cache, then attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
+from tokenmill.attention.metadata import ForwardBatch
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = TorchAttentionBackend()
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: ForwardBatch
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        k_cache, v_cache = fwd.kv_caches[self.layer_idx]
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, fwd.attn, self.scale, self.sliding_window
+        )

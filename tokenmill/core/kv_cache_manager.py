@@ -1,0 +1,124 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
+
+Block layout of one request (block_size = 4 here)::
+
+    | computed (cached or run) | scheduled this step | free room |
+    [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .. ..]
+      full, hashed   full, hashed  partial: never hashed
+
+Full blocks are hashed (chained, see block_pool) as soon as their tokens are scheduled; the engine
+runs steps synchronously, so by the next lookup their KV is written.
+"""
+
+from __future__ import annotations
+
+from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from tokenmill.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._req_blocks: dict[str, list[Block]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # Prefix-cache counters, in tokens (what /metrics reports).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(req_id, ())]
+
+    def find_cached_prefix(self, req: Request, cache_salt: str | None = None) -> list[Block]:
+        """The longest chain of cached full blocks that starts the request's tokens.
+
+        At least one token is always left to compute, since the model must run on the last one
+        to produce the next token's logits.
+        """
+        if not self.enable_caching:
+            return []
+        tokens = req.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hashes = self._hashes(req, tokens, max_blocks, cache_salt)
+        hits: list[Block] = []
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            start = i * self.block_size
+            block = self.pool.get_cached_block(block_hash, tokens[start : start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queried_tokens += len(tokens)
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        cached_blocks: list[Block] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if blocks run out.
+
+        ``cached_blocks`` are prefix hits for a request that holds no blocks yet. Returns the ids
+        of the newly allocated blocks.
+        """
+        blocks = self._req_blocks.setdefault(req.req_id, [])
+        cached_blocks = cached_blocks or []
+        num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_alloc = num_needed - len(blocks) - len(cached_blocks)
+        # Cached blocks that sit in the free queue count against the free total when taken.
+        num_evictable_hits = sum(1 for b in cached_blocks if b.ref_cnt == 0)
+        if num_alloc + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self._req_blocks[req.req_id]
+            return None
+        self.pool.touch(cached_blocks)
+        blocks.extend(cached_blocks)
+        new_blocks = self.pool.allocate(max(num_alloc, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(req, num_computed + num_new_tokens, cache_salt)
+        return [b.block_id for b in cached_blocks + new_blocks]
+
+    def free(self, req: Request) -> None:
+        """Release all the request's blocks (tail first: see block_pool)."""
+        blocks = self._req_blocks.pop(req.req_id, [])
+        self._req_hashes.pop(req.req_id, None)
+        self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int, cache_salt: str | None) -> None:
+        if not self.enable_caching:
+            return
+        tokens = req.all_token_ids
+        num_full = min(num_tokens, len(tokens)) // self.block_size
+        hashes = self._hashes(req, tokens, num_full, cache_salt)
+        blocks = self._req_blocks[req.req_id]
+        for i in range(num_full):
+            if blocks[i].block_hash is None:
+                start = i * self.block_size
+                self.pool.cache_block(blocks[i], hashes[i], tokens[start : start + self.block_size])
+
+    def _hashes(
+        self, req: Request, tokens: list[int], num_full: int, cache_salt: str | None
+    ) -> list[BlockHash]:
+        """Chained hashes of the first ``num_full`` blocks, memoized per request."""
+        hashes = self._req_hashes.setdefault(req.req_id, [])
+        while len(hashes) < num_full:
+            i = len(hashes)
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, chunk, cache_salt if i == 0 else None))
+        return hashes

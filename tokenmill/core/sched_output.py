@@ -1,0 +1,77 @@
+"""The contract between scheduler and worker: plain data, one object each way per step.
+
+New requests (and ones resumed after preemption) are sent whole; running ones as diffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.outputs import TokenLogprob
+from tokenmill.request import FinishReason
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs are non-empty after a preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # Batch order: new requests first, then running ones; one entry per scheduled request.
+    num_scheduled_tokens: dict[str, int]
+    # Requests the worker should forget (finished, aborted or preempted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: the worker drops their tokens and blocks but keeps
+    # their random generator, so a seeded request samples the same after it is resumed.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Logprobs for each token sampled for a request in one step."""
+
+    sampled: list[TokenLogprob]
+    top: list[list[TokenLogprob]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    # Only requests that reached the end of their known tokens get a sampled token; a prefill
+    # chunk that stops mid-prompt samples nothing.
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request, from the scheduler to the engine's output side."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampledLogprobs | None = None

@@ -1,0 +1,237 @@
+"""Scheduler: FCFS queues and one token budget per step, shared by decodes and prefill chunks.
+
+There are no prefill or decode phases. Each request has ``num_computed_tokens`` (in the KV cache)
+and ``num_tokens`` (prompt + outputs); every step gives each running request, then waiting ones,
+as many of the missing tokens as the budget allows. A long prompt is thereby chunked, a prefix-
+cache hit just starts a request with computed tokens, and a decode is a request missing one token.
+When blocks run out, the newest running request is preempted: its blocks are freed and it is
+recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.sched_output import (
+    CachedRequestData,
+    NewRequestData,
+    RequestUpdate,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from tokenmill.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.kv = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.cache_salts: dict[str, str] = {}
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add_request(self, req: Request, cache_salt: str | None = None) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in the engine")
+        self.requests[req.req_id] = req
+        if cache_salt:
+            self.cache_salts[req.req_id] = cache_salt
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
+        """Finish (abort, or stop on a stop string) a request wherever it is; frees its blocks."""
+        req = self.requests.get(req_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        preempted = self._schedule_running(num_scheduled, cached_reqs, budget)
+        budget -= sum(num_scheduled.values())
+        new_reqs: list[NewRequestData] = []
+        if not preempted:  # memory is tight: let running requests finish before new ones join
+            self._schedule_waiting(num_scheduled, new_reqs, budget)
+        # Batch order: new requests first, then running ones.
+        order = [r.req_id for r in new_reqs] + [r.req_id for r in cached_reqs]
+        out = SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens={rid: num_scheduled[rid] for rid in order},
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = set()
+        self._preempted_req_ids = set()
+        for rid, n in out.num_scheduled_tokens.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    def _schedule_running(
+        self,
+        num_scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+        budget: int,
+    ) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids = self.kv.allocate_slots(
+                req, num_new, cache_salt=self.cache_salts.get(req.req_id)
+            )
+            while new_block_ids is None:
+                victim = self.running.pop()  # the newest request gives way
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(
+                    req, num_new, cache_salt=self.cache_salts.get(req.req_id)
+                )
+            if new_block_ids is None:
+                break
+            num_scheduled[req.req_id] = num_new
+            cached_reqs.append(
+                CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens)
+            )
+            budget -= num_new
+            i += 1
+        return preempted
+
+    def _schedule_waiting(
+        self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], budget: int
+    ) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if self._is_blocked(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            salt = self.cache_salts.get(req.req_id)
+            cached = self.kv.find_cached_prefix(req, salt)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            block_ids = self.kv.allocate_slots(req, num_new, cached, salt)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            now = time.monotonic()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            self.running.append(req)
+            num_scheduled[req.req_id] = num_new
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    token_ids=req.all_token_ids,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_cached,
+                )
+            )
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _is_blocked(self, req: Request) -> bool:
+        """n > 1 siblings wait until the first sibling's prompt is in the cache."""
+        leader = self.requests.get(req.wait_for_req_id) if req.wait_for_req_id else None
+        if leader is None or leader.is_finished or not self.kv.enable_caching:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_req_ids.add(req.req_id)  # the worker drops its state; resent whole later
+        self.waiting.appendleft(req)
+
+    # ---- after the forward pass -------------------------------------------------------------
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: RunnerOutput
+    ) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        now = time.monotonic()
+        for req_id in sched_out.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            token_ids = runner_out.sampled_token_ids.get(req_id)
+            if req is None or req.is_finished or not token_ids:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            update = RequestUpdate(req_id, [], logprobs=runner_out.logprobs.get(req_id))
+            for token_id in token_ids:
+                req.output_token_ids.append(token_id)
+                update.new_token_ids.append(token_id)
+                reason = self._check_stop(req, token_id)
+                if reason is not None:
+                    update.finish_reason = reason
+                    update.stop_reason = req.stop_reason
+                    self.running.remove(req)
+                    self._finish(req, reason)
+                    break
+            updates.append(update)
+        return updates
+
+    def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.monotonic()
+        self.cache_salts.pop(req.req_id, None)
+        self._finished_req_ids.add(req.req_id)
+        del self.requests[req.req_id]

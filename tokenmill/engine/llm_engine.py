@@ -1,0 +1,243 @@
+"""LLMEngine: the synchronous engine. A step is schedule -> execute -> update -> outputs.
+
+add_request -> Scheduler.add_request                          (validated, tokenized here)
+step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+         -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from tokenmill.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    SchedulerConfig,
+    parse_memory,
+    resolve_model,
+)
+from tokenmill.core import RunnerOutput, Scheduler
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.loader import load_model, load_model_config
+from tokenmill.outputs import RequestOutput
+from tokenmill.request import FinishReason, Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        started = time.monotonic()
+        device = _pick_device(args.device)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        dtype_name = args.dtype if args.dtype != "auto" else "float32"
+        if device.type == "cuda" and args.dtype == "auto":
+            dtype_name = "bfloat16"
+        dtype = _DTYPES[dtype_name]
+        source = resolve_model(args.model)
+        model_config = load_model_config(source)
+        self.tokenizer: Tokenizer = load_tokenizer(source.path, model_config.architecture)
+        max_model_len = args.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length "
+                f"({model_config.max_position_embeddings})"
+            )
+        model = load_model(model_config, dtype, device, max_model_len)
+        num_blocks = _num_kv_blocks(args, model_config, dtype, device)
+        tokens_that_fit = (num_blocks - 1) * args.block_size
+        if tokens_that_fit < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
+                f"({max_model_len}); raise kv_cache_memory or lower max_model_len"
+            )
+        self.config = EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=args.block_size,
+                kv_cache_memory=parse_memory(args.kv_cache_memory),
+                enable_prefix_caching=args.enable_prefix_caching,
+                num_blocks=num_blocks,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            device=str(device),
+            dtype=dtype_name,
+            seed=args.seed,
+        )
+        self.eos_token_ids = tuple(
+            dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
+        )
+        self.runner = ModelRunner(
+            model, num_blocks, args.block_size, device, dtype, self.eos_token_ids, args.seed
+        )
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info(
+            "loaded %s (%s, %s on %s) in %.1fs; KV cache: %d blocks of %d = %d tokens (%.2f GiB)",
+            args.model,
+            model_config.architecture,
+            dtype_name,
+            device,
+            time.monotonic() - started,
+            num_blocks - 1,
+            args.block_size,
+            tokens_that_fit,
+            num_blocks * kv_bytes_per_block(model_config, args.block_size, dtype) / 2**30,
+        )
+
+    @classmethod
+    def from_args(cls, **kwargs: object) -> LLMEngine:
+        known = {k: v for k, v in kwargs.items() if k in EngineArgs.field_names()}
+        extra = {k: v for k, v in kwargs.items() if k not in known}
+        return cls(EngineArgs(**known, extra=extra))  # type: ignore[arg-type]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler_config.max_model_len
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return list(prompt)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize_prompt(prompt)
+        params = self._resolve_max_tokens(params, len(prompt_ids))
+        request_id = request_id or str(next(self._ids))
+        if request_id in self.output_processor.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seqs = []
+        for i in range(params.n):
+            seqs.append(
+                Request(
+                    req_id=request_id if i == 0 else f"{request_id}#{i}",
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=_child_params(params, i),
+                    eos_token_ids=self.eos_token_ids,
+                    wait_for_req_id=request_id if i > 0 else None,
+                )
+            )
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, seqs, params
+        )
+        for req in seqs:
+            self.scheduler.add_request(req, cache_salt)
+        return request_id
+
+    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens, the model's context is {self.max_model_len}: "
+                "no room for output; shorten the prompt"
+            )
+        if params.max_tokens is None:
+            return dataclasses.replace(params, max_tokens=room)
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length ({self.max_model_len}); lower max_tokens to at most {room}"
+            )
+        return params
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its blocks are free on return."""
+        for seq_id in self.output_processor.seq_ids(request_id):
+            self.scheduler.finish_request(seq_id, FinishReason.ABORT)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
+            runner_out = RunnerOutput(sampled_token_ids={})
+        else:
+            runner_out = self.runner.execute(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        for seq_id in self.output_processor.process(updates):
+            self.scheduler.finish_request(seq_id, FinishReason.STOP)
+        return self.output_processor.collect()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.reset_prefix_cache()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.scheduler.kv.pool.num_usable_blocks
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Siblings of an n > 1 request sample independently; seeded ones get distinct seeds."""
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N]; got {name!r}")
+    return torch.device(name)
+
+
+def _num_kv_blocks(args: EngineArgs, config, dtype: torch.dtype, device: torch.device) -> int:
+    budget = parse_memory(args.kv_cache_memory)
+    if isinstance(budget, float):
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    per_block = kv_bytes_per_block(config, args.block_size, dtype)
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory ({budget} bytes) holds fewer than 2 KV blocks of {per_block} bytes"
+        )
+    return int(num_blocks)

@@ -1,0 +1,197 @@
+"""Turns per-step token updates into RequestOutputs: detokenize, stop strings, logprobs, metrics.
+
+A request with ``n > 1`` runs as ``n`` sequences in the scheduler (ids ``<id>`` and
+``<id>#1``…); this side joins them back into one RequestOutput with ``n`` completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.sched_output import RequestUpdate
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from tokenmill.request import FinishReason, Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class SeqState:
+    """Output-side state of one sequence (one of the n completions)."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # text after stop-string handling
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SeqState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self._seq_owner: dict[str, tuple[RequestState, SeqState]] = {}
+        self._changed: dict[str, RequestState] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, seqs: list[Request], params: SamplingParams
+    ) -> None:
+        prompt_ids = seqs[0].prompt_token_ids
+        state = RequestState(request_id, prompt, prompt_ids, params, [])
+        for i, req in enumerate(seqs):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            seq = SeqState(i, req, detok)
+            state.seqs.append(seq)
+            self._seq_owner[req.req_id] = (state, seq)
+        self.states[request_id] = state
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return [s.request.req_id for s in state.seqs] if state else []
+
+    def process(self, updates: list[RequestUpdate]) -> list[str]:
+        """Apply one step's updates; returns the sequences a stop string ended (the scheduler
+        must finish them). ``collect`` then builds the outputs."""
+        changed = self._changed
+        stopped_seqs: list[str] = []
+        for update in updates:
+            owner = self._seq_owner.get(update.req_id)
+            if owner is None:
+                continue
+            state, seq = owner
+            self._append(seq, update, state.params)
+            if update.finish_reason is None and seq.finish_reason is not None:
+                stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
+            changed[state.request_id] = state
+        return stopped_seqs
+
+    def collect(self) -> list[RequestOutput]:
+        outputs = [self._make_output(s) for s in self._changed.values()]
+        self._changed = {}
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = FinishReason.ABORT
+        return self._make_output(state)
+
+    def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:
+        if seq.finish_reason is not None:
+            return
+        new_text = seq.detokenizer.update(update.new_token_ids)
+        if update.logprobs is not None:
+            for sampled, top in zip(update.logprobs.sampled, update.logprobs.top):
+                seq.logprobs.append(
+                    PositionLogprobs(self._with_text(sampled), [self._with_text(t) for t in top])
+                )
+        seq.text += new_text
+        if params.stop and new_text:
+            self._check_stop_strings(seq, params, len(new_text))
+        if seq.finish_reason is None and update.finish_reason is not None:
+            seq.finish_reason = update.finish_reason
+            seq.stop_reason = update.stop_reason
+
+    @staticmethod
+    def _check_stop_strings(seq: SeqState, params: SamplingParams, num_new_chars: int) -> None:
+        # A stop string may straddle the old text and the new: search from just before the new.
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(seq.text) - num_new_chars - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            idx = seq.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return
+        idx, stop = best
+        seq.text = (
+            seq.text[: idx + len(stop)] if params.include_stop_str_in_output else seq.text[:idx]
+        )
+        seq.finish_reason = FinishReason.STOP
+        seq.stop_reason = stop
+
+    def _with_text(self, lp: TokenLogprob) -> TokenLogprob:
+        token = self.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        return TokenLogprob(lp.token_id, lp.logprob, lp.rank, token)
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        params = state.params
+        # While streaming, hold back a tail that might still turn out to start a stop string.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        completions = []
+        for seq in state.seqs:
+            done = seq.finish_reason is not None
+            sendable = len(seq.text) if done else max(seq.num_sent_chars, len(seq.text) - hold)
+            token_ids = seq.detokenizer.token_ids
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text if done else seq.text[:sendable],
+                    token_ids=list(token_ids),
+                    finish_reason=str(seq.finish_reason) if done else None,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                    text_delta=seq.text[seq.num_sent_chars : sendable],
+                    token_ids_delta=list(token_ids[seq.num_sent_tokens :]),
+                )
+            )
+            seq.num_sent_chars = sendable
+            seq.num_sent_tokens = len(token_ids)
+        finished = state.finished
+        if finished:
+            self.states.pop(state.request_id, None)
+            for seq in state.seqs:
+                self._seq_owner.pop(seq.request.req_id, None)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=_metrics(state),
+        )
+
+
+def _metrics(state: RequestState) -> RequestMetrics:
+    reqs = [s.request for s in state.seqs]
+    first_tokens = [r.first_token_time for r in reqs if r.first_token_time is not None]
+    scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
+    finished = [r.finished_time for r in reqs if r.finished_time is not None]
+    return RequestMetrics(
+        arrival_time=reqs[0].arrival_time,
+        first_scheduled_time=min(scheduled) if scheduled else None,
+        first_token_time=min(first_tokens) if first_tokens else None,
+        finished_time=max(finished) if len(finished) == len(reqs) else None,
+        num_prompt_tokens=len(state.prompt_token_ids),
+        num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in state.seqs),
+        num_cached_tokens=max(r.num_cached_tokens for r in reqs),
+        num_preemptions=sum(r.num_preemptions for r in reqs),
+    )

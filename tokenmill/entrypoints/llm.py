@@ -1,0 +1,104 @@
+"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenmill.engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching.
+
+    ``engine_args`` are EngineArgs fields (max_model_len, kv_cache_memory, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str = "gemma-3-270m", **engine_args: object) -> None:
+        self.engine = LLMEngine.from_args(model=model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and
+        leaves the engine untouched.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, Sequence):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        for prompt, params in zip(prompt_list, params_list):
+            prompt_ids = self.engine.tokenize_prompt(prompt)
+            self.engine._resolve_max_tokens(params, len(prompt_ids))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            self.tokenizer.encode_chat(conv, add_generation_prompt)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def _run(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in finished:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    out = list(prompts)
+    if not out:
+        raise ValueError("prompts must not be empty")
+    return out

@@ -1,0 +1,56 @@
+"""What every model file shares: the forward signature and weight loading by HF names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.attention import ForwardBatch
+from tokenmill.config import ModelConfig
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM: ``forward`` gives hidden states, ``compute_logits`` the next-token logits.
+
+    Parameter names follow the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``), so
+    safetensors load by name and the GGUF loader maps its names onto these.
+    """
+
+    config: ModelConfig
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch
+    ) -> torch.Tensor:
+        raise NotImplementedError  # each architecture defines its forward
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # each architecture defines its head
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters, one at a time, and check all arrived."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
+                name = "model." + name.removeprefix("model.language_model.")
+            if name not in params:
+                if "rotary_emb" in name or name.startswith(
+                    ("vision_", "multi_modal", "model.vision")
+                ):
+                    continue
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing)[:8])}")

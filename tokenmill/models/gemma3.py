@@ -1,0 +1,123 @@
+"""Gemma 3 text model (Gemma Team, 2025).
+
+Differences from Llama, all in this file:
+- embeddings scaled by sqrt(hidden_size); RMSNorm weights are offsets from 1;
+- four norms per block ("sandwich"): the attention and MLP outputs are normalized again before
+  the residual add;
+- q and k are RMS-normalized per head (QK-norm) and scaled by query_pre_attn_scalar^-0.5;
+- local layers attend within a sliding window and use RoPE base 10k; every 6th layer is global
+  with its own base (1M) and scaling;
+- GeGLU MLP (tanh-approximated GELU); tied output embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention import Attention, ForwardBatch
+from tokenmill.config import SLIDING_ATTENTION, ModelConfig
+from tokenmill.layers import Embedding, GemmaRMSNorm, Linear, RotaryEmbedding
+from tokenmill.models.base import CausalLM
+from tokenmill.models.llama import LlamaMLP
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
+        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            c.head_dim,
+            c.attention_scale,
+            c.layer_sliding_window(layer_idx),
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fwd).reshape(n, -1))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(dim, eps)
+        self.self_attn = Gemma3Attention(config, layer_idx, rotary)
+        self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.mlp = LlamaMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(x), positions, fwd)
+        h = x + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(h))
+        return h + self.post_feedforward_layernorm(mlp_out)
+
+
+class Gemma3Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        global_rope = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling
+        )
+        local_rope = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_local_theta or 10000.0
+        )
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(
+                config, i, local_rope if config.layer_types[i] == SLIDING_ATTENTION else global_rope
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Backbone(config, max_position)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.embed_scale = config.hidden_size**0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
+        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, positions, fwd)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_head(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,116 @@
+"""Llama (Touvron et al., 2023) and the families that share its block: Mistral, Qwen2, Qwen3.
+
+    h = x + Attn(RMSNorm(x));  out = h + MLP(RMSNorm(h)),   MLP = down(act(gate(h)) * up(h))
+
+Qwen2 adds biases to q/k/v; Qwen3 drops them and RMS-normalizes each head of q and k before
+RoPE; Mistral attends within a sliding window.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.attention import Attention, ForwardBatch
+from tokenmill.config import ModelConfig
+from tokenmill.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, get_act_fn
+from tokenmill.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
+        self.has_qk_norm = c.architecture == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            c.head_dim,
+            c.attention_scale,
+            c.layer_sliding_window(layer_idx),
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, fwd)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.act = get_act_fn(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, fwd)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config, max_position)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.model.layers:
+            h = layer(h, positions, fwd)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_head(hidden)
+        return self.lm_head(hidden)

@@ -1,0 +1,123 @@
+"""Build a model and stream its weights in, from safetensors or GGUF, one tensor at a time.
+
+GGUF tensors are renamed to the Hugging Face names the model files use, and two llama.cpp
+conventions are undone: Gemma norm weights are stored as 1 + w, and Llama-family q/k rows are
+permuted for llama.cpp's interleaved RoPE.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import ModelConfig, ModelSource
+from tokenmill.models.base import CausalLM
+from tokenmill.models.gguf_file import GGUFFile, dequantize
+from tokenmill.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.format == "hf":
+        return ModelConfig.from_hf(source.path)
+    gguf_file = GGUFFile(source.path)
+    return ModelConfig.from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
+
+
+def load_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+) -> CausalLM:
+    """Instantiate the architecture with uninitialized parameters, then stream weights in."""
+    assert config.source is not None
+    model_cls = get_model_class(config.architecture)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config, max_position)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    if config.source.format == "hf":
+        model.load_weights(_iter_safetensors(config.source.path))
+    else:
+        model.load_weights(_iter_gguf(config))
+    return model.eval()
+
+
+def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def _iter_gguf(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    assert config.source is not None
+    gguf_file = GGUFFile(config.source.path)
+    for tensor in gguf_file.tensors:
+        name = _hf_name(tensor.name, config.architecture)
+        if name is None:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        weight = dequantize(gguf_file.tensor_bytes(tensor), tensor.ggml_type, tensor.shape)
+        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1.0
+        if config.architecture in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                weight = _unpermute_rope(weight, config.num_key_value_heads)
+        yield name, weight
+
+
+def _hf_name(gguf_name: str, architecture: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not m:
+        return None
+    layer, part, kind = m.groups()
+    if part == "ffn_norm":
+        # Llama's second norm; Gemma's pre-MLP norm (it also has post-attention/post-MLP norms).
+        hf = "pre_feedforward_layernorm" if architecture == "gemma3" else "post_attention_layernorm"
+    else:
+        hf = _GGUF_LAYER_NAMES.get(part)
+    if hf is None:
+        return None
+    return f"model.layers.{layer}.{hf}.{kind}"
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF's rotate-half halves)."""
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.view(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)

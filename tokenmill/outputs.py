@@ -1,0 +1,95 @@
+"""What leaves the engine: RequestOutput, CompletionOutput, RequestMetrics, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one candidate token at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    token: str = ""
+
+
+@dataclass(slots=True)
+class PositionLogprobs:
+    """The sampled token's logprob plus the top-k alternatives at one output position."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings of one request, in seconds (monotonic clock)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from arrival."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (vLLM's TPOT)."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        if self.num_generation_tokens <= 1:
+            return 0.0
+        return (self.finished_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the ``n`` completions of a request; in streaming, ``text_delta`` is the new part."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of a request after an engine step (or at its end, from ``LLM.generate``)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

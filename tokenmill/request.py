@@ -1,0 +1,79 @@
+"""Request: one sequence's ids, token lists and counters as the scheduler sees them (no torch)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an EOS / stop token / stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller or the client went away
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(slots=True)
+class Request:
+    """A sequence in the engine.
+
+    Token states: ``num_computed_tokens`` of ``all_token_ids`` are in the KV cache; the rest
+    (the prompt at first, then the last sampled token) are scheduled in later steps.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Sibling requests of an n > 1 group wait for this request's prompt to be computed, so
+    # they find its full blocks in the prefix cache instead of computing them again.
+    wait_for_req_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        # The engine fills max_tokens in (from the context length) before the request enters.
+        assert self.sampling_params.max_tokens is not None
+        return self.sampling_params.max_tokens

@@ -1,0 +1,122 @@
+"""SamplingParams: how one request picks its tokens and when it stops, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding settings, with the same meaning as vLLM's and OpenAI's fields.
+
+    Every field is checked in ``__post_init__``; a bad value raises ValueError that names the
+    field and its allowed range, before the request reaches the engine.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        if self.max_tokens is not None:
+            _check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "an integer >= 1",
+            )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            self.min_tokens,
+            "an integer >= 0",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"at most max_tokens ({self.max_tokens})",
+            )
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            self.top_k,
+            "-1 (disabled) or an integer >= 1",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "> 0 (1 disables it)",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "[-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "[-2, 2]",
+        )
+        if self.logprobs is not None:
+            _check(
+                isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
+                "logprobs",
+                self.logprobs,
+                "an integer in [0, 20]",
+            )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "a list of non-empty strings",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a list of token ids >= 0",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}; got {value!r}")

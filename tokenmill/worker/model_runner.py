@@ -1,0 +1,185 @@
+"""ModelRunner: owns the model, the paged KV cache and per-request token state on the worker side.
+
+Each step it receives a SchedulerOutput, lays all scheduled tokens of all requests out flat
+(decodes first, then prefill chunks), runs one forward pass, computes logits only for requests
+whose last known token was run, and samples their next token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention import AttentionMetadata, ForwardBatch, PrefillSeq
+from tokenmill.config import ModelConfig
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.models.base import CausalLM
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    token_ids: list[int]  # prompt + outputs known to the worker
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_key_value_heads * config.head_dim * elem
+    return per_token * block_size * config.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        eos_token_ids: tuple[int, ...],
+        seed: int = 0,
+    ) -> None:
+        c = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        # Zeroed, not empty: padded decode slots are masked, but NaN garbage would leak through
+        # the softmax-weighted sum (0 * NaN = NaN).
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
+        self.sampler = Sampler(device, seed)
+        self.requests: dict[str, RunnerRequestState] = {}
+        # Generators of preempted requests, handed back when they resume.
+        self._parked_generators: dict[str, torch.Generator | None] = {}
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput(sampled_token_ids={})
+        input_ids, positions, attn, sample_req_ids, sample_idx = self._prepare(sched)
+        fwd = ForwardBatch(self.kv_caches, attn)
+        hidden = self.model(input_ids, positions, fwd)
+        if not sample_req_ids:
+            return RunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        rows = [self._sampling_row(rid) for rid in sample_req_ids]
+        token_ids, logprobs = self.sampler(logits, rows)
+        out = RunnerOutput(sampled_token_ids={})
+        for rid, tok, lp in zip(sample_req_ids, token_ids, logprobs):
+            self.requests[rid].token_ids.append(tok)
+            out.sampled_token_ids[rid] = [tok]
+            if lp is not None:
+                out.logprobs[rid] = lp
+        return out
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+            self._parked_generators.pop(rid, None)
+        for rid in sched.preempted_req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                self._parked_generators[rid] = state.generator
+        for new in sched.new_reqs:
+            generator = self._parked_generators.pop(new.req_id, None)
+            if generator is None and new.sampling_params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)
+            self.requests[new.req_id] = RunnerRequestState(
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                generator=generator,
+            )
+        for cached in sched.cached_reqs:
+            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[str], torch.Tensor]:
+        num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
+        num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
+        decodes = [rid for rid, n in sched.num_scheduled_tokens.items() if n == 1]
+        prefills = [rid for rid, n in sched.num_scheduled_tokens.items() if n > 1]
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_req_ids: list[str] = []
+        sample_idx: list[int] = []
+        # Decodes: one token each at the end of the context.
+        max_blocks = 1
+        for rid in decodes:
+            state, p = self.requests[rid], num_computed[rid]
+            ids.append(state.token_ids[p])
+            pos.append(p)
+            slots.append(state.block_ids[p // bs] * bs + p % bs)
+            max_blocks = max(max_blocks, p // bs + 1)
+        table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for i, rid in enumerate(decodes):
+            blocks = self.requests[rid].block_ids[: num_computed[rid] // bs + 1]
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        seq_lens = torch.tensor([num_computed[rid] + 1 for rid in decodes], dtype=torch.long)
+        # Prefill chunks.
+        prefill_seqs: list[PrefillSeq] = []
+        for rid in prefills:
+            state, start, n = self.requests[rid], num_computed[rid], sched.num_scheduled_tokens[rid]
+            seq_len = start + n
+            blocks = torch.tensor(state.block_ids[: -(-seq_len // bs)], dtype=torch.long)
+            prefill_seqs.append(PrefillSeq(len(ids), n, start, blocks.to(self.device)))
+            ids.extend(state.token_ids[start:seq_len])
+            chunk_pos = torch.arange(start, seq_len)
+            pos.extend(chunk_pos.tolist())
+            slots.extend((blocks[chunk_pos // bs] * bs + chunk_pos % bs).tolist())
+        # Sample for requests whose last known token runs now (not mid-prompt chunks).
+        offset = 0
+        for rid in decodes + prefills:
+            n = sched.num_scheduled_tokens[rid]
+            offset += n
+            if num_computed[rid] + n == len(self.requests[rid].token_ids):
+                sample_req_ids.append(rid)
+                sample_idx.append(offset - 1)
+        dev = self.device
+        attn = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_block_table=table.to(dev),
+            decode_seq_lens=seq_lens.to(dev),
+            prefills=prefill_seqs,
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            attn,
+            sample_req_ids,
+            torch.tensor(sample_idx, dtype=torch.long, device=dev),
+        )
+
+    def _sampling_row(self, req_id: str) -> SamplingRow:
+        state = self.requests[req_id]
+        return SamplingRow(
+            params=state.sampling_params,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            generator=state.generator,
+            eos_token_ids=self.eos_token_ids,
+        )

@@ -1,0 +1,143 @@
+"""Sampler: penalties, temperature, top-k / top-p / min-p, then greedy or random picks.
+
+Random picks use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to drawing
+from p); a request with a seed draws its q from its own generator, so its tokens do not depend
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.sched_output import SampledLogprobs
+from tokenmill.outputs import TokenLogprob
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One request to sample for in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[SampledLogprobs | None]]:
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties_and_bans(logits, rows)
+        token_ids = self._pick(logits, rows)
+        logprobs: list[SampledLogprobs | None] = []
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None or raw_logprobs is None:
+                logprobs.append(None)
+                continue
+            logprobs.append(_gather_logprobs(raw_logprobs[i], token_ids[i], k))
+        return token_ids, logprobs
+
+    @staticmethod
+    def _apply_penalties_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.has_penalties:
+                logits[i] = _penalize(logits[i], p, row.prompt_token_ids, row.output_token_ids)
+            if len(row.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+        return logits
+
+    def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+        greedy = logits.argmax(dim=-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not random_idx:
+            return greedy.tolist()
+        idx = torch.tensor(random_idx, device=logits.device)
+        sub = logits.index_select(0, idx)
+        params = [rows[i].params for i in random_idx]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        sub = sub / temps[:, None]
+        sub = _top_k_top_p_min_p(sub, params)
+        probs = torch.softmax(sub, dim=-1)
+        q = torch.empty_like(probs)
+        for j, i in enumerate(random_idx):
+            q[j].exponential_(generator=rows[i].generator or self.generator)
+        picked = (probs / q).argmax(dim=-1)
+        out = greedy.clone()
+        out[idx] = picked
+        return out.tolist()
+
+
+def _penalize(
+    logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    vocab = logits.shape[0]
+    if p.repetition_penalty != 1.0:
+        # HF/vLLM semantics: every token seen in prompt or output is made less likely.
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        seen = seen[seen < vocab].to(logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    if output_ids and (p.presence_penalty or p.frequency_penalty):
+        # OpenAI semantics: only generated tokens count.
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(logits.device, logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    if any(k < vocab for k in top_k):
+        k_max = min(max(top_k), vocab)
+        top_vals = logits.topk(k_max, dim=-1).values  # [rows, k_max]
+        k_idx = torch.tensor([min(k, vocab) - 1 for k in top_k], device=logits.device)
+        kth = top_vals.gather(1, k_idx.clamp(max=k_max - 1)[:, None])
+        keep_all = torch.tensor([k >= vocab for k in top_k], device=logits.device)[:, None]
+        logits = logits.masked_fill(~keep_all & (logits < kth), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass of strictly more likely tokens already reaches top_p.
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop_orig = torch.zeros_like(drop).scatter(1, order, drop)
+        logits = logits.masked_fill(drop_orig, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def _gather_logprobs(row_logprobs: torch.Tensor, token_id: int, k: int) -> SampledLogprobs:
+    sampled_lp = row_logprobs[token_id]
+    rank = int((row_logprobs > sampled_lp).sum().item()) + 1
+    sampled = TokenLogprob(token_id, float(sampled_lp), rank)
+    top: list[TokenLogprob] = []
+    if k > 0:
+        vals, ids = row_logprobs.topk(k)
+        top = [
+            TokenLogprob(int(t), float(v), r + 1)
+            for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()))
+        ]
+    return SampledLogprobs(sampled=[sampled], top=[top])
