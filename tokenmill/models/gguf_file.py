@@ -151,7 +151,7 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torc
         dtype = torch.float16 if ggml_type == T.F16 else torch.bfloat16
         return raw.view(dtype).float().view(shape)
     if ggml_type == T.Q8_0:
-        blocks = torch.from_numpy(np.asarray(data)).view(-1, 34)  # f16 scale + 32 int8
+        blocks = torch.from_numpy(np.array(data)).view(-1, 34)  # f16 scale + 32 int8
         scale = blocks[:, :2].contiguous().view(torch.float16).float()
         quants = blocks[:, 2:].contiguous().view(torch.int8).float()
         return (quants * scale).view(shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardBatch, PrefillSeq
@@ -54,13 +55,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        # Zeroed, not empty: padded decode slots are masked, but NaN garbage would leak through
-        # the softmax-weighted sum (0 * NaN = NaN).
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
@@ -183,3 +179,17 @@ class ModelRunner:
             generator=state.generator,
             eos_token_ids=self.eos_token_ids,
         )
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. Zeroed, not empty: padded decode slots are masked, but NaN garbage
+    would leak through the softmax-weighted sum (0 * NaN = NaN).
+
+    On CPU it comes from numpy's calloc, whose pages the OS zeroes lazily on first touch, so a
+    large cache costs nothing until it is used (torch.zeros writes every page up front).
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * elem, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

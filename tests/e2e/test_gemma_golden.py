@@ -1,0 +1,85 @@
+"""Golden test on the embedded gemma-3-270m: tokenmill's greedy tokens equal transformers'.
+
+Both read the same GGUF; transformers dequantizes it to float32, as tokenmill does here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PLAIN = ["The capital of France is", "def fibonacci(n):\n    "]
+CHAT = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+]
+NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("gemma-3-270m", dtype="float32", max_model_len=2048, kv_cache_memory="512MiB")
+
+
+@pytest.fixture(scope="module")
+def hf(llm: LLM):
+    from transformers import AutoModelForCausalLM
+
+    path = llm.engine.config.model_config.source.path
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def _hf_greedy(hf, prompt_ids: list[int], stop_ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=stop_ids,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def test_greedy_matches_transformers(llm: LLM, hf) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+    prompts = [llm.tokenizer.encode(p) for p in PLAIN]
+    prompts += [llm.tokenizer.encode_chat(m) for m in CHAT]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stop_ids = list(llm.engine.eos_token_ids)
+    for prompt_ids, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
+        theirs = _hf_greedy(hf, prompt_ids, stop_ids)
+        # transformers keeps the stop token in its output; so does tokenmill's token_ids.
+        assert ours == theirs, f"prompt {llm.tokenizer.decode(prompt_ids)!r}"
+        assert len(ours) == NUM_TOKENS or ours[-1] in stop_ids
+    assert_all_blocks_free(llm.engine)
+
+
+def test_prompt_tokens_match_transformers_tokenizer(llm: LLM) -> None:
+    from transformers import AutoTokenizer
+
+    path = llm.engine.config.model_config.source.path
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in PLAIN:
+        assert llm.tokenizer.encode(text) == ref(text).input_ids
+
+
+def test_greedy_alone_equals_greedy_in_batch_of_16(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    others = [f"Item {i}: the quick brown fox number {i} jumps over" for i in range(15)]
+    alone = llm.generate(PLAIN[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate(others[:7] + [PLAIN[0]] + others[7:], params, use_tqdm=False)
+    assert batch[7].outputs[0].token_ids == alone
+    assert_all_blocks_free(llm.engine)

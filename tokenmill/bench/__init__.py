@@ -1,0 +1,1 @@
+"""Benchmarks run through the public engine API: latency (one user) and throughput (many)."""

@@ -1,0 +1,165 @@
+"""Command line: ``tokenmill generate | bench``.
+
+Bad input prints one line to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from tokenmill.config import DEFAULT_MODEL, EngineArgs
+
+_ENGINE_FLAG_HELP = {
+    "dtype": "weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
+    "bfloat16, float16",
+    "device": "auto, cpu or cuda[:N]",
+    "max_model_len": "context length (prompt + output); default: the model's",
+    "block_size": "tokens per KV block",
+    "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of free memory",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "seed": "seed of the sampler for requests without their own seed",
+    "num_threads": "torch intra-op threads (default: torch's choice)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, so CLI and Python API never drift apart."""
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf or HF dir")
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in ("model", "extra"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = f"{_ENGINE_FLAG_HELP.get(f.name, '')} (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        elif f.name == "kv_cache_memory":
+            parser.add_argument(flag, default=default, help=help_text)
+        else:
+            kind = type(default) if default is not None else int
+            parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    kwargs = {name: getattr(ns, name) for name in EngineArgs.field_names()}
+    kv = kwargs["kv_cache_memory"]
+    if isinstance(kv, str):
+        # A bare number is bytes or a fraction; a unit string like '2GiB' goes to parse_memory.
+        with contextlib.suppress(ValueError):
+            kwargs["kv_cache_memory"] = float(kv) if "." in kv else int(kv)
+    return EngineArgs(**kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="seed of this request's sampling (same seed, same text)",
+    )
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+
+    from tokenmill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if ns.command == "generate":
+            return _generate(ns)
+        if ns.command == "bench":
+            from tokenmill.bench.cli import run_bench
+
+            return run_bench(ns, engine_args_from(ns))
+    except ValueError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {ns.command}")
+    return 2
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from tokenmill.engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+    )
+    if not ns.prompt:
+        raise ValueError("--prompt must not be empty")
+    engine = LLMEngine(engine_args_from(ns))
+    if ns.chat:
+        messages = [{"role": "system", "content": ns.system}] if ns.system else []
+        messages.append({"role": "user", "content": ns.prompt})
+        prompt: str | list[int] = engine.tokenizer.encode_chat(messages)
+    else:
+        prompt = ns.prompt
+    start = time.monotonic()
+    engine.add_request(prompt, params)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+            last = out
+    sys.stdout.write("\n")
+    if last is not None:
+        m = last.metrics
+        n = m.num_generation_tokens
+        decode_time = (m.finished_time or start) - (m.first_token_time or start)
+        rate = (n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0
+        print(
+            f"[{m.num_prompt_tokens} prompt tokens, {n} generated, TTFT {m.ttft * 1000:.0f} ms, "
+            f"{rate:.1f} tokens/s, finish: {last.outputs[0].finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
