@@ -1,0 +1,144 @@
+"""Incremental detokenization: output token ids to text, one final piece at a time.
+
+Each step decodes a short window of ids twice, with and without the newest tokens, and emits the
+difference (vLLM's prefix_offset/read_offset scheme), so the work per token stays constant:
+
+    | ... emitted ... | prefix (context) | pending (decoded, not yet emitted) |
+                      ^ prefix_offset    ^ read_offset                        ^ len(ids)
+
+Decoding with context is what gets SentencePiece spaces right: "▁world" decodes to "world" alone
+under a decoder that strips the first space, but to " world" after "Hello".
+
+Rule: the concatenation of everything `update()` and `flush()` return equals
+`decode(prompt + output)[len(decode(prompt)):]`, provided
+- decode(prompt) is a prefix of decode(prompt + output), i.e. the prompt does not end inside a
+  UTF-8 character, and
+- no run of byte-fallback tokens in the output turns invalid after a complete character in it
+  was emitted (tokenizers renders a whole invalid run as U+FFFD; emitted text is final).
+Without `flush()`, only a held-back incomplete UTF-8 tail (at most 3 tokens) is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
+
+# Prompt tokens decoded as context before the first output token. One decodable token is enough
+# for the decoders we build (a byte run is extended separately); a few more, as in vLLM, guard
+# decoders that look further back, at no real cost.
+_NUM_CONTEXT_TOKENS = 5
+# A UTF-8 character has at most 4 bytes: more pending bytes than that never become valid.
+_MAX_PENDING_BYTES = 4
+# Drop decoded ids from the window's head past this many, so memory stays bounded.
+_COMPACT_AT = 1024
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, never emitting a partial character.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt_token_ids: the prompt; its last few tokens are decode context for the output.
+        skip_special_tokens: drop special tokens (BOS, <end_of_turn>, ...) from the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # NOTE: skipped special tokens never enter the decode window. Decoding drops them before
+        # the decoder runs, so the text is the same, and the window keeps real text as context.
+        self._skipped_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._ids = self._context_ids(prompt_token_ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
+        self._output_ids: list[int] = []
+        self._chunks: list[str] = []
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        """Appends output tokens; returns the text that became final with them (may be "")."""
+        pieces = []
+        for token_id in new_token_ids:
+            self._output_ids.append(token_id)
+            if token_id in self._skipped_ids:
+                continue
+            self._ids.append(token_id)
+            pieces.append(self._emit(force=False))
+        return self._record("".join(pieces))
+
+    def flush(self) -> str:
+        """Emits text still held back (an incomplete UTF-8 tail, as U+FFFD); call at the end."""
+        return self._record(self._emit(force=True))
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All output token ids so far (special ones included); do not mutate."""
+        return self._output_ids
+
+    def _emit(self, force: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        num_pending = len(self._ids) - self._read_offset
+        if text.endswith("\ufffd") and num_pending < _MAX_PENDING_BYTES and not force:
+            return ""  # the tail is a split UTF-8 character: wait for its remaining bytes
+        if len(text) <= len(self._prefix_text) and not force:
+            return ""  # e.g. a token with no text; keep it in the window
+        new_text = text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = None
+        if self._prefix_offset > _COMPACT_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return new_text
+
+    def _record(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _context_ids(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last few decodable tokens, not starting inside a run of byte tokens (a
+        window that cut a multi-byte character would decode its bytes as U+FFFD)."""
+        context: list[int] = []
+        idx = len(prompt_token_ids)
+        while idx > 0 and len(context) < _NUM_CONTEXT_TOKENS:
+            idx -= 1
+            if prompt_token_ids[idx] not in self._skipped_ids:
+                context.append(prompt_token_ids[idx])
+        while context and idx > 0 and self._is_byte_token(context[-1]):
+            idx -= 1
+            if prompt_token_ids[idx] not in self._skipped_ids:
+                context.append(prompt_token_ids[idx])
+        context.reverse()
+        return context
+
+    def _is_byte_token(self, token_id: int) -> bool:
+        try:
+            (token,) = self._tokenizer.convert_ids_to_tokens([token_id])
+        except ValueError:
+            return False
+        return _BYTE_TOKEN.fullmatch(token) is not None
