@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,16 @@ from tokenmill.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to enter the scheduler."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,39 +139,55 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return list(prompt)
 
+    def prepare_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> PreparedRequest:
+        """Validate and tokenize without touching engine state (safe from any thread).
+
+        Raises ValueError naming the field at fault.
+        """
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize_prompt(prompt)
+        params = self._resolve_max_tokens(params, len(prompt_ids))
+        return PreparedRequest(prompt if isinstance(prompt, str) else None, prompt_ids, params)
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PreparedRequest,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
-        params = params or SamplingParams()
-        prompt_ids = self.tokenize_prompt(prompt)
-        params = self._resolve_max_tokens(params, len(prompt_ids))
+        prepared = (
+            prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
+        )
+        params = prepared.params
         request_id = request_id or str(next(self._ids))
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seqs = []
-        for i in range(params.n):
-            seqs.append(
-                Request(
-                    req_id=request_id if i == 0 else f"{request_id}#{i}",
-                    prompt_token_ids=prompt_ids,
-                    sampling_params=_child_params(params, i),
-                    eos_token_ids=self.eos_token_ids,
-                    wait_for_req_id=request_id if i > 0 else None,
-                )
+        seqs = [
+            Request(
+                req_id=request_id if i == 0 else f"{request_id}#{i}",
+                prompt_token_ids=prepared.prompt_token_ids,
+                sampling_params=_child_params(params, i),
+                eos_token_ids=self.eos_token_ids,
+                wait_for_req_id=request_id if i > 0 else None,
             )
-        self.output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, seqs, params
-        )
+            for i in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, prepared.prompt, seqs, params)
         for req in seqs:
             self.scheduler.add_request(req, cache_salt)
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """Check params against the model (vocabulary, context) and fill max_tokens in."""
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            # NOTE: the sampler indexes logits with these (min_tokens bans them).
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad[:5]}")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(

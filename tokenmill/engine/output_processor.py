@@ -107,6 +107,9 @@ class OutputProcessor:
         if seq.finish_reason is not None:
             return
         new_text = seq.detokenizer.update(update.new_token_ids)
+        if update.finish_reason is not None:
+            # Nothing follows: emit a tail held back for more bytes (an incomplete character).
+            new_text += seq.detokenizer.flush()
         if update.logprobs is not None:
             for sampled, top in zip(update.logprobs.sampled, update.logprobs.top):
                 seq.logprobs.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenmill.engine import LLMEngine
+from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -42,10 +43,8 @@ class LLM:
                 )
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        for prompt, params in zip(prompt_list, params_list):
-            prompt_ids = self.engine.tokenize_prompt(prompt)
-            self.engine._resolve_max_tokens(params, len(prompt_ids))
-        return self._run(prompt_list, params_list, use_tqdm)
+        prepared = [self.engine.prepare_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        return self._run(prepared, use_tqdm)
 
     def chat(
         self,
@@ -65,16 +64,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
-    def _run(
-        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    def _run(self, prepared: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        ids = [self.engine.add_request(p) for p in prepared]
         finished: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm and len(prompts) > 1:
+        if use_tqdm and len(prepared) > 1:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(prompts), desc="Generating", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(prepared), desc="Generating", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

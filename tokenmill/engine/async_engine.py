@@ -1,0 +1,230 @@
+"""AsyncEngine: an LLMEngine stepped by a background thread, one asyncio stream per request.
+
+All engine state is touched by the engine thread alone. Callers validate and tokenize in their
+own thread (``LLMEngine.prepare_request`` is pure), then hand commands (add, abort) through a
+queue; outputs come back to each request's asyncio.Queue via ``call_soon_threadsafe``. A stream
+that is closed early (client gone, task cancelled) aborts its request, whose blocks are then
+free after the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the message carries the original error."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its limit (``max_queue``)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics and health checks, refreshed by the engine thread every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.stats = EngineStats(num_total_blocks=engine.num_total_blocks)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending = 0  # accepted but not yet finished requests
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self.output_hooks: list[Callable[[RequestOutput], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, max_queue: int | None = None) -> AsyncEngine:
+        return cls(LLMEngine(args), max_queue)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._num_pending
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
+        return self.engine.prepare_request(prompt, params)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | PreparedRequest,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (each carries the deltas since the last one)."""
+        prepared = (
+            prompt
+            if isinstance(prompt, PreparedRequest)
+            else self.prepare(prompt, params or SamplingParams())
+        )
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        if self._stopping:
+            raise EngineOverloadedError("the engine is shutting down")
+        with self._lock:
+            if self.max_queue is not None and self._num_pending >= self.max_queue:
+                raise EngineOverloadedError(
+                    f"too many requests in the engine ({self._num_pending}); retry later"
+                )
+            self._num_pending += 1
+        request_id = request_id or f"req-{time.monotonic_ns()}-{id(prepared)}"
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(request_id, prepared, cache_salt, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, let running requests finish for up to ``timeout`` s, abort the rest."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._num_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        while self._num_pending and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.02)
+        self._submit(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None] | None) -> None:
+        self._commands.put(command)  # type: ignore[arg-type]
+        self._wake.set()
+
+    def _add(
+        self, request_id: str, prepared: PreparedRequest, cache_salt: str | None, stream: _Stream
+    ) -> None:
+        try:
+            self.engine.add_request(prepared, request_id=request_id, cache_salt=cache_salt)
+        except ValueError as e:  # e.g. a duplicate id: the caller sees it, the loop goes on
+            self._end(request_id)
+            stream.put(e)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self._streams:
+            return
+        out = self.engine.abort_request(request_id)
+        stream = self._end(request_id)
+        if out is not None and stream is not None:
+            stream.put(out)
+
+    def _end(self, request_id: str) -> _Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            with self._lock:
+                self._num_pending -= 1
+        return stream
+
+    def _loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command is None:
+                    return
+                command()
+            if not self.engine.has_unfinished_requests():
+                self._refresh_stats()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # an engine bug: fail every request, keep the thread alive
+                logger.exception("engine step failed")
+                self._dead = e
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    stream = self._end(request_id)
+                    if stream is not None:
+                        stream.put(EngineDeadError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                for hook in self.output_hooks:
+                    hook(out)
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    self._end(out.request_id)
+                stream.put(out)
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        sched = self.engine.scheduler
+        self.stats = EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=sched.kv.usage,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.kv.num_queried_tokens,
+            prefix_cache_hits=sched.kv.num_hit_tokens,
+            num_free_blocks=sched.kv.num_free_blocks,
+            num_total_blocks=self.engine.num_total_blocks,
+        )
