@@ -30,12 +30,23 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before penalties (OpenAI semantics).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool),
+                name,
+                value,
+                "a number",
+            )
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         if self.max_tokens is not None:
             _check(
@@ -84,6 +95,14 @@ class SamplingParams:
             self.frequency_penalty,
             "[-2, 2]",
         )
+        if self.seed is not None:
+            # torch generators take 64-bit seeds; a bigger one would fail inside the step loop.
+            _check(
+                isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63,
+                "seed",
+                self.seed,
+                "an integer in [-2**63, 2**63)",
+            )
         if self.logprobs is not None:
             _check(
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
@@ -103,6 +122,21 @@ class SamplingParams:
             self.stop_token_ids,
             "a list of token ids >= 0",
         )
+        _check(
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+            "logit_bias",
+            self.logit_bias,
+            "a map from token ids >= 0 to biases",
+        )
+        _check(
+            all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0
+                for b in self.logit_bias.values()
+            ),
+            "logit_bias",
+            self.logit_bias,
+            "a map from token ids to biases in [-100, 100]",
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -115,6 +149,16 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -56,9 +56,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queried_tokens += len(tokens)
-        self.num_hit_tokens += len(hits) * self.block_size
         return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was then scheduled (retries of a request that did not
+        fit are not counted again)."""
+        if self.enable_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(
         self,

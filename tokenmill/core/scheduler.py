@@ -147,6 +147,7 @@ class Scheduler:
             block_ids = self.kv.allocate_slots(req, num_new, cached, salt)
             if block_ids is None:
                 break
+            self.kv.record_prefix_query(req.num_tokens, num_cached)
             self.waiting.popleft()
             now = time.monotonic()
             if req.first_scheduled_time is None:

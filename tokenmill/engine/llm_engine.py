@@ -176,6 +176,10 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        # Checked before any state changes: "a#1" is also the second sequence of request "a".
+        taken = [req.req_id for req in seqs if req.req_id in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         self.output_processor.add_request(request_id, prepared.prompt, seqs, params)
         for req in seqs:
             self.scheduler.add_request(req, cache_salt)
@@ -188,6 +192,9 @@ class LLMEngine:
         if bad:
             # NOTE: the sampler indexes logits with these (min_tokens bans them).
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}); got {bad[:5]}")
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Sampler: penalties, temperature, top-k / top-p / min-p, then greedy or random picks.
+"""Sampler: logit bias, penalties, temperature, top-k / top-p / min-p, then greedy or random picks.
 
 Random picks use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to drawing
 from p); a request with a seed draws its q from its own generator, so its tokens do not depend
@@ -54,6 +54,8 @@ class Sampler:
     def _apply_penalties_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
             p = row.params
+            if p.logit_bias:
+                _apply_logit_bias(logits[i], p.logit_bias)
             if p.has_penalties:
                 logits[i] = _penalize(logits[i], p, row.prompt_token_ids, row.output_token_ids)
             if len(row.output_token_ids) < p.min_tokens:
@@ -81,6 +83,17 @@ class Sampler:
         out = greedy.clone()
         out[idx] = picked
         return out.tolist()
+
+
+def _apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    """Add each bias to its token's logit in place (ids past the vocabulary are skipped)."""
+    vocab = logits.shape[0]
+    items = [(t, b) for t, b in logit_bias.items() if t < vocab]
+    if not items:
+        return
+    ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=logits.device)
+    biases = torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device)
+    logits[ids] += biases
 
 
 def _penalize(

@@ -1,0 +1,358 @@
+"""LLMEngine end to end on the tiny random Llama: batch invariance, seeds, n > 1, stop strings and
+stop tokens, abort, and bad input (ValueError naming the field; the engine keeps serving)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+
+from tokenmill.engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 128
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> LLMEngine:
+    # A small token budget, so a batch of 16 prompts is chunked and mixes prefills with decodes.
+    # NOTE: one thread: a tiny model gains nothing from more, and on a busy machine OpenMP's
+    # spinning threads make these tests several times slower.
+    return LLMEngine.from_args(
+        model=str(tiny_model_dir("llama")),
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory="8MiB",
+        max_num_batched_tokens=64,
+        num_threads=1,
+    )
+
+
+def run(engine: LLMEngine, items: list[tuple[str | list[int], SamplingParams]]) -> list:
+    """Adds every (prompt, params), steps to the end; outputs in input order."""
+    ids = [engine.add_request(prompt, params) for prompt, params in items]
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in done
+            if out.finished:
+                done[out.request_id] = out
+    assert_all_blocks_free(engine)
+    return [done[rid] for rid in ids]
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+def seeded_params(**changes) -> SamplingParams:
+    fields = dict(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True) | changes
+    return SamplingParams(**fields)
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(engine):
+    prompts = random_prompts(16, seed=0)
+    prompts[5] += list(range(60, 90))  # long enough to leave full blocks in the prefix cache
+    (alone,) = run(engine, [(prompts[5], GREEDY)])
+    assert len(alone.outputs[0].token_ids) == 12
+    assert engine.reset_prefix_cache()  # the batch computes the prompt again, chunked
+    batch = run(engine, [(p, GREEDY) for p in prompts])
+    assert batch[5].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert batch[5].outputs[0].text == alone.outputs[0].text
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) > 8  # the prompts do matter
+    # And once more on top of the prefix cache.
+    (cached,) = run(engine, [(prompts[5], GREEDY)])
+    assert cached.metrics.num_cached_tokens == 16 * ((len(prompts[5]) - 1) // 16)
+    assert cached.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_and_across_runs(engine):
+    prompts = random_prompts(6, seed=1)
+    (alone,) = run(engine, [(prompts[0], SEEDED)])
+    tokens = alone.outputs[0].token_ids
+    assert len(tokens) == 12
+    (again,) = run(engine, [(prompts[0], SEEDED)])
+    assert again.outputs[0].token_ids == tokens
+    others = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 3
+    others += [seeded_params(seed=7), GREEDY]
+    batch = run(engine, [(prompts[0], SEEDED)] + list(zip(prompts[1:], others)))
+    assert batch[0].outputs[0].token_ids == tokens
+    # A different seed gives a different sample (the model is not that sure of itself).
+    (other_seed,) = run(engine, [(prompts[0], seeded_params(seed=43))])
+    assert other_seed.outputs[0].token_ids != tokens
+
+
+def test_seeded_sampling_survives_chunking_and_preemption(engine, tiny_model_dir):
+    from tokenmill.worker.model_runner import kv_bytes_per_block
+
+    prompts = random_prompts(6, seed=5)
+    params = [seeded_params(seed=100 + i, max_tokens=16) for i in range(6)]
+    refs = run(engine, list(zip(prompts, params)))
+    config = engine.config.model_config
+    # 16 usable blocks of 8 = 128 tokens for 6 requests of up to ~56 tokens: forces preemption.
+    tight = LLMEngine.from_args(
+        model=str(tiny_model_dir("llama")),
+        max_model_len=MAX_MODEL_LEN,
+        block_size=8,
+        kv_cache_memory=kv_bytes_per_block(config, 8, torch.float32) * 17,
+        max_num_batched_tokens=20,
+        num_threads=1,
+    )
+    outs = run(tight, list(zip(prompts, params)))
+    assert tight.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == tight.scheduler.num_preemptions
+    for out, ref in zip(outs, refs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_n2_with_seed_gives_two_completions(engine):
+    prompt = random_prompts(1, seed=2)[0]
+    (out,) = run(engine, [(prompt, seeded_params(n=2))])
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(len(c.token_ids) == 12 for c in out.outputs)
+    assert all(c.finish_reason == "length" for c in out.outputs)
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+    # Completion i samples with seed + i, like a request of its own.
+    (single,) = run(engine, [(prompt, seeded_params(seed=43))])
+    assert out.outputs[1].token_ids == single.outputs[0].token_ids
+    (again,) = run(engine, [(prompt, seeded_params(n=2))])
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert out.metrics.num_generation_tokens == 24
+
+
+def find_two_token_stop(engine) -> tuple[str, list[int], str, int]:
+    """A prompt whose greedy text has a 2-character string made of two ASCII tokens, first
+    occurring after the first token. Returns (prompt, tokens, stop, index of its first token)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt in ["The quick brown fox", "hello world", "abc", "0123", "Once upon a time"]:
+        (out,) = run(engine, [(prompt, params)])
+        tokens = out.outputs[0].token_ids
+        pieces = [engine.tokenizer.decode([t]) for t in tokens]
+        for k in range(1, len(tokens) - 1):
+            a, b = pieces[k], pieces[k + 1]
+            if not (len(a) == len(b) == 1 and a.isascii() and b.isascii() and a.isprintable()):
+                continue
+            prefix = engine.tokenizer.decode(tokens[:k])
+            stop = a + b
+            if "\ufffd" not in prefix and stop not in prefix + a:
+                return prompt, tokens, stop, k
+    raise AssertionError("no greedy output with two ASCII tokens in a row")
+
+
+def test_stop_string_across_tokens_is_cut_from_the_text(engine):
+    prompt, tokens, stop, k = find_two_token_stop(engine)
+    expected_prefix = engine.tokenizer.decode(tokens[:k])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    (out,) = run(engine, [(prompt, params)])
+    c = out.outputs[0]
+    assert c.text == expected_prefix
+    assert stop not in c.text
+    assert c.finish_reason == "stop"
+    assert c.stop_reason == stop
+    assert c.token_ids == tokens[: k + 2]  # generation ends on the token completing the string
+
+    keep = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        ignore_eos=True,
+        stop=["never-there", stop],
+        include_stop_str_in_output=True,
+    )
+    (out,) = run(engine, [(prompt, keep)])
+    assert out.outputs[0].text == expected_prefix + stop
+    assert out.outputs[0].stop_reason == stop
+
+
+def test_stop_string_in_streamed_deltas(engine):
+    prompt, tokens, stop, k = find_two_token_stop(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
+    rid = engine.add_request(prompt, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            deltas.append(out.outputs[0].text_delta)
+            if not out.finished:
+                assert stop not in out.outputs[0].text
+    assert "".join(deltas) == engine.tokenizer.decode(tokens[:k])
+    assert_all_blocks_free(engine)
+
+
+def test_text_is_the_decoded_tokens_at_max_tokens(engine):
+    # The random model emits stray UTF-8 bytes: a tail held back for more bytes must still
+    # come out (as U+FFFD) once the request ends.
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for prompt in ["hello world", "The quick brown fox", "abc"]:
+        (out,) = run(engine, [(prompt, params)])
+        c = out.outputs[0]
+        assert c.text == engine.tokenizer.decode(c.token_ids)
+
+
+def test_stop_token_ids(engine):
+    prompt = random_prompts(1, seed=3)[0]
+    (ref,) = run(engine, [(prompt, GREEDY)])
+    tokens = ref.outputs[0].token_ids
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[k]])
+    (out,) = run(engine, [(prompt, params)])
+    assert out.outputs[0].token_ids == tokens[: k + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == tokens[k]
+
+
+def test_max_tokens_gives_finish_reason_length(engine):
+    (out,) = run(engine, [("hi", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))])
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 3
+    assert out.outputs[0].stop_reason is None
+    # max_tokens=None fills the context.
+    prompt = [1] + [50] * 119
+    (out,) = run(engine, [(prompt, SamplingParams(max_tokens=None, ignore_eos=True))])
+    assert len(out.outputs[0].token_ids) == MAX_MODEL_LEN - len(prompt)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_abort_mid_generation_frees_blocks_and_others_finish(engine):
+    prompts = random_prompts(3, seed=4)
+    refs = run(engine, [(p, GREEDY) for p in prompts])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(p, params if i == 1 else GREEDY) for i, p in enumerate(prompts)]
+    for _ in range(4):
+        engine.step()
+    free_before = engine.num_free_blocks
+    held = len(engine.scheduler.kv.block_ids(ids[1]))
+    assert held > 0
+    aborted = engine.abort_request(ids[1])
+    assert aborted.finished
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert 0 < len(aborted.outputs[0].token_ids) < 40
+    assert engine.num_free_blocks == free_before + held  # back at once, not at the next step
+    assert engine.scheduler.kv.block_ids(ids[1]) == []
+    assert engine.abort_request(ids[1]) is None  # already gone
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != ids[1]
+            if out.finished:
+                done[out.request_id] = out
+    for i in (0, 2):
+        assert done[ids[i]].outputs[0].token_ids == refs[i].outputs[0].token_ids
+        assert done[ids[i]].outputs[0].finish_reason == "length"
+    assert_all_blocks_free(engine)
+
+
+def test_abort_waiting_and_n2_requests(engine):
+    rid = engine.add_request("abcdef", seeded_params(n=2))
+    engine.step()  # the leader runs; its sibling waits for the leader's prompt
+    out = engine.abort_request(rid)
+    assert [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert_all_blocks_free(engine)
+    rid = engine.add_request("abcdef", GREEDY)
+    out = engine.abort_request(rid)  # never scheduled
+    assert out.outputs[0].token_ids == []
+    assert_all_blocks_free(engine)
+    engine.step()  # the worker forgets it
+    assert engine.runner.requests == {}
+
+
+def test_request_ids(engine):
+    rid = engine.add_request("abc", GREEDY, request_id="mine")
+    assert rid == "mine"
+    with pytest.raises(ValueError, match="request id 'mine'"):
+        engine.add_request("abc", GREEDY, request_id="mine")
+    run(engine, [])
+    assert_all_blocks_free(engine)
+
+
+def test_request_id_of_a_sibling_sequence_is_refused_without_harm(engine):
+    rid = engine.add_request("abc", seeded_params(n=2), request_id="grp")
+    # "grp#1" is the second sequence of "grp"; taking it must not hijack that sequence's output.
+    with pytest.raises(ValueError, match="request id 'grp#1' is already in use"):
+        engine.add_request("xyz", GREEDY, request_id="grp#1")
+    # And the other way round: a new request's second sequence would be an existing request.
+    other = engine.add_request("xyz", GREEDY, request_id="solo#1")
+    with pytest.raises(ValueError, match="request id 'solo#1' is already in use"):
+        engine.add_request("xyz", seeded_params(n=2), request_id="solo")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done) == {rid, other}
+    assert [len(c.token_ids) for c in done[rid].outputs] == [12, 12]
+    assert engine.output_processor.states == {}
+    assert_all_blocks_free(engine)
+
+
+def _bad_params(**kwargs):
+    return lambda: SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make_bad, match",
+    [
+        (lambda e: e.add_request("", GREEDY), "prompt must not be empty"),
+        (lambda e: e.add_request([], GREEDY), "prompt must not be empty"),
+        (
+            lambda e: e.add_request([1] * 100, SamplingParams(max_tokens=50)),
+            r"prompt \(100 tokens\) \+ max_tokens \(50\).*\(128\)",
+        ),
+        (lambda e: e.add_request([1] * 128, SamplingParams(max_tokens=None)), "128"),
+        (lambda e: e.add_request([1, 384], GREEDY), r"prompt token ids .*\[0, 384\).*384"),
+        (lambda e: e.add_request([1, -1], GREEDY), r"prompt token ids .*-1"),
+        (lambda e: e.add_request([1, 2.5], GREEDY), "prompt token ids"),
+        (lambda e: _bad_params(max_tokens=0)(), "max_tokens"),
+        (lambda e: _bad_params(max_tokens=-3)(), "max_tokens"),
+        (lambda e: _bad_params(temperature=-0.1)(), "temperature"),
+        (lambda e: _bad_params(top_p=0.0)(), "top_p"),
+        (lambda e: _bad_params(top_p=1.5)(), "top_p"),
+        (lambda e: _bad_params(top_k=0)(), "top_k"),
+        (lambda e: _bad_params(top_k=-2)(), "top_k"),
+        (lambda e: _bad_params(n=0)(), "n must be"),
+        (lambda e: _bad_params(min_tokens=5, max_tokens=2)(), "min_tokens"),
+        (lambda e: _bad_params(stop=[""])(), "stop"),
+        (
+            lambda e: e.add_request("abc", SamplingParams(min_tokens=2, stop_token_ids=[384])),
+            r"stop_token_ids .*384",
+        ),
+        (lambda e: e.add_request("abc", SamplingParams(seed=2**64)), "seed"),
+    ],
+)
+def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, make_bad, match):
+    with pytest.raises(ValueError, match=match):
+        make_bad(engine)
+    assert not engine.has_unfinished_requests()
+    assert engine.output_processor.states == {}
+    (out,) = run(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
+    assert out.finished and len(out.outputs[0].token_ids) >= 1
+    assert_all_blocks_free(engine)
+
+
+def test_unknown_model_and_non_gguf_file(engine, tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        LLMEngine.from_args(model=str(tmp_path / "no-such-model"))
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLMEngine.from_args(model=str(junk))
+    with pytest.raises(ValueError, match="config.json"):
+        LLMEngine.from_args(model=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown engine arguments: bogus"):
+        LLMEngine.from_args(model=str(tmp_path), bogus=1)
+    (out,) = run(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
+    assert out.finished
+
+
+def test_engine_args_beyond_the_model(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match=r"max_model_len \(1024\).*\(512\)"):
+        LLMEngine.from_args(model=path, max_model_len=1024, kv_cache_memory="8MiB")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLMEngine.from_args(model=path, max_model_len=128, kv_cache_memory=1000)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine.from_args(model=path, max_model_len=512, kv_cache_memory="64KiB")

@@ -1,0 +1,256 @@
+"""Sampler on hand-made logits (no model): greedy, truncation, statistics, seeds, penalties,
+min_tokens bans and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import Sampler, SamplingRow
+
+CPU = torch.device("cpu")
+EOS = 2
+# A small known distribution: p = [0.4, 0.3, 0.2, 0.1].
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
+LOGITS = PROBS.log()
+
+
+def row(
+    params: SamplingParams,
+    output: list[int] | None = None,
+    prompt: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> SamplingRow:
+    return SamplingRow(params, prompt or [], output or [], generator, (EOS,))
+
+
+def seeded(seed: int) -> torch.Generator:
+    g = torch.Generator(device=CPU)
+    g.manual_seed(seed)
+    return g
+
+
+def draw(params: SamplingParams, logits: torch.Tensor, num_draws: int, seed: int = 0) -> list[int]:
+    """num_draws independent picks from one distribution (one batch row per draw)."""
+    sampler = Sampler(CPU, seed=seed)
+    batch = logits.expand(num_draws, -1).clone()
+    token_ids, _ = sampler(batch, [row(params)] * num_draws)
+    return token_ids
+
+
+def frequencies(token_ids: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(token_ids), minlength=vocab).double() / len(token_ids)
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(temperature=1.0, top_k=1)] * 3
+    token_ids, logprobs = Sampler(CPU)(logits.clone(), [row(p) for p in params])
+    assert token_ids == logits.argmax(dim=-1).tolist()
+    assert logprobs == [None] * 6
+
+
+def test_greedy_rows_ignore_the_random_rows_beside_them():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_p=0.5),
+    ]
+    token_ids, _ = Sampler(CPU)(logits.clone(), [row(p) for p in params])
+    assert token_ids[0] == logits[0].argmax().item()
+    assert token_ids[2] == logits[2].argmax().item()
+
+
+@pytest.mark.parametrize(
+    "params, allowed, kept_probs",
+    [
+        (SamplingParams(top_k=2), {0, 1}, [0.4, 0.3]),
+        (SamplingParams(top_k=3), {0, 1, 2}, [0.4, 0.3, 0.2]),
+        # Exclusive cumulative mass before each token: 0, .4, .7, .9; kept while < top_p.
+        (SamplingParams(top_p=0.6), {0, 1}, [0.4, 0.3]),
+        (SamplingParams(top_p=0.3), {0}, [0.4]),
+        (SamplingParams(top_p=0.85), {0, 1, 2}, [0.4, 0.3, 0.2]),
+        # Kept while p >= min_p * max_p (0.4): thresholds 0.24 and 0.12.
+        (SamplingParams(min_p=0.6), {0, 1}, [0.4, 0.3]),
+        (SamplingParams(min_p=0.3), {0, 1, 2}, [0.4, 0.3, 0.2]),
+        (SamplingParams(top_k=3, top_p=0.6), {0, 1}, [0.4, 0.3]),
+    ],
+)
+def test_truncation_never_picks_outside_the_allowed_set(params, allowed, kept_probs):
+    num_draws = 4000
+    token_ids = draw(params, LOGITS, num_draws)
+    assert set(token_ids) == allowed  # every allowed token shows up, nothing else
+    # The kept tokens are sampled renormalized.
+    expected = torch.tensor(kept_probs, dtype=torch.float64)
+    expected /= expected.sum()
+    freqs = frequencies(token_ids, 4)[: len(kept_probs)]
+    assert torch.allclose(freqs, expected, atol=0.03), freqs
+
+
+def test_temperature_sampling_matches_the_softmax_distribution():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    temperature = 0.7
+    num_draws = 20_000
+    token_ids = draw(SamplingParams(temperature=temperature), logits, num_draws, seed=1234)
+    expected = torch.softmax(logits.double() / temperature, dim=-1)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=5).double()
+    chi2 = (((counts - num_draws * expected) ** 2) / (num_draws * expected)).sum().item()
+    # 4 degrees of freedom: P(chi2 > 18.47) = 0.001.
+    assert chi2 < 18.47, (chi2, counts / num_draws, expected)
+    # And a temperature of 2 flattens it measurably.
+    hot = frequencies(draw(SamplingParams(temperature=2.0), logits, num_draws, seed=7), 5)
+    assert torch.allclose(hot, torch.softmax(logits.double() / 2.0, dim=-1), atol=0.015)
+
+
+def test_same_seed_gives_the_same_draws_whatever_else_is_in_the_batch():
+    vocab = 64
+    torch.manual_seed(3)
+    logits_seq = [torch.randn(vocab) * 0.5 for _ in range(12)]  # flat-ish: draws vary
+    params = SamplingParams(temperature=1.0, seed=42)
+
+    def run(batch_builder) -> list[int]:
+        gen = seeded(42)
+        sampler = Sampler(CPU, seed=0)
+        picks = []
+        for step, logits in enumerate(logits_seq):
+            rows, batch, idx = batch_builder(step, logits, gen)
+            token_ids, _ = sampler(torch.stack(batch), rows)
+            picks.append(token_ids[idx])
+        return picks
+
+    def alone(step, logits, gen):
+        return [row(params, generator=gen)], [logits], 0
+
+    def crowded(step, logits, gen):
+        others = [torch.randn(vocab) for _ in range(3 + step % 3)]
+        rows = [row(SamplingParams(temperature=1.0)) for _ in others]
+        rows.insert(1, row(params, generator=gen))
+        rows.append(row(SamplingParams(temperature=0.8, seed=7), generator=seeded(7)))
+        batch = [*others[:1], logits, *others[1:], torch.randn(vocab)]
+        return rows, batch, 1
+
+    first = run(alone)
+    assert len(set(first)) > 3
+    assert run(alone) == first
+    assert run(crowded) == first
+
+
+def test_unseeded_rows_use_the_sampler_seed():
+    logits = torch.zeros(8, 100)
+    rows = [row(SamplingParams(temperature=1.0))] * 8
+    a, _ = Sampler(CPU, seed=5)(logits.clone(), rows)
+    b, _ = Sampler(CPU, seed=5)(logits.clone(), rows)
+    c, _ = Sampler(CPU, seed=6)(logits.clone(), rows)
+    assert a == b
+    assert a != c
+
+
+def penalized(params: SamplingParams, logits: torch.Tensor, prompt, output) -> torch.Tensor:
+    out = Sampler._apply_penalties_and_bans(logits.clone()[None], [row(params, output, prompt)])
+    return out[0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([2.0, -1.0, 3.0, -2.0, 0.5, 1.0])
+    out = penalized(SamplingParams(repetition_penalty=2.0), logits, prompt=[0, 1], output=[2, 3])
+    # Tokens seen in prompt or output: 0, 1, 2, 3; tokens 4, 5 unchanged.
+    assert out.tolist() == [1.0, -2.0, 1.5, -4.0, 0.5, 1.0]
+    # A penalty below 1 favours repeats instead.
+    out = penalized(SamplingParams(repetition_penalty=0.5), logits, prompt=[0], output=[3])
+    assert out.tolist() == [4.0, -1.0, 3.0, -1.0, 0.5, 1.0]
+
+
+def test_presence_and_frequency_penalties_count_only_output_tokens():
+    logits = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = penalized(params, logits, prompt=[0, 0, 4], output=[3, 3, 3, 1])
+    # logit - frequency * count - presence * (count > 0)
+    assert out.tolist() == pytest.approx([1.0, 1.0 - 0.25 - 0.5, 1.0, 1.0 - 0.75 - 0.5, 1.0])
+    negative = SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.5)
+    out = penalized(negative, logits, prompt=[], output=[2, 2])
+    assert out.tolist() == pytest.approx([1.0, 1.0, 3.0, 1.0, 1.0])
+
+
+def test_penalties_change_the_greedy_pick():
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0]])
+    plain, _ = Sampler(CPU)(logits.clone(), [row(SamplingParams(temperature=0.0), output=[1])])
+    assert plain == [1]
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    picked, _ = Sampler(CPU)(logits.clone(), [row(params, output=[1])])
+    assert picked == [2]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    picked, _ = Sampler(CPU)(logits.clone(), [row(params, prompt=[1])])
+    assert picked == [2]
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids():
+    logits = torch.tensor([0.0, 1.0, 9.0, 2.0, 8.0, 3.0])  # EOS (2) then stop id 4 are likeliest
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    sampler = Sampler(CPU)
+    for output in ([], [1]):
+        picked, _ = sampler(logits.clone()[None], [row(params, output)])
+        assert picked == [5]
+    picked, _ = sampler(logits.clone()[None], [row(params, [1, 1])])
+    assert picked == [2]
+    # ignore_eos: EOS is not banned (it does not stop anyway); stop ids still are.
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4], ignore_eos=True)
+    picked, _ = sampler(logits.clone()[None], [row(params)])
+    assert picked == [2]
+    banned = penalized(SamplingParams(min_tokens=1, stop_token_ids=[4]), logits, [], [])
+    assert banned[2] == banned[4] == float("-inf")
+    assert torch.isfinite(banned[[0, 1, 3, 5]]).all()
+    # Random sampling never picks a banned token either.
+    params = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[4])
+    flat = torch.zeros(6)
+    flat[[2, 4]] = 5.0
+    assert not {2, 4} & set(draw(params, flat, 2000))
+
+
+def test_logprobs_are_those_of_the_raw_logits():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 40)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, logprobs=0, seed=1),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [
+        row(params[0], prompt=list(range(10))),
+        row(params[1], generator=seeded(1)),
+        row(params[2]),
+    ]
+    token_ids, logprobs = Sampler(CPU)(logits.clone(), rows)
+    ref = torch.log_softmax(logits, dim=-1)
+    for i in (0, 1):
+        lp = logprobs[i]
+        (sampled,) = lp.sampled
+        assert sampled.token_id == token_ids[i]
+        assert sampled.logprob == pytest.approx(ref[i, token_ids[i]].item(), abs=1e-6)
+        assert sampled.rank == int((ref[i] > ref[i, token_ids[i]]).sum()) + 1
+    assert logprobs[1].top == [[]]  # logprobs=0: the sampled token only
+    (top,) = logprobs[0].top
+    assert [t.rank for t in top] == [1, 2, 3, 4, 5]
+    values, ids = ref[0].sort(descending=True)
+    assert [t.token_id for t in top] == ids[:5].tolist()
+    assert [t.logprob for t in top] == pytest.approx(values[:5].tolist(), abs=1e-6)
+    assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:]))
+    assert logprobs[2] is None
+
+
+def test_logprob_rank_of_an_unlikely_pick():
+    # A penalty moves the greedy pick to the raw logits' third token; rank and logprob stay raw.
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])
+    params = SamplingParams(temperature=0.0, logprobs=2, frequency_penalty=2.0)
+    token_ids, logprobs = Sampler(CPU)(logits.clone(), [row(params, output=[0, 0, 0, 1, 1])])
+    assert token_ids == [2]
+    (sampled,) = logprobs[0].sampled
+    assert sampled.rank == 3
+    assert sampled.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item(), abs=1e-6)
+    assert math.isfinite(sampled.logprob)
