@@ -1,4 +1,4 @@
-"""Command line: ``tokenmill generate | bench``.
+"""Command line: ``tokenmill serve | generate | bench``.
 
 Bad input prints one line to stderr and exits with status 2.
 """
@@ -61,10 +61,85 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**kwargs)
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tokenmill serve`` beyond the engine's (see ServerConfig)."""
+    from tokenmill.server.config import ServerConfig
+
+    d = ServerConfig(served_model_name="-")
+    parser.add_argument("--host", default=d.host, help=f"address to bind (default: {d.host})")
+    parser.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port})")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="accepted API key (repeatable); without one, no key is needed",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: MODEL)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="requests that may wait beyond --max-num-seqs running ones; more get 429 "
+        f"(default: {d.max_queue}; -1: no limit)",
+    )
+    parser.add_argument(
+        "--max-n", type=int, default=d.max_n, help=f"largest n (default: {d.max_n})"
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=d.max_tokens,
+        help="largest max_tokens a request may ask for (default: the context length)",
+    )
+    parser.add_argument(
+        "--max-stop",
+        type=int,
+        default=d.max_stop,
+        help=f"most stop strings (default: {d.max_stop})",
+    )
+    parser.add_argument(
+        "--max-prompts",
+        type=int,
+        default=d.max_prompts,
+        help=f"most prompts in one /v1/completions request (default: {d.max_prompts})",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help=f"larger request bodies get 413 (default: {d.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted "
+        f"(default: {d.shutdown_timeout:g})",
+    )
+    parser.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=d.log_stats_interval,
+        help=f"seconds between throughput log lines, 0: none (default: {d.log_stats_interval:g})",
+    )
+    parser.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
+        help="log every HTTP request",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument(
+        "--log-level", default=None, help="logging level (default: INFO for serve, else WARNING)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics)")
+    add_engine_args(serve)
+    add_server_args(serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
@@ -95,11 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    log_level = ns.log_level or ("INFO" if ns.command == "serve" else "WARNING")
     logging.basicConfig(
-        level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
+        level=getattr(logging, str(log_level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if ns.command == "serve":
+            return _serve(ns, str(log_level).lower())
         if ns.command == "generate":
             return _generate(ns)
         if ns.command == "bench":
@@ -113,6 +191,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     parser.error(f"unknown command {ns.command}")
     return 2
+
+
+def _serve(ns: argparse.Namespace, log_level: str) -> int:
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.launcher import run_server
+
+    engine_args = engine_args_from(ns)
+    config = ServerConfig(
+        served_model_name=ns.served_model_name or ns.model,
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(ns.api_key),
+        max_queue=None if ns.max_queue is not None and ns.max_queue < 0 else ns.max_queue,
+        max_n=ns.max_n,
+        max_tokens=ns.max_tokens_limit,
+        max_stop=ns.max_stop,
+        max_prompts=ns.max_prompts,
+        max_body_bytes=ns.max_body_bytes,
+        shutdown_timeout=ns.shutdown_timeout,
+        log_stats_interval=ns.log_stats_interval,
+        access_log=ns.access_log,
+    )
+    return run_server(engine_args, config, log_level)
 
 
 def _generate(ns: argparse.Namespace) -> int:

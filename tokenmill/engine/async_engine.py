@@ -10,6 +10,7 @@ free after the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -53,7 +54,10 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        # NOTE: the caller's loop may be closed already (asyncio.run returned after cancelling
+        # the stream); nobody listens then, and the engine thread must not die of it.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncEngine:
@@ -190,7 +194,10 @@ class AsyncEngine:
                     break
                 if command is None:
                     return
-                command()
+                try:
+                    command()
+                except Exception:  # a failed add/abort must not take the step loop down
+                    logger.exception("engine command failed")
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats()
                 continue

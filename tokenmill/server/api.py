@@ -1,0 +1,170 @@
+"""The FastAPI app: routes, body limits, lifespan (background model load, stats log, drain).
+
+Routes:
+    POST /v1/completions, POST /v1/chat/completions      OpenAI, streamed (SSE) or not
+    GET  /v1/models, GET /v1/models/{model}
+    POST /tokenize, POST /detokenize                      vLLM-compatible helpers
+    GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
+    GET  /metrics       Prometheus text format
+    GET  /version
+
+Bodies are read here, capped at ``max_body_bytes`` (413), and parsed strictly by the protocol
+models (400 naming the field); FastAPI's own body parsing (422) is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.auth import APIKeyMiddleware
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import APIError, from_validation_error, install_error_handlers
+from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tokenmill.server.serving import OpenAIServing
+from tokenmill.server.state import ServerState, ServerStatus
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> FastAPI:
+    """An app that loads its engine with ``load_engine`` (in a thread) once it starts.
+
+    ``app.state.tokenmill`` is the ServerState (status, engine, drain); ``app.state.metrics``
+    the ServerMetrics with the app's own registry.
+    """
+    state = ServerState(config, load_engine)
+    metrics = ServerMetrics(config.served_model_name, state.stats)
+    serving = OpenAIServing(state, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        logger.info(
+            "serving %r at http://%s:%d/v1 (health: /health, metrics: /metrics)",
+            config.served_model_name,
+            config.host,
+            config.port,
+        )
+        stats_task = None
+        if config.log_stats_interval > 0:
+            stats_task = asyncio.create_task(
+                log_stats_periodically(metrics, state.stats, config.log_stats_interval)
+            )
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            await state.begin_drain(config.shutdown_timeout)
+
+    from tokenmill import __version__
+
+    app = FastAPI(
+        title="tokenmill",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.tokenmill = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+
+    async def read_body(request: Request, model: type[M]) -> M:
+        state.require_engine()  # 503 before reading a body that cannot be served
+        return await _read_json(request, model, config.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.status is ServerStatus.READY:
+            if state.engine is not None and state.engine.is_dead:
+                return JSONResponse({"status": "engine_failed"}, status_code=503)
+            return JSONResponse({"status": "ok"})
+        body: dict[str, str] = {"status": state.status.value}
+        if state.load_error is not None:
+            body["error"] = str(state.load_error)
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(serving.models().model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        return JSONResponse(serving.model(model_id).model_dump(mode="json"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await read_body(request, CompletionRequest)
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request, ChatCompletionRequest)
+        return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, TokenizeRequest)
+        return JSONResponse((await serving.tokenize(body)).model_dump(mode="json"))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await read_body(request, DetokenizeRequest)
+        return JSONResponse((await serving.detokenize(body)).model_dump(mode="json"))
+
+    return app
+
+
+async def _read_json(request: Request, model: type[M], max_bytes: int) -> M:
+    """Read at most ``max_bytes`` of body (413 beyond) and parse it strictly (400)."""
+    too_large = APIError(
+        413,
+        f"the request body is larger than the limit of {max_bytes} bytes",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    body = b"".join(parts)
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_type")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

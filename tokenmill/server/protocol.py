@@ -1,0 +1,468 @@
+"""OpenAI request and response types, and the checks that turn a request into SamplingParams.
+
+Requests are parsed strictly: JSON types must match (no "2" for 2), NaN and Infinity are
+refused, and an unknown top-level field is a 400 that names it. OpenAI fields that tokenmill
+cannot honour (tools, response_format other than text, ...) are refused unless null, never
+ignored. Ranges are checked here with messages that name the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.config import ServerConfig
+from tokenmill.server.errors import bad_request, from_value_error
+
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    # OpenAI fields tokenmill does not implement: refused unless absent, null, or the value
+    # listed here (which means "off").
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def check_unsupported(self) -> None:
+        for name, allowed in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise bad_request(
+                    f"'{name}' is not supported by tokenmill; remove it from the request",
+                    param=name,
+                    code="unsupported",
+                )
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # Extensions, with vLLM's names.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_common(self) -> None:
+        self.check_unsupported()
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request(
+                "'response_format' is not supported yet: tokenmill has no structured output, "
+                "so JSON mode and JSON schemas cannot be enforced; remove response_format",
+                param="response_format",
+                code="unsupported",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "'stream_options' is only allowed with stream: true", param="stream_options"
+            )
+
+    def sampling_params(
+        self,
+        limits: ServerConfig,
+        max_model_len: int,
+        *,
+        max_tokens: int | None,
+        max_tokens_name: str,
+        logprobs: int | None,
+        logprobs_name: str,
+    ) -> SamplingParams:
+        """Checked SamplingParams; raises APIError (400) naming the request field at fault."""
+        cap = min(limits.max_tokens or max_model_len, max_model_len)
+        _check_range("n", self.n, 1, limits.max_n)
+        if max_tokens is not None:
+            _check_range(max_tokens_name, max_tokens, 1, cap)
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise bad_request(f"top_p must be in (0, 1]; got {self.top_p}", param="top_p")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range(logprobs_name, logprobs, 0, MAX_LOGPROBS)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > limits.max_stop:
+            raise bad_request(
+                f"stop has {len(stop)} strings; at most {limits.max_stop} are allowed",
+                param="stop",
+            )
+        try:
+            return SamplingParams(
+                n=self.n,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                logit_bias=_logit_bias(self.logit_bias),
+            )
+        except ValueError as e:
+            raise from_value_error(
+                e, renames={"max_tokens": max_tokens_name, "logprobs": logprobs_name}
+            ) from None
+
+
+def _check_range(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        raise bad_request(f"{name} must be in [{low}, {high}]; got {value}", param=name)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise bad_request(
+                f"logit_bias keys must be token ids (integers >= 0 as strings); got {key!r}",
+                param="logit_bias",
+            )
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100]; got {value} for token {key}",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": ()}
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self, limits: ServerConfig) -> None:
+        self.check_common()
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(
+                f"best_of must equal n ({self.n}) when given; got {self.best_of}",
+                param="best_of",
+            )
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo with logprobs is not supported (prompt logprobs are not computed)",
+                param="echo",
+                code="unsupported",
+            )
+        prompts = self.prompts()
+        if not prompts:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if len(prompts) > limits.max_prompts:
+            raise bad_request(
+                f"prompt holds {len(prompts)} prompts; at most {limits.max_prompts} are allowed",
+                param="prompt",
+            )
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, limits: ServerConfig, max_model_len: int) -> SamplingParams:
+        return self.sampling_params(
+            limits,
+            max_model_len,
+            max_tokens=self.max_tokens,
+            max_tokens_name="max_tokens",
+            logprobs=self.logprobs,
+            logprobs_name="logprobs",
+        )
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        # OpenAI's "developer" role is the system role of newer models.
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": (),
+        "tool_choice": ("none",),
+        "functions": (),
+        "function_call": ("none",),
+        "parallel_tool_calls": (True, False),
+        "audio": (),
+        "modalities": (["text"],),
+        "prediction": (),
+        "reasoning_effort": (),
+        "web_search_options": (),
+        "store": (False,),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    metadata: dict[str, str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.chat_template is not None:
+            raise bad_request(
+                "'chat_template' in a request is refused: the server renders the model's own "
+                "chat template",
+                param="chat_template",
+                code="unsupported",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise bad_request(
+                "give max_completion_tokens or max_tokens, not both with different values",
+                param="max_completion_tokens",
+            )
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
+
+    def to_sampling_params(self, limits: ServerConfig, max_model_len: int) -> SamplingParams:
+        if self.max_completion_tokens is not None:
+            max_tokens, name = self.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, name = self.max_tokens, "max_tokens"
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(
+            limits,
+            max_model_len,
+            max_tokens=max_tokens,
+            max_tokens_name=name,
+            logprobs=logprobs,
+            logprobs_name="top_logprobs",
+        )
+
+    @property
+    def max_tokens_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+# ---- /tokenize, /detokenize ---------------------------------------------------------------
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(BaseModel):
+    """tokenmill's own timings (OpenAI clients ignore the field)."""
+
+    queue_time_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    cached_prompt_tokens: int = 0
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    timings: Timings
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    timings: Timings | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    timings: Timings
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    timings: Timings | None = None

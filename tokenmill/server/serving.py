@@ -1,0 +1,660 @@
+"""The OpenAI endpoints' logic: request -> engine streams -> JSON response or SSE chunks.
+
+One HTTP request becomes one engine request per prompt (each with ``n`` completions). Every
+path that ends a request early closes its engine streams, which aborts them in the engine:
+a client that disconnects (streamed or not), an error in a sibling stream, or a shutdown.
+
+SSE:  data: {chunk}  ...  [data: {usage chunk}]  data: [DONE]
+      chat: a role chunk per choice, content chunks, a finish chunk per choice (empty delta).
+      An error after the stream started is sent as ``data: {"error": {...}}`` before [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from tokenmill.engine.llm_engine import PreparedRequest
+from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, bad_request, from_value_error
+from tokenmill.server.metrics import RequestTracker, ServerMetrics
+from tokenmill.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    Timings,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+)
+from tokenmill.server.state import ServerState, ServerStatus, Ticket
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_DONE = "data: [DONE]\n\n"
+
+
+class _Aborted(Exception):
+    """The engine aborted a request the client still waits for (shutdown deadline)."""
+
+
+@dataclass
+class _Run:
+    """One HTTP request's engine requests (one per prompt) and their bookkeeping."""
+
+    request_id: str
+    created: int
+    model: str
+    prepared: list[PreparedRequest]
+    streams: list[AsyncIterator[RequestOutput]]
+    trackers: list[RequestTracker]
+    ticket: Ticket
+    finals: list[RequestOutput | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.finals = [None] * len(self.prepared)
+
+    @property
+    def n(self) -> int:
+        return self.prepared[0].params.n
+
+    def record(self, prompt_idx: int, out: RequestOutput) -> None:
+        self.trackers[prompt_idx].observe(out)
+        self.finals[prompt_idx] = out
+        if any(c.finish_reason == "abort" for c in out.outputs):
+            raise _Aborted()
+
+    def close(self) -> None:
+        self.ticket.release()
+        for tracker in self.trackers:
+            tracker.finish("abort")  # a no-op for requests that finished
+
+
+class OpenAIServing:
+    def __init__(self, state: ServerState, metrics: ServerMetrics) -> None:
+        self.state = state
+        self.config = state.config
+        self.metrics = metrics
+
+    # ---- small endpoints ------------------------------------------------------------------
+
+    def models(self) -> ModelList:
+        engine = self.state.require_engine()
+        return ModelList(data=[self._model_card(engine)])
+
+    def model(self, model_id: str) -> ModelCard:
+        engine = self.state.require_engine()
+        self._check_model(model_id)
+        return self._model_card(engine)
+
+    def _model_card(self, engine: AsyncEngine) -> ModelCard:
+        return ModelCard(
+            id=self.config.served_model_name, max_model_len=engine.engine.max_model_len
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves "
+                f"'{self.config.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        engine = self.state.require_engine()
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+        tokenizer = engine.tokenizer
+        try:
+            if body.prompt is not None:
+                ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                messages = [m.as_dict() for m in body.messages or []]
+                ids = tokenizer.encode_chat(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+        return TokenizeResponse(
+            tokens=ids, count=len(ids), max_model_len=engine.engine.max_model_len
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        engine = self.state.require_engine()
+        self._check_model(body.model)
+        vocab = engine.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens must be token ids in [0, {vocab}); got {bad[:5]}", "tokens")
+        text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
+
+    # ---- /v1/completions ------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        engine = self.state.require_engine()
+        self._check_model(body.model)
+        body.check(self.config)
+        params = body.to_sampling_params(self.config, engine.engine.max_model_len)
+        prompts = body.prompts()
+        prepared = await asyncio.to_thread(_prepare_all, engine, prompts, params, {}, "prompt")
+        run = self._start(engine, "cmpl", prepared)
+        chunks = _CompletionChunks(run, body, engine)
+        if body.stream:
+            return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
+        try:
+            finals = await _unless_disconnected(raw, self._collect(run))
+        finally:
+            run.close()  # also when the collecting task was cancelled before it started
+        if finals is None:
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(chunks.response(finals).model_dump(mode="json"))
+
+    # ---- /v1/chat/completions -------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        engine = self.state.require_engine()
+        self._check_model(body.model)
+        body.check()
+        params = body.to_sampling_params(self.config, engine.engine.max_model_len)
+        messages = body.message_dicts()
+
+        def prepare() -> list[PreparedRequest]:
+            try:
+                ids = engine.tokenizer.encode_chat(messages, body.add_generation_prompt)
+            except ValueError as e:
+                raise bad_request(str(e), param="messages") from None
+            renames = {"max_tokens": body.max_tokens_name, "logprobs": "top_logprobs"}
+            return _prepare_all(engine, [ids], params, renames, "messages")
+
+        prepared = await asyncio.to_thread(prepare)
+        run = self._start(engine, "chatcmpl", prepared)
+        chunks = _ChatChunks(run, body)
+        if body.stream:
+            return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
+        try:
+            finals = await _unless_disconnected(raw, self._collect(run))
+        finally:
+            run.close()  # also when the collecting task was cancelled before it started
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(chunks.response(finals).model_dump(mode="json"))
+
+    # ---- running --------------------------------------------------------------------------
+
+    def _start(self, engine: AsyncEngine, prefix: str, prepared: list[PreparedRequest]) -> _Run:
+        ticket = self.state.admit(len(prepared))  # 429 / 503 before any engine work
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams = [
+            engine.generate(p, request_id=request_id if len(prepared) == 1 else f"{request_id}-{i}")
+            for i, p in enumerate(prepared)
+        ]
+        trackers = [self.metrics.track() for _ in prepared]
+        return _Run(
+            request_id, int(time.time()), self.config.served_model_name, prepared, streams,
+            trackers, ticket,
+        )  # fmt: skip
+
+    async def _collect(self, run: _Run) -> list[RequestOutput]:
+        try:
+            async with contextlib.aclosing(_merge(run.streams)) as events:
+                async for prompt_idx, out in events:
+                    run.record(prompt_idx, out)
+        except _Aborted:
+            raise APIError(
+                503, "the request was aborted: the server is shutting down", code="aborted"
+            ) from None
+        except Exception as e:
+            raise self._engine_error(e) from None
+        finally:
+            run.close()
+        return [out for out in run.finals if out is not None]
+
+    async def _sse(
+        self, run: _Run, chunks: _CompletionChunks | _ChatChunks, include_usage: bool
+    ) -> AsyncIterator[str]:
+        try:
+            for event in chunks.start():
+                yield event
+            try:
+                async with contextlib.aclosing(_merge(run.streams)) as events:
+                    async for prompt_idx, out in events:
+                        aborted = False
+                        try:
+                            run.record(prompt_idx, out)
+                        except _Aborted:
+                            aborted = True
+                        for event in chunks.output(prompt_idx, out):
+                            yield event
+                        if aborted:
+                            raise _Aborted()
+                if include_usage:
+                    yield chunks.usage([o for o in run.finals if o is not None])
+            except _Aborted:
+                yield _sse_error(
+                    APIError(503, "the request was aborted: the server is shutting down",
+                             code="aborted")
+                )  # fmt: skip
+            except Exception as e:
+                yield _sse_error(self._engine_error(e))
+            yield _DONE
+        finally:
+            run.close()
+
+    def _engine_error(self, error: Exception) -> APIError:
+        if isinstance(error, APIError):
+            return error
+        if isinstance(error, EngineOverloadedError):
+            if self.state.status is not ServerStatus.READY:
+                return APIError(503, "the server is shutting down", code="shutting_down")
+            return APIError(429, str(error), code="queue_full", headers={"Retry-After": "1"})
+        if isinstance(error, EngineDeadError):
+            logger.error("engine failure: %s", error)
+            return APIError(500, str(error), code="engine_error")
+        logger.exception("unexpected error while generating", exc_info=error)
+        return APIError(
+            500, f"internal server error: {type(error).__name__}", code="internal_error"
+        )
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+
+def _prepare_all(
+    engine: AsyncEngine,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    renames: dict[str, str],
+    prompt_param: str,
+) -> list[PreparedRequest]:
+    """Validate and tokenize every prompt (in a worker thread) before any reaches the engine."""
+    prepared = []
+    for prompt in prompts:
+        try:
+            prepared.append(engine.prepare(prompt, params))
+        except ValueError as e:
+            raise from_value_error(e, renames, prompt_param=prompt_param) from None
+    return prepared
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine streams as they come, tagged with the stream's index.
+
+    Closing this generator closes every stream (each aborts its request if unfinished).
+    """
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(idx: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as s:  # type: ignore[type-var]
+                async for out in s:
+                    queue.put_nowait((idx, out))
+            queue.put_nowait((idx, None))
+        except Exception as e:
+            queue.put_nowait((idx, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            idx, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield idx, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; if the client disconnects first, cancel it (aborting its engine
+    requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        logger.info("client disconnected; request aborted")
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    # The body has been read, so the next message can only be the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE StreamingResponse that always closes its event generator and then calls
+    ``on_close``: a stream abandoned while a chunk was being sent aborts its engine requests
+    at once, and one never started still releases its admission."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self._on_close()
+
+
+def _sse_error(error: APIError) -> str:
+    return f"data: {JSONResponse(error.body()).body.decode()}\n\n"
+
+
+def _usage(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def _timings(finals: list[RequestOutput]) -> Timings:
+    ms = [o.metrics for o in finals]
+    ttfts = [m.ttft for m in ms if m.ttft is not None]
+    e2es = [m.e2e_latency for m in ms if m.e2e_latency is not None]
+    queues = [m.queue_time for m in ms if m.queue_time is not None]
+    firsts = [m.first_token_time for m in ms if m.first_token_time is not None]
+    ends = [m.finished_time for m in ms if m.finished_time is not None]
+    num_seqs = sum(len(o.outputs) for o in finals)
+    num_decoded = sum(m.num_generation_tokens for m in ms) - num_seqs
+    rate = None
+    if firsts and ends and max(ends) > min(firsts) and num_decoded > 0:
+        rate = round(num_decoded / (max(ends) - min(firsts)), 2)
+    return Timings(
+        queue_time_s=round(max(queues), 6) if queues else None,
+        ttft_s=round(min(ttfts), 6) if ttfts else None,
+        e2e_s=round(max(e2es), 6) if e2es else None,
+        decode_tokens_per_s=rate,
+        cached_prompt_tokens=sum(m.num_cached_tokens for m in ms),
+    )
+
+
+def _token_bytes(token: str) -> list[int] | None:
+    # A token that is part of a multi-byte character decodes to U+FFFD alone; its own bytes
+    # are not known here, so OpenAI's "no bytes representation" (null) is sent.
+    return None if "\ufffd" in token else list(token.encode("utf-8"))
+
+
+def _chat_logprobs(positions: list[PositionLogprobs]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=p.sampled.token,
+                logprob=p.sampled.logprob,
+                bytes=_token_bytes(p.sampled.token),
+                top_logprobs=[
+                    ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=_token_bytes(t.token))
+                    for t in p.top
+                ],
+            )
+            for p in positions
+        ]
+    )
+
+
+def _completion_logprobs(
+    positions: list[PositionLogprobs], offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """OpenAI's legacy shape; ``offset`` is the text offset of the first token. Each
+    top_logprobs entry also holds the sampled token (as vLLM does)."""
+    lp = CompletionLogprobs()
+    for p in positions:
+        lp.tokens.append(p.sampled.token)
+        lp.token_logprobs.append(p.sampled.logprob)
+        top: dict[str, float] = {}
+        for t in (*p.top, p.sampled):  # NOTE: distinct tokens may share a text; keep the best
+            top.setdefault(t.token, t.logprob)
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(p.sampled.token)
+    return lp, offset
+
+
+class _ChatChunks:
+    """Chat completion chunks and the final response of one run (one prompt, n choices)."""
+
+    def __init__(self, run: _Run, body: ChatCompletionRequest) -> None:
+        self.run = run
+        self.logprobs = body.logprobs
+        self.include_usage = body.include_usage
+        self._num_sent_logprobs = [0] * run.n
+        self._finished: set[int] = set()
+
+    def _chunk(self, choice: ChatChunkChoice) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.run.request_id, created=self.run.created, model=self.run.model, choices=[choice]
+        )
+        exclude = {"timings"} if self.include_usage else {"timings", "usage"}
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+    def start(self) -> Iterator[str]:
+        for idx in range(self.run.n):
+            yield self._chunk(
+                ChatChunkChoice(index=idx, delta={"role": "assistant", "content": ""})
+            )
+
+    def output(self, prompt_idx: int, out: RequestOutput) -> Iterator[str]:
+        for c in out.outputs:
+            idx = c.index
+            new = _new_logprobs(c, self._num_sent_logprobs, idx)
+            if c.text_delta or new:
+                yield self._chunk(
+                    ChatChunkChoice(
+                        index=idx,
+                        delta={"content": c.text_delta},
+                        logprobs=_chat_logprobs(new) if self.logprobs else None,
+                    )
+                )
+            finished = c.finish_reason is not None and c.finish_reason != "abort"
+            if finished and idx not in self._finished:
+                self._finished.add(idx)
+                yield self._chunk(
+                    ChatChunkChoice(
+                        index=idx,
+                        delta={},
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+
+    def usage(self, finals: list[RequestOutput]) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.run.request_id,
+            created=self.run.created,
+            model=self.run.model,
+            choices=[],
+            usage=_usage(finals),
+            timings=_timings(finals),
+        )
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=_chat_logprobs(c.logprobs or []) if self.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in finals[0].outputs
+        ]
+        return ChatCompletionResponse(
+            id=self.run.request_id,
+            created=self.run.created,
+            model=self.run.model,
+            choices=choices,
+            usage=_usage(finals),
+            timings=_timings(finals),
+        )
+
+
+class _CompletionChunks:
+    """Text completion chunks and the final response (one or more prompts, n choices each)."""
+
+    def __init__(self, run: _Run, body: CompletionRequest, engine: AsyncEngine) -> None:
+        self.run = run
+        self.logprobs = body.logprobs is not None
+        self.include_usage = body.include_usage
+        self.echo_texts = (
+            [_prompt_text(engine, p) for p in run.prepared]
+            if body.echo
+            else [""] * len(run.prepared)
+        )
+        num_choices = run.n * len(run.prepared)
+        self._num_sent_logprobs = [0] * num_choices
+        self._text_offsets = [len(self.echo_texts[i // run.n]) for i in range(num_choices)]
+        self._finished: set[int] = set()
+
+    def _chunk(self, choice: CompletionChoice) -> str:
+        chunk = CompletionChunk(
+            id=self.run.request_id, created=self.run.created, model=self.run.model, choices=[choice]
+        )
+        exclude = {"timings"} if self.include_usage else {"timings", "usage"}
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+    def start(self) -> Iterator[str]:
+        for prompt_idx, text in enumerate(self.echo_texts):
+            if text:
+                for i in range(self.run.n):
+                    yield self._chunk(
+                        CompletionChoice(index=prompt_idx * self.run.n + i, text=text)
+                    )
+
+    def output(self, prompt_idx: int, out: RequestOutput) -> Iterator[str]:
+        for c in out.outputs:
+            idx = prompt_idx * self.run.n + c.index
+            new = _new_logprobs(c, self._num_sent_logprobs, idx)
+            finished = c.finish_reason is not None and c.finish_reason != "abort"
+            if finished and idx in self._finished:
+                continue
+            if not (c.text_delta or new or finished):
+                continue
+            logprobs = None
+            if self.logprobs:
+                logprobs, self._text_offsets[idx] = _completion_logprobs(
+                    new, self._text_offsets[idx]
+                )
+            if finished:
+                self._finished.add(idx)
+            yield self._chunk(
+                CompletionChoice(
+                    index=idx,
+                    text=c.text_delta,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason if finished else None,
+                    stop_reason=c.stop_reason if finished else None,
+                )
+            )
+
+    def usage(self, finals: list[RequestOutput]) -> str:
+        chunk = CompletionChunk(
+            id=self.run.request_id,
+            created=self.run.created,
+            model=self.run.model,
+            choices=[],
+            usage=_usage(finals),
+            timings=_timings(finals),
+        )
+        return f"data: {chunk.model_dump_json()}\n\n"
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for prompt_idx, out in enumerate(finals):
+            echo = self.echo_texts[prompt_idx]
+            for c in out.outputs:
+                logprobs = None
+                if self.logprobs:
+                    logprobs, _ = _completion_logprobs(c.logprobs or [], len(echo))
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_idx * self.run.n + c.index,
+                        text=echo + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        return CompletionResponse(
+            id=self.run.request_id,
+            created=self.run.created,
+            model=self.run.model,
+            choices=choices,
+            usage=_usage(finals),
+            timings=_timings(finals),
+        )
+
+
+def _new_logprobs(c: CompletionOutput, num_sent: list[int], idx: int) -> list[PositionLogprobs]:
+    if not c.logprobs:
+        return []
+    new = c.logprobs[num_sent[idx] :]
+    num_sent[idx] = len(c.logprobs)
+    return new
+
+
+def _prompt_text(engine: AsyncEngine, prepared: PreparedRequest) -> str:
+    if prepared.prompt is not None:
+        return prepared.prompt
+    return engine.tokenizer.decode(prepared.prompt_token_ids)
