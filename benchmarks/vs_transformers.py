@@ -30,7 +30,7 @@ def tokenmill_runs(args: argparse.Namespace) -> dict:
         )
     )
     vocab = engine.config.model_config.vocab_size
-    out: dict = {}
+    out: dict = {"vocab_size": vocab}
 
     def run(prompts, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -106,7 +106,7 @@ def main() -> None:
     print("tokenmill", json.dumps(tm), flush=True)
     if args.skip_hf:
         return
-    hf = transformers_runs(args, vocab=262144)
+    hf = transformers_runs(args, vocab=tm["vocab_size"])
     print("transformers", json.dumps(hf), flush=True)
     print(
         f"ratios tokenmill/transformers: batch-1 decode {tm['a_decode_tok_s'] / hf['a_decode_tok_s']:.2f}x, "

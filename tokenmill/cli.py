@@ -49,6 +49,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else int
             parser.add_argument(flag, type=kind, default=default, help=help_text)
+        if f.name == "enable_prefix_caching":  # the short spelling vLLM users know
+            parser.add_argument(
+                "--no-prefix-caching",
+                dest="enable_prefix_caching",
+                action="store_false",
+                help="same as --no-enable-prefix-caching",
+            )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

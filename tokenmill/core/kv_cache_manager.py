@@ -8,6 +8,11 @@ Block layout of one request (block_size = 4 here)::
 
 Full blocks are hashed (chained, see block_pool) as soon as their tokens are scheduled; the engine
 runs steps synchronously, so by the next lookup their KV is written.
+
+Sliding-window layers (Gemma 3's local layers, Mistral): a block holds the K/V of *every* layer
+for its tokens, local layers included, and local layers merely mask keys outside their window.
+So a cached block serves local and global layers alike, and a prefix hit skips all layers for
+those tokens. The price is memory: blocks that have left every window are still kept.
 """
 
 from __future__ import annotations

@@ -136,6 +136,19 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefix blocks; False while requests still hold blocks."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+
+        def reset() -> None:
+            ok = self.engine.reset_prefix_cache()
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(done.set_result, ok)
+
+        self._submit(reset)
+        return await done
+
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort(request_id))
 

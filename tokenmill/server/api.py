@@ -4,6 +4,7 @@ Routes:
     POST /v1/completions, POST /v1/chat/completions      OpenAI, streamed (SSE) or not
     GET  /v1/models, GET /v1/models/{model}
     POST /tokenize, POST /detokenize                      vLLM-compatible helpers
+    POST /reset_prefix_cache   admin (only with --api-key): forget cached prefix blocks
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
     GET  /metrics       Prometheus text format
     GET  /version
@@ -130,6 +131,16 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest)
         return await serving.chat(body, request)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        # Admin-only: it exists only when API keys guard the server (the middleware checked it).
+        if not config.api_keys:
+            raise APIError(
+                404, "/reset_prefix_cache is enabled only with --api-key", code="not_found"
+            )
+        engine = state.require_engine()
+        return JSONResponse({"reset": await engine.reset_prefix_cache()})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

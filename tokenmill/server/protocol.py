@@ -67,6 +67,8 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation: requests share cached blocks only with the same salt (vLLM's name).
+    cache_salt: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -345,10 +347,15 @@ class DetokenizeResponse(BaseModel):
 # ---- responses ----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Timings(BaseModel):

@@ -49,6 +49,7 @@ from tokenmill.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Timings,
     TokenizeRequest,
     TokenizeResponse,
@@ -167,7 +168,7 @@ class OpenAIServing:
         params = body.to_sampling_params(self.config, engine.engine.max_model_len)
         prompts = body.prompts()
         prepared = await asyncio.to_thread(_prepare_all, engine, prompts, params, {}, "prompt")
-        run = self._start(engine, "cmpl", prepared)
+        run = self._start(engine, "cmpl", prepared, body.cache_salt)
         chunks = _CompletionChunks(run, body, engine)
         if body.stream:
             return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
@@ -197,7 +198,7 @@ class OpenAIServing:
             return _prepare_all(engine, [ids], params, renames, "messages")
 
         prepared = await asyncio.to_thread(prepare)
-        run = self._start(engine, "chatcmpl", prepared)
+        run = self._start(engine, "chatcmpl", prepared, body.cache_salt)
         chunks = _ChatChunks(run, body)
         if body.stream:
             return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
@@ -211,11 +212,21 @@ class OpenAIServing:
 
     # ---- running --------------------------------------------------------------------------
 
-    def _start(self, engine: AsyncEngine, prefix: str, prepared: list[PreparedRequest]) -> _Run:
+    def _start(
+        self,
+        engine: AsyncEngine,
+        prefix: str,
+        prepared: list[PreparedRequest],
+        cache_salt: str | None = None,
+    ) -> _Run:
         ticket = self.state.admit(len(prepared))  # 429 / 503 before any engine work
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams = [
-            engine.generate(p, request_id=request_id if len(prepared) == 1 else f"{request_id}-{i}")
+            engine.generate(
+                p,
+                request_id=request_id if len(prepared) == 1 else f"{request_id}-{i}",
+                cache_salt=cache_salt,
+            )
             for i, p in enumerate(prepared)
         ]
         trackers = [self.metrics.track() for _ in prepared]
@@ -404,8 +415,12 @@ def _sse_error(error: APIError) -> str:
 def _usage(finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in finals)
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
