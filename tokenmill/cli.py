@@ -27,6 +27,7 @@ _ENGINE_FLAG_HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "seed": "seed of the sampler for requests without their own seed",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "quantization": "weights packed at load: int8 (per-channel; int8 GEMMs on x86) or none",
 }
 
 
@@ -46,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         elif f.name == "kv_cache_memory":
             parser.add_argument(flag, default=default, help=help_text)
+        elif f.name == "quantization":
+            parser.add_argument(flag, choices=("none", "int8"), default=None, help=help_text)
         else:
             kind = type(default) if default is not None else int
             parser.add_argument(flag, type=kind, default=default, help=help_text)

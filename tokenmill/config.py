@@ -345,6 +345,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    quantization: str | None = None
 
 
 @dataclass(slots=True)
@@ -362,6 +363,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
+    # Weight quantization applied at load: None (weights as stored, dequantized to dtype) or
+    # "int8" (per-channel symmetric weights, int8 GEMMs where the platform has them).
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -379,6 +383,8 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.quantization not in (None, "none", "int8"):
+            raise ValueError(f"quantization must be int8 or none; got {self.quantization!r}")
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
 

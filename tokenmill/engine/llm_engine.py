@@ -28,6 +28,7 @@ from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.outputs import RequestOutput
+from tokenmill.quant import create_quant_method
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
@@ -67,7 +68,9 @@ class LLMEngine:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model_config.max_position_embeddings})"
             )
-        model = load_model(model_config, dtype, device, max_model_len)
+        quantization = args.quantization if args.quantization not in (None, "none") else None
+        quant_method = create_quant_method(quantization) if quantization else None
+        model = load_model(model_config, dtype, device, max_model_len, quant_method)
         num_blocks = _num_kv_blocks(args, model_config, dtype, device)
         tokens_that_fit = (num_blocks - 1) * args.block_size
         if tokens_that_fit < max_model_len:
@@ -91,6 +94,7 @@ class LLMEngine:
             device=str(device),
             dtype=dtype_name,
             seed=args.seed,
+            quantization=quantization,
         )
         self.eos_token_ids = tuple(
             dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
@@ -102,10 +106,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
-            "loaded %s (%s, %s on %s) in %.1fs; KV cache: %d blocks of %d = %d tokens (%.2f GiB)",
+            "loaded %s (%s, %s%s on %s) in %.1fs; KV cache: %d blocks of %d = %d tokens (%.2f GiB)",
             args.model,
             model_config.architecture,
             dtype_name,
+            f", {quantization} weights" if quantization else "",
             device,
             time.monotonic() - started,
             num_blocks - 1,

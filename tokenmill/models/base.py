@@ -28,6 +28,19 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError  # each architecture defines its head
 
+    def weight_nbytes(self) -> int:
+        """Resident bytes of the weights: float parameters plus packed quantized states."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                total += method.nbytes(module.quant_state)
+            for extra in ("row_q", "row_scales"):  # a quantized embedding's lookup table
+                t = getattr(module, extra, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters, one at a time, and check all arrived."""
         params = dict(self.named_parameters())

@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import ModelConfig, ModelSource
+from tokenmill.layers import Embedding, Linear
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
+from tokenmill.quant.base import QuantMethod
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +47,16 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    quant_method: QuantMethod | None = None,
 ) -> CausalLM:
-    """Instantiate the architecture with uninitialized parameters, then stream weights in."""
+    """Instantiate the architecture with uninitialized parameters, then stream weights in.
+
+    With a ``quant_method``, every Linear (and a tied output head) is packed after loading.
+    """
     assert config.source is not None
     model_cls = get_model_class(config.architecture)
     prev_dtype = torch.get_default_dtype()
@@ -61,7 +70,20 @@ def load_model(
         model.load_weights(_iter_safetensors(config.source.path))
     else:
         model.load_weights(_iter_gguf(config))
+    if quant_method is not None:
+        quantize_model(model, quant_method)
     return model.eval()
+
+
+def quantize_model(model: CausalLM, method: QuantMethod) -> None:
+    """Pack every Linear's weight; the embedding too when it doubles as the output head."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_(method)
+    if model.config.tie_word_embeddings:
+        for module in model.modules():
+            if isinstance(module, Embedding):
+                module.quantize_(method)
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -158,12 +158,14 @@ def describe_memory_plan(engine: AsyncEngine) -> str:
     """Weights, KV blocks and the tokens that fit, for the startup log."""
     llm = engine.engine
     runner = llm.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = runner.model.weight_nbytes()
     kv_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
     cache = llm.config.cache_config
     sched = llm.config.scheduler_config
     return (
-        f"weights {_format_bytes(weight_bytes)} ({llm.config.dtype} on {llm.config.device}); "
+        f"weights {_format_bytes(weight_bytes)} ({llm.config.dtype}"
+        f"{', ' + llm.config.quantization if llm.config.quantization else ''} "
+        f"on {llm.config.device}); "
         f"KV cache {_format_bytes(kv_bytes)} = {llm.num_total_blocks} blocks x "
         f"{cache.block_size} tokens = {llm.num_total_blocks * cache.block_size} tokens; "
         f"max_model_len {sched.max_model_len}, max_num_seqs {sched.max_num_seqs}"

@@ -1,0 +1,86 @@
+"""Int8 weight quantization: the fast path equals its reference, and int8 models track float."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_all_blocks_free
+
+from tokenmill.engine import LLMEngine
+from tokenmill.quant import Int8QuantMethod, create_quant_method
+from tokenmill.quant.int8 import has_fbgemm, quantize_per_channel
+from tokenmill.sampling_params import SamplingParams
+
+
+def test_per_channel_quantization_error_is_bounded() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scale
+    q, scales = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (q.float() * scales[:, None] - w).abs()
+    # Rounding error at most half a step of each row's own scale.
+    assert torch.all(err <= scales[:, None] / 2 + 1e-7)
+
+
+def test_zero_rows_survive() -> None:
+    w = torch.zeros(3, 8)
+    w[1] = 1.0
+    q, scales = quantize_per_channel(w)
+    assert torch.equal(q.float() * scales[:, None], w)
+
+
+@pytest.mark.skipif(not has_fbgemm(), reason="fbgemm int8 GEMM is x86-only")
+@pytest.mark.parametrize("shape", [(1, 64, 48), (7, 256, 640), (33, 96, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_path_matches_reference(shape, bias) -> None:
+    torch.manual_seed(1)
+    m, n, k = shape
+    w = torch.randn(n, k) * 0.05
+    b = torch.randn(n) if bias else None
+    x = torch.randn(m, k)
+    fast = Int8QuantMethod(use_fast_path=True)
+    ref = Int8QuantMethod(use_fast_path=False)
+    state = fast.quantize(w, b)
+    assert state.packed is not None
+    y_fast = fast.apply(state, x)
+    y_ref = ref.apply(ref.quantize(w, b), x)
+    assert torch.equal(fast.dequantize(state), ref.dequantize(ref.quantize(w, b)))
+    # The fast path also quantizes activations (7-bit, per batch): ~1% of the output range.
+    tol = 0.02 * y_ref.abs().max().item()
+    assert (y_fast - y_ref).abs().max().item() <= tol
+    assert torch.allclose(y_ref, F.linear(x, ref.dequantize(ref.quantize(w, b)), b))
+
+
+def test_unknown_method_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        create_quant_method("int3")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+def test_int8_model_greedy_tracks_float(tiny_model_dir, arch) -> None:
+    path = str(tiny_model_dir(arch))
+    common = dict(model=path, max_model_len=256, kv_cache_memory="8MiB", num_threads=1)
+    fp = LLMEngine.from_args(**common)
+    q8 = LLMEngine.from_args(**common, quantization="int8")
+    assert q8.runner.model.weight_nbytes() < fp.runner.model.weight_nbytes() / 2
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(3, 259) for _ in range(20)] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    agree_first = 0
+    for prompt in prompts:
+        outs = []
+        for engine in (fp, q8):
+            rid = engine.add_request(prompt, params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        outs.append(out.outputs[0])
+        agree_first += outs[0].token_ids[0] == outs[1].token_ids[0]
+        # The int8 model's first-token log-prob of float's pick stays close.
+        assert abs(outs[0].logprobs[0].sampled.logprob - outs[1].logprobs[0].sampled.logprob) < 0.5
+    assert agree_first >= 7
+    assert_all_blocks_free(fp)
+    assert_all_blocks_free(q8)

@@ -1,0 +1,34 @@
+"""QuantMethod: how a linear layer stores its weight and computes y = x Wᵀ + b with it.
+
+A method turns a float weight into its own packed state once, after loading, and computes with
+that state from then on. Every method has a pure-torch reference (``dequantize``), the oracle of
+its fast path in tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class QuantMethod:
+    """Base class of weight-quantization schemes (one instance serves every layer)."""
+
+    name: str = ""
+
+    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        """Pack a float weight [out, in] (and bias) into this method's state."""
+        raise NotImplementedError  # each scheme packs its own way
+
+    def apply(self, state: Any, x: torch.Tensor) -> torch.Tensor:
+        """y = x Wᵀ + b for x [..., in] with the packed state; returns x's dtype."""
+        raise NotImplementedError  # each scheme computes its own way
+
+    def dequantize(self, state: Any) -> torch.Tensor:
+        """The float weight the state stands for (reference path and tests)."""
+        raise NotImplementedError  # each scheme unpacks its own way
+
+    def nbytes(self, state: Any) -> int:
+        """Resident bytes of the packed state."""
+        raise NotImplementedError  # each scheme knows its own layout
