@@ -35,6 +35,9 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor  # [num_decodes, max_blocks] long, padded with block 0
     decode_seq_lens: torch.Tensor  # [num_decodes] long, including the new token
     prefills: list[PrefillSeq]
+    # Reused buffers the decode path gathers K and V blocks into ([>= num_decodes * max_blocks,
+    # block elems]); layers run one after another, so one pair serves all. None: allocate.
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     # Masks depend only on the step and the window, so layers share them; filled lazily.
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 

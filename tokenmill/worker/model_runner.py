@@ -60,6 +60,10 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.sampler = Sampler(device, seed)
+        # Decode attention gathers each layer's K/V blocks into these (grown on demand).
+        self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._block_elems = block_size * c.num_key_value_heads * c.head_dim
+        self._cache_dtype = dtype
         self.requests: dict[str, RunnerRequestState] = {}
         # Generators of preempted requests, handed back when they resume.
         self._parked_generators: dict[str, torch.Generator | None] = {}
@@ -161,6 +165,7 @@ class ModelRunner:
             decode_block_table=table.to(dev),
             decode_seq_lens=seq_lens.to(dev),
             prefills=prefill_seqs,
+            gather_buffers=self._gather_workspace(len(decodes) * max_blocks),
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -169,6 +174,18 @@ class ModelRunner:
             sample_req_ids,
             torch.tensor(sample_idx, dtype=torch.long, device=dev),
         )
+
+    def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if num_blocks == 0:
+            return None
+        bufs = self._gather_buffers
+        if bufs is None or bufs[0].shape[0] < num_blocks:
+            rows = max(num_blocks, 2 * (bufs[0].shape[0] if bufs else 0))  # amortized growth
+            shape = (rows, self._block_elems)
+            kw = dict(dtype=self._cache_dtype, device=self.device)
+            bufs = (torch.empty(shape, **kw), torch.empty(shape, **kw))
+            self._gather_buffers = bufs
+        return bufs
 
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.requests[req_id]
