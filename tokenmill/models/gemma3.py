@@ -15,45 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.attention import Attention, ForwardBatch
+from tokenmill.attention import ForwardBatch
 from tokenmill.config import SLIDING_ATTENTION, ModelConfig
 from tokenmill.layers import Embedding, GemmaRMSNorm, Linear, RotaryEmbedding
 from tokenmill.models.base import CausalLM
-from tokenmill.models.llama import LlamaMLP
-
-
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
-        self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
-        self.rotary = rotary
-        self.attn = Attention(
-            layer_idx,
-            self.num_heads,
-            self.num_kv_heads,
-            c.head_dim,
-            c.attention_scale,
-            c.layer_sliding_window(layer_idx),
-        )
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fwd).reshape(n, -1))
+from tokenmill.models.llama import LlamaAttention, LlamaMLP
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -61,7 +27,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, rotary)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, qk_norm=GemmaRMSNorm)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
         self.mlp = LlamaMLP(config)

@@ -18,7 +18,18 @@ from tokenmill.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """q/k/v projections, optional per-head QK-norm, RoPE, paged attention, output projection.
+
+    ``qk_norm`` is the norm class for QK-norm (Qwen3: RMSNorm, Gemma 3: GemmaRMSNorm), or None.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        qk_norm: type[RMSNorm] | None = None,
+    ) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -30,10 +41,12 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
-        self.has_qk_norm = c.architecture == "qwen3"
-        if self.has_qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        if qk_norm is None and c.architecture == "qwen3":
+            qk_norm = RMSNorm
+        self.has_qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = qk_norm(c.head_dim, c.rms_norm_eps)
         self.rotary = rotary
         self.attn = Attention(
             layer_idx,
