@@ -1,0 +1,69 @@
+"""The CLI as a user meets it: bad input is one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenmill import LLM
+from tokenmill.cli import main
+
+
+def _unsupported_gguf(path: Path) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_unknown_model_is_one_line_exit_2(capsys, tmp_path) -> None:
+    code, err = _run(capsys, ["generate", str(tmp_path / "nope.gguf"), "--prompt", "hi"])
+    assert code == 2
+    assert err.count("\n") == 0 and "unknown model" in err
+
+
+def test_not_a_gguf_file(capsys, tmp_path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf at all")
+    code, err = _run(capsys, ["generate", str(bogus), "--prompt", "hi"])
+    assert code == 2 and "not a GGUF file" in err
+
+
+def test_unsupported_architecture(capsys, tmp_path) -> None:
+    path = _unsupported_gguf(tmp_path / "falcon.gguf")
+    code, err = _run(capsys, ["generate", str(path), "--prompt", "hi"])
+    assert code == 2 and "'falcon'" in err and "supported" in err
+    with pytest.raises(ValueError, match="falcon"):
+        LLM(str(path))
+
+
+def test_bad_sampling_field(capsys, tiny_model_dir) -> None:
+    model = str(tiny_model_dir("llama"))
+    code, err = _run(
+        capsys,
+        ["generate", model, "--prompt", "hi", "--temperature", "-1", "--max-model-len", "64"],
+    )
+    assert code == 2 and "temperature" in err
+
+
+def test_generate_streams_text_and_reports_speed(capsys, tiny_model_dir) -> None:
+    model = str(tiny_model_dir("llama"))
+    argv = ["generate", model, "--prompt", "hello", "--max-tokens", "5", "--max-model-len", "64",
+            "--kv-cache-memory", "4MiB", "--ignore-eos"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "5 generated" in captured.err and "tokens/s" in captured.err and "TTFT" in captured.err
