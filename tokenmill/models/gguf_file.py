@@ -2,7 +2,7 @@
 
 The ``gguf`` package's reader builds an object per array element, which takes ~18 s on a
 262k-token vocabulary; this one parses the same header in well under a second. Tensor types and
-block sizes still come from ``gguf.constants``, and unpacking from ``tokenmill.models.dequant``.
+block sizes still come from ``gguf.constants``; unpacking is in ``tokenmill.quant.gguf_blocks``.
 """
 
 from __future__ import annotations
@@ -139,10 +139,13 @@ def _read_value(f: BinaryIO, value_type: int) -> Any:
 def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Unpack one tensor to float32 ``shape``.
 
-    Q8_0 (the embedding of most GGUF models, and the bulk of the bytes) is unpacked in torch,
-    ~10x faster than numpy; other types go through the ``gguf`` package's numpy reference.
+    Float types are reinterpreted; Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K are unpacked in torch
+    (tokenmill.quant.gguf_blocks, several times faster than numpy); any other type goes through
+    the ``gguf`` package's numpy reference.
     """
     from gguf.constants import GGMLQuantizationType as T
+
+    from tokenmill.quant.gguf_blocks import BLOCK_FORMATS
 
     if ggml_type == T.F32:
         return torch.from_numpy(data.view(np.float32).copy()).view(shape)
@@ -150,11 +153,10 @@ def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torc
         raw = torch.from_numpy(data.view(np.int16).copy())
         dtype = torch.float16 if ggml_type == T.F16 else torch.bfloat16
         return raw.view(dtype).float().view(shape)
-    if ggml_type == T.Q8_0:
-        blocks = torch.from_numpy(np.array(data)).view(-1, 34)  # f16 scale + 32 int8
-        scale = blocks[:, :2].contiguous().view(torch.float16).float()
-        quants = blocks[:, 2:].contiguous().view(torch.int8).float()
-        return (quants * scale).view(shape)
+    if ggml_type in BLOCK_FORMATS:
+        _, block_bytes, unpack = BLOCK_FORMATS[ggml_type]
+        blocks = torch.from_numpy(np.array(data)).view(-1, block_bytes)
+        return unpack(blocks).view(shape)
     from gguf.quants import dequantize as np_dequantize
 
     array = np_dequantize(np.asarray(data), T(ggml_type))

@@ -1,0 +1,107 @@
+"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+
+Each function takes the raw bytes of whole blocks as a uint8 tensor [num_blocks, block_bytes]
+and returns float32 [num_blocks, block_elems] in ggml's element order. They mirror ggml's
+reference dequantizers (and the ``gguf`` package's numpy port, their test oracle) and run
+vectorized over all blocks: the unpacking a packed-weight kernel does per tile, and a fast load.
+
+Layouts (bytes): Q4_0 = f16 d | 16 nibbles-pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
+Q8_0 = f16 d | 32 int8. K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
+mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+QK_K = 256
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[n, 2] uint8 -> [n, 1] float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """Low nibbles of each ``group`` bytes, then their high nibbles: [n, g*group] -> [n, 2*...]."""
+    n = qs.shape[0]
+    qs = qs.reshape(n, -1, 1, group)
+    shifts = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    return ((qs >> shifts) & 0x0F).reshape(n, -1)
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """[n, k] uint8 -> [n, 8k] bits, little-endian within each byte."""
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8)
+    return ((b.unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], -1)
+
+
+def dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    q = _nibbles(blocks[:, 2:], 16).to(torch.int16) - 8
+    return d * q.float()
+
+
+def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    high = _bits(blocks[:, 2:6])  # [n, 32]: bit j is element j's fifth bit
+    low = _nibbles(blocks[:, 6:], 16)
+    q = (low | (high << 4)).to(torch.int16) - 16
+    return d * q.float()
+
+
+def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks[:, :2])
+    return d * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 16:144], 32).reshape(n, 8, 32).float()
+    return ((d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]).reshape(n, QK_K)
+
+
+def dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scales(blocks[:, 4:16])
+    qh = blocks[:, 16:48].reshape(n, 1, 1, 32)
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, 1, 8, 32]
+    low = _nibbles(blocks[:, 48:176], 32).reshape(n, 8, 32)
+    q = (low | (high.reshape(n, 8, 32) << 4)).float()
+    return ((d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]).reshape(n, QK_K)
+
+
+def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int16) - 32
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    d = _f16(blocks[:, 208:210])
+    return ((d * scales)[:, :, None] * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+
+
+# ggml type id -> (elements per block, bytes per block, unpacker)
+BLOCK_FORMATS: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
+    2: (32, 18, dequant_q4_0),
+    6: (32, 22, dequant_q5_0),
+    8: (32, 34, dequant_q8_0),
+    12: (QK_K, 144, dequant_q4_k),
+    13: (QK_K, 176, dequant_q5_k),
+    14: (QK_K, 210, dequant_q6_k),
+}
