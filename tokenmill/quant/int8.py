@@ -21,9 +21,11 @@ from tokenmill.quant.base import QuantMethod
 
 @dataclass(slots=True)
 class Int8State:
-    qweight: torch.Tensor  # [out, in] int8
+    # [out, in] int8; None once fbgemm holds the only copy (its prepacked weight).
+    qweight: torch.Tensor | None
     scales: torch.Tensor  # [out] float32
     bias: torch.Tensor | None
+    shape: tuple[int, int]
     packed: Any = None  # fbgemm's prepacked weight, when the fast path is used
 
 
@@ -48,9 +50,11 @@ class Int8QuantMethod(QuantMethod):
 
     def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8State:
         q, scales = quantize_per_channel(weight)
-        state = Int8State(q, scales, None if bias is None else bias.float())
+        state = Int8State(q, scales, None if bias is None else bias.float(), tuple(q.shape))
         if self.use_fast_path and weight.device.type == "cpu":
             state.packed = _fbgemm_prepack(q, scales, state.bias)
+            if state.packed is not None:
+                state.qweight = None  # one resident copy: fbgemm's
         return state
 
     def apply(self, state: Int8State, x: torch.Tensor) -> torch.Tensor:
@@ -60,11 +64,16 @@ class Int8QuantMethod(QuantMethod):
         return F.linear(x, self.dequantize(state).to(x.dtype), _cast(state.bias, x.dtype))
 
     def dequantize(self, state: Int8State) -> torch.Tensor:
-        return state.qweight.float() * state.scales[:, None]
+        q = state.qweight
+        if q is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                q = torch.ops.quantized.linear_unpack(state.packed)[0].int_repr()
+        return q.float() * state.scales[:, None]
 
     def nbytes(self, state: Int8State) -> int:
-        # fbgemm keeps its own packed copy; the int8 matrix is then only needed for lookups.
-        return state.qweight.numel() + state.scales.numel() * 4
+        out_features, in_features = state.shape
+        return out_features * in_features + state.scales.numel() * 4
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
