@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -41,10 +41,18 @@ class CausalLM(nn.Module):
                     total += t.numel() * t.element_size()
         return total
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters, one at a time, and check all arrived."""
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        on_loaded: Callable[[str], None] | None = None,
+    ) -> None:
+        """Copy checkpoint tensors into the parameters, one at a time, and check all arrived.
+
+        ``on_loaded(name)`` runs after each parameter is filled (the loader packs quantized
+        layers there, so the float weights never all sit in memory at once).
+        """
+        # Popped as they are filled: no reference outlives a parameter a quantizer drops.
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
         for name, tensor in weights:
             if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
                 name = "model." + name.removeprefix("model.language_model.")
@@ -56,14 +64,15 @@ class CausalLM(nn.Module):
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params[name]
+            param = params.pop(name)
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(param.shape)}"
                 )
             param.data.copy_(tensor)
-            loaded.add(name)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing)[:8])}")
+            del param, tensor
+            if on_loaded is not None:
+                on_loaded(name)
+        if params:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(params)[:8])}")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.layers import Embedding, Linear
@@ -66,24 +67,51 @@ def load_model(
             model = model_cls(config, max_position)
     finally:
         torch.set_default_dtype(prev_dtype)
+    on_loaded = _StreamingQuantizer(model, quant_method) if quant_method is not None else None
     if config.source.format == "hf":
-        model.load_weights(_iter_safetensors(config.source.path))
+        model.load_weights(_iter_safetensors(config.source.path), on_loaded)
     else:
-        model.load_weights(_iter_gguf(config))
-    if quant_method is not None:
-        quantize_model(model, quant_method)
+        model.load_weights(_iter_gguf(config), on_loaded)
+    _release_freed_memory()
     return model.eval()
 
 
-def quantize_model(model: CausalLM, method: QuantMethod) -> None:
-    """Pack every Linear's weight; the embedding too when it doubles as the output head."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.quantize_(method)
-    if model.config.tie_word_embeddings:
-        for module in model.modules():
-            if isinstance(module, Embedding):
-                module.quantize_(method)
+def _release_freed_memory() -> None:
+    """Hand the float temporaries of loading back to the OS (glibc keeps freed heap otherwise)."""
+    import contextlib
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class _StreamingQuantizer:
+    """Packs each Linear (and a tied embedding, which is also the output head) as soon as all
+    its parameters are loaded, so at most one layer's float weights are resident beyond the
+    packed model."""
+
+    def __init__(self, model: CausalLM, method: QuantMethod) -> None:
+        self.method = method
+        self.pending: dict[str, tuple[nn.Module, set[str]]] = {}
+        for module_name, module in model.named_modules():
+            quantizable = isinstance(module, Linear) or (
+                isinstance(module, Embedding) and model.config.tie_word_embeddings
+            )
+            if not quantizable:
+                continue
+            names = {f"{module_name}.{p}" for p, _ in module.named_parameters()}
+            for name in names:
+                self.pending[name] = (module, names)
+
+    def __call__(self, name: str) -> None:
+        entry = self.pending.pop(name, None)
+        if entry is None:
+            return
+        module, names = entry
+        if not any(n in self.pending for n in names):
+            module.quantize_(self.method)
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

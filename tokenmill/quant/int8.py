@@ -29,12 +29,23 @@ class Int8State:
     packed: Any = None  # fbgemm's prepacked weight, when the fast path is used
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: scale = max|w| / 127 (rows of zeros get scale 1)."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1) / 127.0
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_per_channel(
+    weight: torch.Tensor, chunk_rows: int = 8192
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: scale = max|w| / 127 (rows of zeros get scale 1).
+
+    Done in row chunks so the float temporaries stay small (the 262k-row embedding of
+    gemma-3-270m would otherwise need ~2 GB of them).
+    """
+    rows = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    for start in range(0, rows, chunk_rows):
+        w = weight[start : start + chunk_rows].float()
+        s = w.abs().amax(dim=1) / 127.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[start : start + chunk_rows] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scales[start : start + chunk_rows] = s
     return q, scales
 
 
