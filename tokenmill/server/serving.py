@@ -412,6 +412,23 @@ def _sse_error(error: APIError) -> str:
     return f"data: {JSONResponse(error.body()).body.decode()}\n\n"
 
 
+def _usage_event(
+    chunk_cls: type[ChatCompletionChunk] | type[CompletionChunk],
+    run: _Run,
+    finals: list[RequestOutput],
+) -> str:
+    """The SSE event with only usage and timings, sent last when include_usage is set."""
+    chunk = chunk_cls(
+        id=run.request_id,
+        created=run.created,
+        model=run.model,
+        choices=[],
+        usage=_usage(finals),
+        timings=_timings(finals),
+    )
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
 def _usage(finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
@@ -534,15 +551,7 @@ class _ChatChunks:
                 )
 
     def usage(self, finals: list[RequestOutput]) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.run.request_id,
-            created=self.run.created,
-            model=self.run.model,
-            choices=[],
-            usage=_usage(finals),
-            timings=_timings(finals),
-        )
-        return f"data: {chunk.model_dump_json()}\n\n"
+        return _usage_event(ChatCompletionChunk, self.run, finals)
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         choices = [
@@ -624,15 +633,7 @@ class _CompletionChunks:
             )
 
     def usage(self, finals: list[RequestOutput]) -> str:
-        chunk = CompletionChunk(
-            id=self.run.request_id,
-            created=self.run.created,
-            model=self.run.model,
-            choices=[],
-            usage=_usage(finals),
-            timings=_timings(finals),
-        )
-        return f"data: {chunk.model_dump_json()}\n\n"
+        return _usage_event(CompletionChunk, self.run, finals)
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
