@@ -13,7 +13,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tokenmill.config import DEFAULT_MODEL, EngineArgs
+from tokenmill.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    PACKED_ACTIVATIONS,
+    QUANTIZATION_METHODS,
+    EngineArgs,
+)
 
 _ENGINE_FLAG_HELP = {
     "dtype": "weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
@@ -22,12 +28,19 @@ _ENGINE_FLAG_HELP = {
     "max_model_len": "context length (prompt + output); default: the model's",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of free memory",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a "
+    "float32 scale per token and KV head (about 2x the tokens of bfloat16)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "seed": "seed of the sampler for requests without their own seed",
     "num_threads": "torch intra-op threads (default: torch's choice)",
-    "quantization": "weights packed at load: int8 (per-channel; int8 GEMMs on x86) or none",
+    "quantization": "weights in memory: gguf (a GGUF's quantized tensors stay packed; the "
+    "default for .gguf), none (dequantize to dtype), int8 (per-channel) or int4 (group-wise) "
+    "quantized at load",
+    "packed_activations": "activations of packed-weight matmuls at small batch: int8 per 32 "
+    "elements (fast, as llama.cpp) or float32 (exact)",
+    "int4_group_size": "input elements per int4 scale: 32 or 128",
 }
 
 
@@ -47,8 +60,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         elif f.name == "kv_cache_memory":
             parser.add_argument(flag, default=default, help=help_text)
+        elif f.name == "kv_cache_dtype":
+            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=help_text)
         elif f.name == "quantization":
-            parser.add_argument(flag, choices=("none", "int8"), default=None, help=help_text)
+            parser.add_argument(flag, choices=QUANTIZATION_METHODS, default=None, help=help_text)
+        elif f.name == "packed_activations":
+            parser.add_argument(flag, choices=PACKED_ACTIVATIONS, default=default, help=help_text)
+        elif f.name == "int4_group_size":
+            parser.add_argument(flag, type=int, choices=(32, 128), default=default, help=help_text)
         else:
             kind = type(default) if default is not None else int
             parser.add_argument(flag, type=kind, default=default, help=help_text)

@@ -21,6 +21,11 @@ DEFAULT_MODEL = "gemma-3-270m"
 SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# "auto": the model dtype; "int8" / "fp8": quantized, one float32 scale per token per KV head.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
+QUANTIZATION_METHODS = ("gguf", "none", "int8", "int4")
+PACKED_ACTIVATIONS = ("int8", "float32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,14 +363,19 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: str | int | float = 0.15
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
-    # Weight quantization applied at load: None (weights as stored, dequantized to dtype) or
-    # "int8" (per-channel symmetric weights, int8 GEMMs where the platform has them).
+    # Weights in memory: None = as stored (a GGUF's quantized tensors stay packed, float
+    # checkpoints stay float); "gguf" says so explicitly; "none" dequantizes everything to dtype;
+    # "int8" (per-channel) / "int4" (group-wise) quantize float weights at load.
     quantization: str | None = None
+    # Activations of packed-weight matmuls at small batch: int8 per 32 elements (fast) or float32.
+    packed_activations: str = "int8"
+    int4_group_size: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -375,6 +385,11 @@ class EngineArgs:
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -383,8 +398,17 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
-        if self.quantization not in (None, "none", "int8"):
-            raise ValueError(f"quantization must be int8 or none; got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); "
+                f"got {self.quantization!r}"
+            )
+        if self.packed_activations not in PACKED_ACTIVATIONS:
+            raise ValueError(
+                f"packed_activations must be int8 or float32; got {self.packed_activations!r}"
+            )
+        if self.int4_group_size not in (32, 128):
+            raise ValueError(f"int4_group_size must be 32 or 128; got {self.int4_group_size}")
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
 

@@ -93,3 +93,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context); entry i is prompt token i's log-prob given tokens < i, plus alternatives.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

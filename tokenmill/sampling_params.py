@@ -29,6 +29,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probs of the prompt's own tokens (vLLM semantics): None = off, 0 = each prompt token's
+    # own log-prob, k > 0 = also the top-k alternatives. Such a request skips prefix-cache hits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before penalties (OpenAI semantics).
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -108,6 +111,15 @@ class SamplingParams:
                 isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
                 "logprobs",
                 self.logprobs,
+                "an integer in [0, 20]",
+            )
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                self.prompt_logprobs,
                 "an integer in [0, 20]",
             )
         _check(

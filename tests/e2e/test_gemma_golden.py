@@ -1,6 +1,7 @@
 """Golden test on the embedded gemma-3-270m: tokenmill's greedy tokens equal transformers'.
 
-Both read the same GGUF; transformers dequantizes it to float32, as tokenmill does here.
+Both read the same GGUF; transformers dequantizes it to float32. tokenmill runs it packed (float32
+activations) and dequantized.
 """
 
 from __future__ import annotations
@@ -24,9 +25,23 @@ CHAT = [
 NUM_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM("gemma-3-270m", dtype="float32", max_model_len=2048, kv_cache_memory="512MiB")
+# The default keeps the GGUF packed; with float32 activations it computes the same weights as
+# the dequantized model, so both must match transformers token for token.
+MODES = {
+    "packed": {"packed_activations": "float32"},
+    "dequantized": {"quantization": "none"},
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def llm(request) -> LLM:
+    return LLM(
+        "gemma-3-270m",
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory="512MiB",
+        **MODES[request.param],
+    )
 
 
 @pytest.fixture(scope="module")

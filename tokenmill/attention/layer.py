@@ -32,7 +32,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: ForwardBatch
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        k_cache, v_cache = fwd.kv_caches[self.layer_idx]
+        k_cache, v_cache, *scales = fwd.kv_caches[self.layer_idx]
+        kv_scales = (scales[0], scales[1]) if scales else None  # quantized cache
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, fwd.attn, self.scale, self.sliding_window
+            q, k, v, k_cache, v_cache, fwd.attn, self.scale, self.sliding_window, kv_scales
         )

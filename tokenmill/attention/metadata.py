@@ -61,7 +61,7 @@ class AttentionMetadata:
 class ForwardBatch:
     """What a model's forward needs besides input ids and positions; passed explicitly."""
 
-    kv_caches: list[
-        tuple[torch.Tensor, torch.Tensor]
-    ]  # per layer: K, V [num_blocks, block_size, num_kv_heads, head_dim]
+    # Per layer: K, V [num_blocks, block_size, num_kv_heads, head_dim]; a quantized cache
+    # (int8 / fp8) adds K and V scales [num_blocks, block_size, num_kv_heads] float32.
+    kv_caches: list[tuple[torch.Tensor, ...]]
     attn: AttentionMetadata

@@ -48,8 +48,12 @@ class KVCacheManager:
 
         At least one token is always left to compute, since the model must run on the last one
         to produce the next token's logits.
+
+        NOTE: a request that wants prompt log-probs takes no hits (as in vLLM): the logits of every
+        prompt position are needed, so its whole prompt runs. Its full blocks are still cached
+        for others.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

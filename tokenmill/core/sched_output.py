@@ -59,11 +59,26 @@ class SampledLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probs of consecutive prompt tokens ``first_pos ..`` computed in one step.
+
+    Position 0 never has one (nothing precedes it); a long prompt's positions arrive over
+    several steps, one run per prefill chunk.
+    """
+
+    first_pos: int
+    sampled: list[TokenLogprob]  # the prompt token's own log-prob at each position
+    top: list[list[TokenLogprob]]  # top-k alternatives at each position (empty lists for k = 0)
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     # Only requests that reached the end of their known tokens get a sampled token; a prefill
     # chunk that stops mid-prompt samples nothing.
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
+    # Requests with SamplingParams.prompt_logprobs whose prompt positions ran this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -75,3 +90,4 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: SampledLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # may come with no new token (mid-prompt)

@@ -175,6 +175,8 @@ class Scheduler:
         leader = self.requests.get(req.wait_for_req_id) if req.wait_for_req_id else None
         if leader is None or leader.is_finished or not self.kv.enable_caching:
             return False
+        if req.sampling_params.prompt_logprobs is not None:
+            return False  # it takes no prefix hits (see KVCacheManager.find_cached_prefix)
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _preempt(self, req: Request) -> None:
@@ -195,12 +197,18 @@ class Scheduler:
         now = time.monotonic()
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            token_ids = runner_out.sampled_token_ids.get(req_id)
-            if req is None or req.is_finished or not token_ids:
+            token_ids = runner_out.sampled_token_ids.get(req_id, [])
+            prompt_logprobs = runner_out.prompt_logprobs.get(req_id)
+            if req is None or req.is_finished or not (token_ids or prompt_logprobs):
                 continue
-            if req.first_token_time is None:
+            if token_ids and req.first_token_time is None:
                 req.first_token_time = now
-            update = RequestUpdate(req_id, [], logprobs=runner_out.logprobs.get(req_id))
+            update = RequestUpdate(
+                req_id,
+                [],
+                logprobs=runner_out.logprobs.get(req_id),
+                prompt_logprobs=prompt_logprobs,
+            )
             for token_id in token_ids:
                 req.output_token_ids.append(token_id)
                 update.new_token_ids.append(token_id)

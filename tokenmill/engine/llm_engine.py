@@ -68,8 +68,12 @@ class LLMEngine:
                 f"max_model_len ({max_model_len}) exceeds the model's context length "
                 f"({model_config.max_position_embeddings})"
             )
-        quantization = args.quantization if args.quantization not in (None, "none") else None
-        quant_method = create_quant_method(quantization) if quantization else None
+        quantization = _pick_quantization(args.quantization, source.format, device)
+        quant_method = (
+            create_quant_method(quantization, args.packed_activations, args.int4_group_size)
+            if quantization
+            else None
+        )
         model = load_model(model_config, dtype, device, max_model_len, quant_method)
         num_blocks = _num_kv_blocks(args, model_config, dtype, device)
         tokens_that_fit = (num_blocks - 1) * args.block_size
@@ -100,23 +104,35 @@ class LLMEngine:
             dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
         )
         self.runner = ModelRunner(
-            model, num_blocks, args.block_size, device, dtype, self.eos_token_ids, args.seed
+            model,
+            num_blocks,
+            args.block_size,
+            device,
+            dtype,
+            self.eos_token_ids,
+            args.seed,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        kv_bytes = num_blocks * kv_bytes_per_block(
+            model_config, args.block_size, dtype, args.kv_cache_dtype
+        )
         logger.info(
-            "loaded %s (%s, %s%s on %s) in %.1fs; KV cache: %d blocks of %d = %d tokens (%.2f GiB)",
+            "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d = %d tokens "
+            "(%.2f GiB)",
             args.model,
             model_config.architecture,
             dtype_name,
             f", {quantization} weights" if quantization else "",
             device,
             time.monotonic() - started,
+            _kv_cache_dtype_name(args.kv_cache_dtype, dtype_name),
             num_blocks - 1,
             args.block_size,
             tokens_that_fit,
-            num_blocks * kv_bytes_per_block(model_config, args.block_size, dtype) / 2**30,
+            kv_bytes / 2**30,
         )
 
     @classmethod
@@ -265,6 +281,13 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _kv_cache_dtype_name(kv_cache_dtype: str, dtype_name: str) -> str:
+    """The KV cache dtype as the startup log names it ("int8 + fp32 scales", "auto: float32")."""
+    if kv_cache_dtype == "auto":
+        return f"auto: {dtype_name}"
+    return f"{kv_cache_dtype} + fp32 scales"
+
+
 def _num_kv_blocks(args: EngineArgs, config, dtype: torch.dtype, device: torch.device) -> int:
     budget = parse_memory(args.kv_cache_memory)
     if isinstance(budget, float):
@@ -273,10 +296,22 @@ def _num_kv_blocks(args: EngineArgs, config, dtype: torch.dtype, device: torch.d
         else:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = int(free * budget)
-    per_block = kv_bytes_per_block(config, args.block_size, dtype)
+    per_block = kv_bytes_per_block(config, args.block_size, dtype, args.kv_cache_dtype)
     num_blocks = budget // per_block
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory ({budget} bytes) holds fewer than 2 KV blocks of {per_block} bytes"
         )
     return int(num_blocks)
+
+
+def _pick_quantization(
+    requested: str | None, source_format: str, device: torch.device
+) -> str | None:
+    """The weight scheme to load with (None: float weights in the model dtype)."""
+    if requested is None:
+        # A GGUF's quantized tensors stay packed on CPUs (the packed kernel is a CPU kernel).
+        requested = "gguf" if source_format == "gguf" and device.type == "cpu" else "none"
+    if requested == "gguf" and source_format != "gguf":
+        raise ValueError("quantization 'gguf' needs a .gguf model; use int8, int4 or none")
+    return None if requested == "none" else requested

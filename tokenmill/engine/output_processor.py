@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.core.sched_output import RequestUpdate
+from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import (
     CompletionOutput,
@@ -44,6 +44,8 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[SeqState]
+    # With params.prompt_logprobs: [None, then one entry per prompt position computed so far].
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +64,8 @@ class OutputProcessor:
     ) -> None:
         prompt_ids = seqs[0].prompt_token_ids
         state = RequestState(request_id, prompt, prompt_ids, params, [])
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         for i, req in enumerate(seqs):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             seq = SeqState(i, req, detok)
@@ -83,6 +87,11 @@ class OutputProcessor:
             if owner is None:
                 continue
             state, seq = owner
+            # n > 1 siblings compute the same prompt: only the first sequence's entries are kept.
+            if update.prompt_logprobs is not None and seq.index == 0:
+                self._append_prompt_logprobs(state, update.prompt_logprobs)
+            if not update.new_token_ids and update.finish_reason is None:
+                continue  # a prompt chunk's log-probs: nothing to stream until the first token
             self._append(seq, update, state.params)
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
@@ -121,6 +130,18 @@ class OutputProcessor:
         if seq.finish_reason is None and update.finish_reason is not None:
             seq.finish_reason = update.finish_reason
             seq.stop_reason = update.stop_reason
+
+    def _append_prompt_logprobs(self, state: RequestState, update: PromptLogprobs) -> None:
+        entries = state.prompt_logprobs
+        if entries is None:
+            return
+        # The worker sends each position once, in order, even across preemptions; the position
+        # check only keeps a repeat (were there one) from shifting the list.
+        for pos, (sampled, top) in enumerate(zip(update.sampled, update.top), update.first_pos):
+            if pos == len(entries):
+                entries.append(
+                    PositionLogprobs(self._with_text(sampled), [self._with_text(t) for t in top])
+                )
 
     @staticmethod
     def _check_stop_strings(seq: SeqState, params: SamplingParams, num_new_chars: int) -> None:
@@ -180,6 +201,9 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=_metrics(state),
+            prompt_logprobs=(
+                list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
+            ),
         )
 
 

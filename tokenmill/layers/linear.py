@@ -1,7 +1,8 @@
 """Linear layer y = x Wᵀ (+ b). Parameters are allocated uninitialized: the loader fills them.
 
 After loading, ``quantize_`` may hand the weight to a QuantMethod, which packs it and computes
-from then on (the float parameter is dropped).
+from then on (the float parameter is dropped); a weight that arrives packed (GGUF) is handed
+over by ``load_packed_`` instead of being loaded as floats.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from tokenmill.quant.base import QuantMethod
+    from tokenmill.quant.gguf import PackedQuantMethod
+    from tokenmill.quant.packed import PackedWeight
 
 
 class Linear(nn.Module):
@@ -32,9 +35,17 @@ class Linear(nn.Module):
         self.weight = None  # type: ignore[assignment]
         self.bias = None
 
+    def load_packed_(self, method: PackedQuantMethod, weight: PackedWeight) -> None:
+        """Take a weight that arrives packed (GGUF); a bias, if any, loads as a float."""
+        self.quant_state = method.wrap(weight)
+        self.quant_method = method
+        self.weight = None  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self.quant_state, x)
+            y = self.quant_method.apply(self.quant_state, x)
+            # A packed GGUF weight keeps its float bias here; quantize_ folded it into the state.
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 

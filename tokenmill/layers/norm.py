@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -12,17 +13,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 as the reference implementations do, whatever the model dtype.
-        xf = x.float()
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+    def _gain(self) -> torch.Tensor:
+        return self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._norm(x) * self.weight.float()).to(x.dtype)
+        # Computed in float32 as the reference implementations do, whatever the model dtype;
+        # torch's fused kernel: one op instead of six (decode runs ~100 norms a step).
+        y = F.rms_norm(x.float(), (x.shape[-1],), self._gain(), self.eps)
+        return y.to(x.dtype)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma stores the norm weight as an offset from 1: y = norm(x) * (1 + w)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._norm(x) * (1.0 + self.weight.float())).to(x.dtype)
+    def _gain(self) -> torch.Tensor:
+        return 1.0 + self.weight.float()

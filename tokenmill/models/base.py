@@ -9,6 +9,8 @@ from torch import nn
 
 from tokenmill.attention import ForwardBatch
 from tokenmill.config import ModelConfig
+from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.packed import PackedWeight
 
 
 class CausalLM(nn.Module):
@@ -43,13 +45,15 @@ class CausalLM(nn.Module):
 
     def load_weights(
         self,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: Iterable[tuple[str, torch.Tensor | PackedWeight]],
         on_loaded: Callable[[str], None] | None = None,
+        packed_method: PackedQuantMethod | None = None,
     ) -> None:
         """Copy checkpoint tensors into the parameters, one at a time, and check all arrived.
 
         ``on_loaded(name)`` runs after each parameter is filled (the loader packs quantized
-        layers there, so the float weights never all sit in memory at once).
+        layers there, so the float weights never all sit in memory at once). A PackedWeight
+        (a GGUF tensor kept in its block format) is handed to its layer with ``packed_method``.
         """
         # Popped as they are filled: no reference outlives a parameter a quantizer drops.
         params = dict(self.named_parameters())
@@ -65,6 +69,18 @@ class CausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params.pop(name)
+            if isinstance(tensor, PackedWeight):
+                if packed_method is None:
+                    raise ValueError(f"{name!r} arrived packed but no packed method was given")
+                module = self.get_submodule(name.rsplit(".", 1)[0])
+                if tuple(param.shape) != tensor.shape or not hasattr(module, "load_packed_"):
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} (packed, shape {tensor.shape}) does not fit "
+                        f"the model's {tuple(param.shape)}"
+                    )
+                del param
+                module.load_packed_(packed_method, tensor)
+                continue
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -11,7 +11,9 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,6 +23,11 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.gguf_blocks import BLOCK_CODES
+from tokenmill.quant.packed import PackedWeight, pack_gguf
+
+T = TypeVar("T", torch.Tensor, PackedWeight)
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +74,15 @@ def load_model(
             model = model_cls(config, max_position)
     finally:
         torch.set_default_dtype(prev_dtype)
-    on_loaded = _StreamingQuantizer(model, quant_method) if quant_method is not None else None
-    if config.source.format == "hf":
-        model.load_weights(_iter_safetensors(config.source.path), on_loaded)
+    if isinstance(quant_method, PackedQuantMethod) and quant_method.name == "gguf":
+        # The file's quantized tensors go straight into their layers, never as floats.
+        model.load_weights(_iter_gguf(config, keep_packed=True), packed_method=quant_method)
     else:
-        model.load_weights(_iter_gguf(config), on_loaded)
+        on_loaded = _StreamingQuantizer(model, quant_method) if quant_method is not None else None
+        if config.source.format == "hf":
+            model.load_weights(_iter_safetensors(config.source.path), on_loaded)
+        else:
+            model.load_weights(_iter_gguf(config), on_loaded)
     _release_freed_memory()
     return model.eval()
 
@@ -126,7 +137,11 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _iter_gguf(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(
+    config: ModelConfig, keep_packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """(HF name, tensor) in file order; with ``keep_packed``, 2-D tensors in a block format
+    come as PackedWeight (their codes and scales as stored), everything else as float."""
     assert config.source is not None
     gguf_file = GGUFFile(config.source.path)
     for tensor in gguf_file.tensors:
@@ -134,7 +149,13 @@ def _iter_gguf(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
-        weight = dequantize(gguf_file.tensor_bytes(tensor), tensor.ggml_type, tensor.shape)
+        data = gguf_file.tensor_bytes(tensor)
+        weight: torch.Tensor | PackedWeight
+        if keep_packed and tensor.ggml_type in BLOCK_CODES and len(tensor.shape) == 2:
+            raw = torch.from_numpy(np.array(data)).reshape(-1)
+            weight = pack_gguf(raw, tensor.ggml_type, tensor.shape)
+        else:
+            weight = dequantize(data, tensor.ggml_type, tensor.shape)
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
         if config.architecture in ("llama", "mistral"):
@@ -166,8 +187,11 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
     return f"model.layers.{layer}.{hf}.{kind}"
 
 
-def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rope(weight: T, num_heads: int) -> T:
     """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF's rotate-half halves)."""
-    rows, cols = weight.shape
+    rows = weight.shape[0]
     half = rows // num_heads // 2
-    return weight.view(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    order = torch.arange(rows).view(num_heads, half, 2).transpose(1, 2).reshape(rows)
+    if isinstance(weight, PackedWeight):
+        return weight.select_rows(order)
+    return weight[order]

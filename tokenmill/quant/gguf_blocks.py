@@ -1,11 +1,13 @@
 """GGUF (ggml) block formats unpacked in torch: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
 
-Each function takes the raw bytes of whole blocks as a uint8 tensor [num_blocks, block_bytes]
-and returns float32 [num_blocks, block_elems] in ggml's element order. They mirror ggml's
-reference dequantizers (and the ``gguf`` package's numpy port, their test oracle) and run
-vectorized over all blocks: the unpacking a packed-weight kernel does per tile, and a fast load.
+Every format is, per group of 16 or 32 elements, ``w = scale · code - offset`` with small
+integer codes. ``unpack_codes`` returns exactly that triple for whole blocks (raw bytes as a
+uint8 tensor [num_blocks, block_bytes]), vectorized over all blocks; ``BLOCK_FORMATS`` builds
+float dequantizers on it. Both mirror ggml's reference dequantizers (and the ``gguf`` package's
+numpy port, their test oracle): the scales are formed in float32 the same way, so packing the
+codes elsewhere (quant/packed.py) loses nothing.
 
-Layouts (bytes): Q4_0 = f16 d | 16 nibbles-pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
+Layouts (bytes): Q4_0 = f16 d | 16 nibble pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
 Q8_0 = f16 d | 32 int8. K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
 mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks.
 """
@@ -13,10 +15,29 @@ mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 QK_K = 256
+
+
+@dataclass(slots=True)
+class BlockCodes:
+    """w = scales · codes - offsets, group by group, for ``n`` blocks."""
+
+    codes: torch.Tensor  # [n, block_elems] int16, in ggml's element order
+    scales: torch.Tensor  # [n, block_elems // group] float32
+    offsets: torch.Tensor | None  # same shape as scales, or None
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, elems = self.codes.shape
+        q = self.codes.float().reshape(n, -1, self.group)
+        w = self.scales[:, :, None] * q
+        if self.offsets is not None:
+            w = w - self.offsets[:, :, None]
+        return w.reshape(n, elems)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -38,23 +59,21 @@ def _bits(b: torch.Tensor) -> torch.Tensor:
     return ((b.unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], -1)
 
 
-def dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+def codes_q4_0(blocks: torch.Tensor) -> BlockCodes:
     q = _nibbles(blocks[:, 2:], 16).to(torch.int16) - 8
-    return d * q.float()
+    return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
-def dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+def codes_q5_0(blocks: torch.Tensor) -> BlockCodes:
     high = _bits(blocks[:, 2:6])  # [n, 32]: bit j is element j's fifth bit
     low = _nibbles(blocks[:, 6:], 16)
     q = (low | (high << 4)).to(torch.int16) - 16
-    return d * q.float()
+    return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
-def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
-    return d * blocks[:, 2:].contiguous().view(torch.int8).float()
+def codes_q8_0(blocks: torch.Tensor) -> BlockCodes:
+    q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16)
+    return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,42 +85,50 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
+def codes_q4_k(blocks: torch.Tensor) -> BlockCodes:
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = _k_scales(blocks[:, 4:16])
-    q = _nibbles(blocks[:, 16:144], 32).reshape(n, 8, 32).float()
-    return ((d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]).reshape(n, QK_K)
+    q = _nibbles(blocks[:, 16:144], 32).to(torch.int16)
+    return BlockCodes(q, d * sc, dmin * mn, 32)
 
 
-def dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def codes_q5_k(blocks: torch.Tensor) -> BlockCodes:
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = _k_scales(blocks[:, 4:16])
     qh = blocks[:, 16:48].reshape(n, 1, 1, 32)
     high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, 1, 8, 32]
-    low = _nibbles(blocks[:, 48:176], 32).reshape(n, 8, 32)
-    q = (low | (high.reshape(n, 8, 32) << 4)).float()
-    return ((d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]).reshape(n, QK_K)
+    low = _nibbles(blocks[:, 48:176], 32)
+    q = (low | (high.reshape(n, QK_K) << 4)).to(torch.int16)
+    return BlockCodes(q, d * sc, dmin * mn, 32)
 
 
-def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def codes_q6_k(blocks: torch.Tensor) -> BlockCodes:
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
     qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
     high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
-    q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int16) - 32
+    q = (low | (high.reshape(n, 8, 32) << 4)).to(torch.int16).reshape(n, QK_K) - 32
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
-    d = _f16(blocks[:, 208:210])
-    return ((d * scales)[:, :, None] * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+    return BlockCodes(q, _f16(blocks[:, 208:210]) * scales, None, 16)
 
 
-# ggml type id -> (elements per block, bytes per block, unpacker)
+# ggml type id -> (elements per block, bytes per block, code unpacker)
+BLOCK_CODES: dict[int, tuple[int, int, Callable[[torch.Tensor], BlockCodes]]] = {
+    2: (32, 18, codes_q4_0),
+    6: (32, 22, codes_q5_0),
+    8: (32, 34, codes_q8_0),
+    12: (QK_K, 144, codes_q4_k),
+    13: (QK_K, 176, codes_q5_k),
+    14: (QK_K, 210, codes_q6_k),
+}
+
+
+def _dequantizer(codes_fn: Callable[[torch.Tensor], BlockCodes]):
+    return lambda blocks: codes_fn(blocks).dequantize()
+
+
+# ggml type id -> (elements per block, bytes per block, float32 dequantizer)
 BLOCK_FORMATS: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
-    2: (32, 18, dequant_q4_0),
-    6: (32, 22, dequant_q5_0),
-    8: (32, 34, dequant_q8_0),
-    12: (QK_K, 144, dequant_q4_k),
-    13: (QK_K, 176, dequant_q5_k),
-    14: (QK_K, 210, dequant_q6_k),
+    t: (elems, nbytes, _dequantizer(fn)) for t, (elems, nbytes, fn) in BLOCK_CODES.items()
 }

@@ -2,7 +2,8 @@
 
 Each step it receives a SchedulerOutput, lays all scheduled tokens of all requests out flat
 (decodes first, then prefill chunks), runs one forward pass, computes logits only for requests
-whose last known token was run, and samples their next token.
+whose last known token was run, and samples their next token. Requests that asked for prompt
+log-probs also get logits at the prompt positions of their chunk (a slice of rows at a time).
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.attention import AttentionMetadata, ForwardBatch, PrefillSeq
+from tokenmill.attention import (
+    AttentionMetadata,
+    ForwardBatch,
+    PrefillSeq,
+    is_quantized_kv,
+    kv_bytes_per_token,
+    kv_storage_dtype,
+)
 from tokenmill.config import ModelConfig
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import PromptLogprobs, RunnerOutput, SchedulerOutput
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.sampler import Sampler, SamplingRow
+from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +38,29 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     generator: torch.Generator | None
+    # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
+    next_prompt_logprob_idx: int = 1
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * config.num_key_value_heads * config.head_dim * elem
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """Rows of the flat batch whose logits give one request's prompt log-probs: row
+    ``row_idx + i`` runs position ``first_pos - 1 + i`` and so predicts prompt token
+    ``first_pos + i``."""
+
+    req_id: str
+    row_idx: int
+    first_pos: int
+    num_rows: int
+
+
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes of one block over all layers: K and V (and their scales, if quantized)."""
+    per_token = kv_bytes_per_token(
+        config.num_key_value_heads, config.head_dim, kv_cache_dtype, dtype
+    )
     return per_token * block_size * config.num_hidden_layers
 
 
@@ -48,40 +74,58 @@ class ModelRunner:
         dtype: torch.dtype,
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         c = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
+        self.kv_cache_dtype = kv_cache_dtype
+        storage_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches = [
-            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+            (_zeros(shape, storage_dtype, device), _zeros(shape, storage_dtype, device))
             for _ in range(c.num_hidden_layers)
         ]
+        if is_quantized_kv(kv_cache_dtype):
+            # Per layer K, V, K scales, V scales: [num_blocks, block_size, num_kv_heads] float32.
+            scale_shape = shape[:-1]
+            self.kv_caches = [
+                (
+                    *kv,
+                    _zeros(scale_shape, torch.float32, device),
+                    _zeros(scale_shape, torch.float32, device),
+                )
+                for kv in self.kv_caches
+            ]
         self.sampler = Sampler(device, seed)
         # Decode attention gathers each layer's K/V blocks into these (grown on demand).
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_elems = block_size * c.num_key_value_heads * c.head_dim
-        self._cache_dtype = dtype
+        self._cache_dtype = storage_dtype
         self.requests: dict[str, RunnerRequestState] = {}
         # Generators of preempted requests, handed back when they resume.
         self._parked_generators: dict[str, torch.Generator | None] = {}
+        # Prompt log-probs already sent for preempted requests: their recompute sends no repeats.
+        self._parked_prompt_logprob_idx: dict[str, int] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
-        input_ids, positions, attn, sample_req_ids, sample_idx = self._prepare(sched)
+        input_ids, positions, attn, sample_req_ids, sample_idx, prompt_rows = self._prepare(sched)
         fwd = ForwardBatch(self.kv_caches, attn)
         hidden = self.model(input_ids, positions, fwd)
+        out = RunnerOutput(sampled_token_ids={})
+        for rows in prompt_rows:
+            out.prompt_logprobs[rows.req_id] = self._prompt_logprobs(hidden, rows)
         if not sample_req_ids:
-            return RunnerOutput(sampled_token_ids={})
+            return out
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
         rows = [self._sampling_row(rid) for rid in sample_req_ids]
         token_ids, logprobs = self.sampler(logits, rows)
-        out = RunnerOutput(sampled_token_ids={})
         for rid, tok, lp in zip(sample_req_ids, token_ids, logprobs):
             self.requests[rid].token_ids.append(tok)
             out.sampled_token_ids[rid] = [tok]
@@ -93,10 +137,12 @@ class ModelRunner:
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
             self._parked_generators.pop(rid, None)
+            self._parked_prompt_logprob_idx.pop(rid, None)
         for rid in sched.preempted_req_ids:
             state = self.requests.pop(rid, None)
             if state is not None:
                 self._parked_generators[rid] = state.generator
+                self._parked_prompt_logprob_idx[rid] = state.next_prompt_logprob_idx
         for new in sched.new_reqs:
             generator = self._parked_generators.pop(new.req_id, None)
             if generator is None and new.sampling_params.seed is not None:
@@ -108,13 +154,21 @@ class ModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 generator=generator,
+                next_prompt_logprob_idx=self._parked_prompt_logprob_idx.pop(new.req_id, 1),
             )
         for cached in sched.cached_reqs:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
 
     def _prepare(
         self, sched: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[str], torch.Tensor]:
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        AttentionMetadata,
+        list[str],
+        torch.Tensor,
+        list[PromptLogprobRows],
+    ]:
         num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
         num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
         decodes = [rid for rid, n in sched.num_scheduled_tokens.items() if n == 1]
@@ -151,8 +205,12 @@ class ModelRunner:
             slots.extend((blocks[chunk_pos // bs] * bs + chunk_pos % bs).tolist())
         # Sample for requests whose last known token runs now (not mid-prompt chunks).
         offset = 0
+        prompt_rows: list[PromptLogprobRows] = []
         for rid in decodes + prefills:
             n = sched.num_scheduled_tokens[rid]
+            rows = self._prompt_logprob_rows(rid, offset, num_computed[rid], n)
+            if rows is not None:
+                prompt_rows.append(rows)
             offset += n
             if num_computed[rid] + n == len(self.requests[rid].token_ids):
                 sample_req_ids.append(rid)
@@ -173,7 +231,41 @@ class ModelRunner:
             attn,
             sample_req_ids,
             torch.tensor(sample_idx, dtype=torch.long, device=dev),
+            prompt_rows,
         )
+
+    def _prompt_logprob_rows(
+        self, req_id: str, row_idx: int, start: int, num_tokens: int
+    ) -> PromptLogprobRows | None:
+        """The rows of a request's chunk (positions ``start ..``, flat rows ``row_idx ..``) whose
+        next token is a prompt token still owed a log-prob; None if there are none.
+
+        chunk positions:  | sent before a preemption | lo .. hi - 1: ours | P - 1 |
+        Position P - 1 (the last prompt token) predicts the first output token: the sampler's row.
+        """
+        state = self.requests[req_id]
+        if state.sampling_params.prompt_logprobs is None:
+            return None
+        lo = max(start, state.next_prompt_logprob_idx - 1)
+        hi = min(start + num_tokens, state.num_prompt_tokens - 1)
+        if hi <= lo:
+            return None
+        return PromptLogprobRows(req_id, row_idx + lo - start, lo + 1, hi - lo)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> PromptLogprobs:
+        state = self.requests[rows.req_id]
+        end = rows.first_pos + rows.num_rows
+        k = state.sampling_params.prompt_logprobs
+        assert k is not None
+        out = compute_prompt_logprobs(
+            hidden[rows.row_idx : rows.row_idx + rows.num_rows],
+            self.model.compute_logits,
+            state.token_ids[rows.first_pos : end],
+            k,
+            rows.first_pos,
+        )
+        state.next_prompt_logprob_idx = end
+        return out
 
     def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if num_blocks == 0:

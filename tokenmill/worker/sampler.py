@@ -7,11 +7,12 @@ on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.sched_output import SampledLogprobs
+from tokenmill.core.sched_output import PromptLogprobs, SampledLogprobs
 from tokenmill.outputs import TokenLogprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -154,3 +155,47 @@ def _gather_logprobs(row_logprobs: torch.Tensor, token_id: int, k: int) -> Sampl
             for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()))
         ]
     return SampledLogprobs(sampled=[sampled], top=[top])
+
+
+# Rows of logits made at once for prompt log-probs: 128 x a 262,144-token vocabulary is 128 MiB
+# of fp32 logits, where a 1,024-token chunk at once would be 1 GiB.
+PROMPT_LOGPROBS_ROWS = 128
+
+
+def compute_prompt_logprobs(
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    target_ids: list[int],
+    k: int,
+    first_pos: int,
+) -> PromptLogprobs:
+    """Log-probs of ``target_ids`` (prompt tokens ``first_pos ..``) from the hidden states of the
+    positions just before them, a slice of rows at a time; only the needed values are kept.
+
+    The log-probs are of the raw model distribution (no penalties, bias or temperature), like
+    the sampled tokens' logprobs and vLLM's prompt_logprobs.
+    """
+    assert hidden.shape[0] == len(target_ids)  # hidden: [num_targets, hidden_size]
+    targets = torch.tensor(target_ids, dtype=torch.long, device=hidden.device)
+    sampled: list[TokenLogprob] = []
+    top: list[list[TokenLogprob]] = []
+    for lo in range(0, len(target_ids), PROMPT_LOGPROBS_ROWS):
+        hi = min(lo + PROMPT_LOGPROBS_ROWS, len(target_ids))
+        # log p = logit - logsumexp(logits): no second [rows, vocab] tensor for a log-softmax.
+        logits = compute_logits(hidden[lo:hi]).float()  # [rows, vocab]
+        log_norm = logits.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
+        target_logits = logits.gather(1, targets[lo:hi, None])  # [rows, 1]
+        ranks = torch.count_nonzero(logits > target_logits, dim=-1) + 1
+        target_lps = (target_logits - log_norm)[:, 0].tolist()
+        for t, lp, rank in zip(target_ids[lo:hi], target_lps, ranks.tolist()):
+            sampled.append(TokenLogprob(t, lp, rank))
+        if k == 0:
+            top.extend([] for _ in range(hi - lo))
+            continue
+        vals, ids = logits.topk(k, dim=-1)  # [rows, k]
+        vals -= log_norm
+        for row_vals, row_ids in zip(vals.tolist(), ids.tolist()):
+            top.append(
+                [TokenLogprob(t, v, r + 1) for r, (v, t) in enumerate(zip(row_vals, row_ids))]
+            )
+    return PromptLogprobs(first_pos=first_pos, sampled=sampled, top=top)

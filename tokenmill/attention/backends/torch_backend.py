@@ -4,6 +4,10 @@ Decodes gather their blocks with ``index_select`` (much faster than advanced ind
 into one padded batch and attend in a single call under a length/window mask. A prefill chunk
 with no computed context attends to its own fresh K/V; one on top of cached context gathers
 its blocks first.
+
+A quantized cache (scale tensors given) is dequantized as it is read, and every prefill chunk
+reads its own K/V back from the cache too, so prompt tokens carry the same quantization error
+in a one-shot prefill, a chunked one, or a prefix hit, as they do for decodes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.kv_cache import dequantize_kv, write_kv
 from tokenmill.attention.metadata import AttentionMetadata, PrefillSeq
 
 
@@ -25,19 +30,26 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if kv_scales is None:
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        else:
+            write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
+            write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
         out = torch.empty_like(q)
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, kv_scales)
         for seq in meta.prefills:
             s, e = seq.token_start, seq.token_start + seq.query_len
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, scale, window)
+            out[s:e] = self._prefill(
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, scale, window, kv_scales
+            )
         return out
 
     @staticmethod
@@ -48,6 +60,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         nd, max_blocks = meta.decode_block_table.shape
         _, bs, nkv, hd = k_cache.shape
@@ -57,6 +70,12 @@ class TorchAttentionBackend:
             k_buf, v_buf = (b[: flat_table.numel()] for b in meta.gather_buffers)
         keys = _gather_blocks(k_cache, flat_table, k_buf).view(nd, max_blocks * bs, nkv, hd)
         values = _gather_blocks(v_cache, flat_table, v_buf).view(nd, max_blocks * bs, nkv, hd)
+        if kv_scales is not None:
+            k_scale, v_scale = (
+                _gather_blocks(s, flat_table).view(nd, max_blocks * bs, nkv) for s in kv_scales
+            )
+            keys = dequantize_kv(keys, k_scale, q.dtype)
+            values = dequantize_kv(values, v_scale, q.dtype)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [nd, num_heads, 1, head_dim]
             keys.transpose(1, 2).to(q.dtype),  # [nd, num_kv_heads, max_ctx, head_dim]
@@ -77,11 +96,21 @@ class TorchAttentionBackend:
         seq: PrefillSeq,
         scale: float,
         window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        if seq.num_computed == 0:
+        _, bs, nkv, hd = k_cache.shape
+        if kv_scales is not None:
+            # The whole context, this chunk included, as the cache holds it.
+            k_scale, v_scale = (
+                _gather_blocks(s, seq.block_ids).view(-1, nkv)[: seq.seq_len] for s in kv_scales
+            )
+            keys = _gather_blocks(k_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+            values = _gather_blocks(v_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+            keys = dequantize_kv(keys, k_scale, q.dtype)
+            values = dequantize_kv(values, v_scale, q.dtype)
+        elif seq.num_computed == 0:
             keys, values = k, v
         else:
-            _, bs, nkv, hd = k_cache.shape
             keys = _gather_blocks(k_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
             values = _gather_blocks(v_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
         needs_mask = seq.num_computed > 0 or (window is not None and window < seq.seq_len)

@@ -1,0 +1,24 @@
+"""Builds the optional packed-weight matmul kernel (tokenmill/csrc); metadata is in pyproject.
+
+The extension is optional: where it cannot be built (no C compiler), tokenmill installs anyway
+and computes with its pure-torch reference.
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+compile_args = ["-O3", "-fopenmp"] if sys.platform.startswith("linux") else ["-O3"]
+link_args = ["-fopenmp"] if sys.platform.startswith("linux") else []
+
+setup(
+    ext_modules=[
+        Extension(
+            "tokenmill._qgemm",
+            sources=["tokenmill/csrc/qgemm.c"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            optional=True,
+        )
+    ]
+)

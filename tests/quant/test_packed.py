@@ -1,0 +1,152 @@
+"""Packed weights: repacking GGUF blocks is exact, the C kernel equals its torch reference, and
+packed / int4 models track float ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free
+
+from tokenmill.engine import LLMEngine
+from tokenmill.quant import Int4QuantMethod, PackedQuantMethod, kernels
+from tokenmill.quant.gguf_blocks import BLOCK_CODES
+from tokenmill.quant.packed import (
+    pack_gguf,
+    quantize_activations,
+    quantize_int4,
+    reference_matmul,
+)
+from tokenmill.sampling_params import SamplingParams
+
+GGML_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="packed kernel not built here")
+
+
+def _random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random block bytes of a [rows, cols] tensor with finite, modest f16 scales."""
+    elems, nbytes, _ = BLOCK_CODES[ggml_type]
+    n = rows * cols // elems
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
+    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type >= 12 else [0])
+    for off in scale_at:
+        d = (torch.rand(n, generator=g) * 0.02).half()
+        data[:, off : off + 2] = d.view(torch.uint8).reshape(n, 2)
+    return data
+
+
+@pytest.mark.parametrize("name", GGML_TYPES)
+def test_repacking_is_exact(name: str) -> None:
+    t = GGML_TYPES[name]
+    raw = _random_blocks(t, 24, 512, seed=t)
+    w = pack_gguf(raw.reshape(-1), t, (24, 512))
+    ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
+    assert torch.equal(w.dequantize(), ref)
+    # 4-bit formats keep half a byte a weight; the rest an int8 code.
+    assert w.kind == ("q4" if name in ("Q4_0", "Q4_K") else "q8")
+    rows = torch.tensor([5, 0, 23])
+    assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
+    assert torch.equal(w.dequantize(rows), ref[rows])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", GGML_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 6, 40])
+def test_kernel_matches_reference(name: str, m: int) -> None:
+    t = GGML_TYPES[name]
+    n, k = 48, 512
+    w = pack_gguf(_random_blocks(t, n, k, seed=t).reshape(-1), t, (n, k))
+    torch.manual_seed(m)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    exact = x @ w.dequantize().T + bias
+    scale = exact.abs().max()
+    # Float activations: the dequantize-then-matmul result up to float32 rounding.
+    y = kernels.qgemm(x, w, bias, act_int8=False)
+    torch.testing.assert_close(y, exact, rtol=0, atol=1e-5 * scale)
+    # int8 activations: equal to the emulated reference up to rounding, close to exact.
+    y8 = kernels.qgemm(x, w, bias, act_int8=True)
+    torch.testing.assert_close(y8, reference_matmul(x, w, bias, True), rtol=0, atol=1e-5 * scale)
+    assert (y8 - exact).abs().max() < 0.03 * scale
+    assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
+
+
+def test_activation_quantization_rounds_to_nearest() -> None:
+    x = torch.tensor([[127.0, 63.5, -0.49, 0.5] + [0.0] * 28])
+    q, d = quantize_activations(x)
+    assert d.tolist() == [[1.0]]
+    assert q[0, :4].tolist() == [127.0, 64.0, -0.0, 0.0]  # round half to even, like the kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_packed_method_paths_agree(m: int, monkeypatch) -> None:
+    """Kernel (small batch), float tiles (large batch) and torch fallback give one answer."""
+    w = pack_gguf(_random_blocks(12, 96, 256, seed=3).reshape(-1), 12, (96, 256))
+    method = PackedQuantMethod(act_int8=False)
+    state = method.wrap(w)
+    x = torch.randn(m, 256)
+    ours = method.apply(state, x)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    fallback = method.apply(state, x)
+    atol = 1e-5 * fallback.abs().max().item()
+    torch.testing.assert_close(ours, fallback, rtol=0, atol=atol)
+    monkeypatch.setattr("tokenmill.quant.gguf.TILE_ELEMENTS", 256 * 10)  # several tiles
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    torch.testing.assert_close(method.apply(state, x), fallback, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_error_is_bounded(group: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(16, 256) * torch.logspace(-2, 1, 16)[:, None]
+    p = quantize_int4(w, group)
+    assert p.kind == "q4" and p.codes.numel() == 16 * 128  # two codes a byte
+    step = p.scales.repeat_interleave(group, dim=1)
+    assert torch.all((p.dequantize() - w).abs() <= step / 2 + 1e-6)
+
+
+def test_int4_rejects_bad_group() -> None:
+    with pytest.raises(ValueError, match="group size"):
+        Int4QuantMethod(group_size=64)
+
+
+def _greedy(path, **kwargs) -> tuple[list[list[int]], LLMEngine]:
+    from tokenmill.config import EngineArgs
+
+    engine = LLMEngine(
+        EngineArgs(model=str(path), max_model_len=256, kv_cache_memory="4MiB", **kwargs)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 5, 9, 2, 7, 3, 11, 4], list(range(3, 40))]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int4_model_tracks_float(tiny_model_dir, arch: str) -> None:
+    path = tiny_model_dir(arch)
+    ref, _ = _greedy(path)
+    ours, engine = _greedy(path, quantization="int4")
+    # Random tiny models have nearly flat logits; int4 must still agree on the first tokens.
+    assert all(a[:2] == b[:2] for a, b in zip(ref, ours))
+    model = engine.runner.model
+    assert any(
+        isinstance(getattr(m, "quant_method", None), Int4QuantMethod) for m in model.modules()
+    )
+    assert_all_blocks_free(engine)
+
+
+def test_int4_group_that_does_not_divide_rows_is_refused(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="int4_group_size 128"):
+        _greedy(tiny_model_dir("llama"), quantization="int4", int4_group_size=128)
+
+
+def test_gguf_quantization_needs_a_gguf(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        _greedy(tiny_model_dir("llama"), quantization="gguf")

@@ -1,0 +1,84 @@
+"""Packed weights computed as they are stored: GGUF block formats (and int4, quant/int4.py).
+
+Small batches (decode) run the C kernel, which reads each packed weight once per step and
+expands it in registers; large batches (prefill) expand row tiles to float32 and run the float
+GEMM, whose cost then dwarfs the expansion. Activations: ``act_int8`` quantizes each 32-element
+chunk of x to int8 for the small-batch kernel (llama.cpp's default, the fast mode); without it
+everything stays float32, exact up to rounding. Where the kernel is not built, the pure-torch
+reference runs (float32 activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quant import kernels
+from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.packed import PackedWeight, reference_matmul
+
+# Rows of x at or above which tiles are expanded to float32 for the float GEMM (measured on
+# AVX2: the kernel wins below ~32 rows, the float GEMM above, even with the expansion).
+FLOAT_GEMM_MIN_ROWS = 32
+# Float32 elements per expanded tile (~16 MB): the 262k-row head is never expanded whole.
+TILE_ELEMENTS = 1 << 22
+
+
+@dataclass(slots=True)
+class PackedState:
+    weight: PackedWeight
+    bias: torch.Tensor | None = None
+
+
+class PackedQuantMethod(QuantMethod):
+    """Weights that arrive packed (GGUF) and are computed packed."""
+
+    name = "gguf"
+
+    def __init__(self, act_int8: bool = True) -> None:
+        self.act_int8 = act_int8
+
+    def wrap(self, weight: PackedWeight) -> PackedState:
+        return PackedState(weight)
+
+    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
+        raise ValueError("GGUF weights are packed when the file is read, not from floats")
+
+    def apply(self, state: PackedState, x: torch.Tensor) -> torch.Tensor:
+        w = state.weight
+        n, k = w.shape
+        x2 = x.reshape(-1, k)
+        if not kernels.available() or not kernels.supports(w):
+            y = reference_matmul(x2, w, state.bias, act_int8=False)
+        elif x2.shape[0] < FLOAT_GEMM_MIN_ROWS:
+            y = kernels.qgemm(x2, w, state.bias, self.act_int8)
+        else:
+            y = _tiled_float_gemm(x2.float(), w, state.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    def embedding(self, state: PackedState, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the table in float32 (a packed embedding's lookup)."""
+        return state.weight.dequantize(ids.reshape(-1)).reshape(*ids.shape, -1)
+
+    def dequantize(self, state: PackedState) -> torch.Tensor:
+        return state.weight.dequantize()
+
+    def nbytes(self, state: PackedState) -> int:
+        extra = 0 if state.bias is None else state.bias.numel() * 4
+        return state.weight.nbytes + extra
+
+
+def _tiled_float_gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = w.shape
+    rows = max(1, TILE_ELEMENTS // k)
+    if n <= rows:
+        return F.linear(x, kernels.dequantize_rows(w, 0, n), bias)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        out[:, start:end] = x @ kernels.dequantize_rows(w, start, end).T
+    if bias is not None:
+        out += bias
+    return out

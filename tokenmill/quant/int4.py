@@ -1,0 +1,29 @@
+"""Weight-only int4 for float checkpoints: group-wise symmetric, applied at load.
+
+Each group of 32 or 128 input elements of a row gets scale = max|w| / 7 and codes in [-8, 7];
+the codes are stored two per byte (0.5 bytes a weight plus a float32 scale and offset per
+group) and computed by the packed-weight kernel, exactly like a GGUF Q4_0 tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quant.gguf import PackedQuantMethod, PackedState
+from tokenmill.quant.packed import quantize_int4
+
+INT4_GROUP_SIZES = (32, 128)
+
+
+class Int4QuantMethod(PackedQuantMethod):
+    name = "int4"
+
+    def __init__(self, group_size: int = 32, act_int8: bool = True) -> None:
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be 32 or 128; got {group_size}")
+        super().__init__(act_int8)
+        self.group_size = group_size
+
+    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
+        bias = None if bias is None else bias.float().contiguous()
+        return PackedState(quantize_int4(weight, self.group_size), bias)

@@ -1,0 +1,197 @@
+"""Packed weights: integer codes with a float32 scale (and optional offset) per group.
+
+    w[n, k] = scales[n, k // G] · code[n, k] - offsets[n, k // G]
+
+One layout serves every packed scheme: GGUF's block formats are repacked into it at load with
+their own scales (no extra error), and int4 is quantized into it. ``kind`` says how codes are
+stored:
+  "q8": int8 codes [N, K] (GGUF Q8_0, Q5_0, Q5_K, Q6_K);
+  "q4": 4-bit codes 0..15, two per byte [N, K/2]; in each 32-element chunk byte j holds
+        element j in its low nibble and element j + 16 in its high one (ggml's Q4_0 order)
+        (GGUF Q4_0, Q4_K, int4).
+The matmul runs in the C kernel (quant/kernels.py) where it is built; ``reference_matmul`` is
+its pure-torch twin, the fallback elsewhere and the oracle of the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.quant.gguf_blocks import BLOCK_CODES, BlockCodes
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    kind: str  # "q8" | "q4"
+    codes: torch.Tensor  # int8 [N, K] or uint8 [N, K // 2]
+    scales: torch.Tensor  # float32 [N, K // G]
+    offsets: torch.Tensor | None  # float32 [N, K // G] or None
+    group: int  # G: 16, or a multiple of 32
+    shape: tuple[int, int]  # (N, K)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def select_rows(self, index: torch.Tensor) -> PackedWeight:
+        """The rows ``index`` (a permutation, e.g. undoing llama.cpp's q/k row order)."""
+        offsets = None if self.offsets is None else self.offsets[index].contiguous()
+        return PackedWeight(
+            self.kind,
+            self.codes[index].contiguous(),
+            self.scales[index].contiguous(),
+            offsets,
+            self.group,
+            self.shape,
+        )
+
+    def codes_int(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Codes of ``rows`` as int16 [n, K] in element order."""
+        codes = self.codes[rows]
+        if self.kind == "q8":
+            return codes.to(torch.int16)
+        n = codes.shape[0]
+        chunks = codes.reshape(n, -1, 1, 16)
+        nibbles = (chunks >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
+        return nibbles.reshape(n, -1).to(torch.int16)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Float32 rows of W (all of them by default)."""
+        q = self.codes_int(rows).float()
+        n, k = q.shape
+        w = self.scales[rows][:, :, None] * q.reshape(n, -1, self.group)
+        if self.offsets is not None:
+            w = w - self.offsets[rows][:, :, None]
+        return w.reshape(n, k)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int codes 0..15 [N, K] -> uint8 [N, K // 2] in the "q4" order."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def from_block_codes(bc: BlockCodes, rows: int, cols: int) -> PackedWeight:
+    """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order)."""
+    codes = bc.codes.reshape(rows, cols)
+    scales = bc.scales.reshape(rows, -1).contiguous()
+    offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
+    lo, hi = int(codes.min()), int(codes.max())
+    if bc.group % 32 == 0 and lo >= -8 and hi <= 7 and offsets is None:
+        # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
+        return PackedWeight(
+            "q4", pack_nibbles(codes + 8), scales, 8.0 * scales, bc.group, (rows, cols)
+        )
+    if bc.group % 32 == 0 and lo >= 0 and hi <= 15:
+        return PackedWeight("q4", pack_nibbles(codes), scales, offsets, bc.group, (rows, cols))
+    return PackedWeight("q8", codes.to(torch.int8), scales, offsets, bc.group, (rows, cols))
+
+
+def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
+    """A GGUF tensor's raw bytes (uint8) -> PackedWeight, in row chunks to bound temporaries."""
+    elems, nbytes, unpack = BLOCK_CODES[ggml_type]
+    rows, cols = shape
+    if cols % elems:
+        raise ValueError(f"row length {cols} is not a whole number of {elems}-element blocks")
+    per_row = cols // elems * nbytes
+    blocks = raw.reshape(rows, per_row)
+    chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
+    parts = [
+        from_block_codes(
+            unpack(blocks[r : r + chunk].reshape(-1, nbytes)), len(blocks[r : r + chunk]), cols
+        )
+        for r in range(0, rows, chunk)
+    ]
+    # Q4_0/Q4_K pack as "q4" in every chunk; other formats as "q8": kinds agree across chunks.
+    kinds = {p.kind for p in parts}
+    if len(kinds) > 1:  # a chunk of Q4_0 that happened to fit 0..15 unsigned: unify as q8
+        parts = [_as_q8(p) for p in parts]
+    first = parts[0]
+    offsets = [p.offsets for p in parts]
+    if any(o is None for o in offsets) and any(o is not None for o in offsets):
+        offsets = [
+            o if o is not None else torch.zeros_like(p.scales) for o, p in zip(offsets, parts)
+        ]
+    return PackedWeight(
+        first.kind,
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        None if offsets[0] is None else torch.cat(offsets),
+        first.group,
+        (rows, cols),
+    )
+
+
+def _as_q8(p: PackedWeight) -> PackedWeight:
+    return PackedWeight("q8", p.codes_int().to(torch.int8), p.scales, p.offsets, p.group, p.shape)
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
+    """Symmetric group-wise int4: code = round(w / s) in [-8, 7], s = max|w| / 7 per group,
+    stored as code + 8 with the offset 8·s."""
+    n, k = weight.shape
+    if k % group or group % 32:
+        raise ValueError(
+            f"int4_group_size {group} must be a multiple of 32 dividing every weight row; "
+            f"this model has rows of {k} elements (try 32)"
+        )
+    codes = torch.empty((n, k // 2), dtype=torch.uint8)
+    scales = torch.empty((n, k // group), dtype=torch.float32)
+    step = max(1, (1 << 22) // k)
+    for r in range(0, n, step):
+        w = weight[r : r + step].float().reshape(-1, k // group, group)
+        s = w.abs().amax(dim=-1) / 7.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / s[:, :, None]).clamp_(-8, 7) + 8
+        codes[r : r + step] = pack_nibbles(q.reshape(-1, k))
+        scales[r : r + step] = s
+    return PackedWeight("q4", codes, scales, 8.0 * scales, group, (n, k))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each 32-element chunk of x [M, K] -> int8 codes and a scale (the kernel's int8 mode)."""
+    m, k = x.shape
+    chunks = x.float().reshape(m, k // 32, 32)
+    amax = chunks.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(chunks * inv[:, :, None])
+    return q.reshape(m, k), amax / 127.0
+
+
+def reference_matmul(
+    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_int8: bool
+) -> torch.Tensor:
+    """y = x Wᵀ + b in float32, as the kernel computes it (incl. its int8 activations).
+
+    The int8 mode is emulated in float (exact integer sums, then the chunk scales), for tests;
+    without the kernel the model runs the float mode, which is a plain tiled matmul.
+    """
+    x = x.float()
+    m, k = x.shape
+    tile = max(1, (1 << 24) // k)  # bound the float weight tile (~16M elements)
+    out = torch.empty(m, w.shape[0], dtype=torch.float32)
+    if act_int8:
+        xq, xd = quantize_activations(x)
+        xq = xq.reshape(m, k // 32, 32)
+        sums = x.reshape(m, -1, w.group).sum(-1)
+    for r in range(0, w.shape[0], tile):
+        rows = slice(r, r + tile)
+        if not act_int8:
+            out[:, rows] = x @ w.dequantize(rows).T
+            continue
+        codes = w.codes_int(rows).float()
+        n = codes.shape[0]
+        scaled = (w.scales[rows][:, :, None] * codes.reshape(n, -1, w.group)).reshape(
+            n, k // 32, 32
+        )
+        y = (torch.einsum("mcj,ncj->mnc", xq, scaled) * xd[:, None, :]).sum(-1)
+        if w.offsets is not None:
+            y = y - sums @ w.offsets[rows].T
+        out[:, rows] = y
+    if bias is not None:
+        out += bias.float()
+    return out
