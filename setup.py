@@ -1,4 +1,5 @@
-"""Builds the optional packed-weight matmul kernel (tokenmill/csrc); metadata is in pyproject.
+"""Builds the optional C kernels (tokenmill/csrc: packed-weight matmul, decode-step ops);
+metadata is in pyproject.
 
 The extension is optional: where it cannot be built (no C compiler), tokenmill installs anyway
 and computes with its pure-torch reference.
@@ -15,7 +16,7 @@ setup(
     ext_modules=[
         Extension(
             "tokenmill._qgemm",
-            sources=["tokenmill/csrc/qgemm.c"],
+            sources=["tokenmill/csrc/qgemm.c", "tokenmill/csrc/decode_ops.c"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

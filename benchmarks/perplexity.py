@@ -28,11 +28,20 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--packed-activations", default=None, help="int8 (default) or float32")
+    parser.add_argument("--int4-group-size", type=int, default=None, help="32 (default) or 128")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
     engine_args = {
         name: getattr(args, name)
-        for name in ("quantization", "kv_cache_dtype", "dtype", "max_num_batched_tokens")
+        for name in (
+            "quantization",
+            "kv_cache_dtype",
+            "dtype",
+            "max_num_batched_tokens",
+            "packed_activations",
+            "int4_group_size",
+        )
         if getattr(args, name) is not None
     }
     llm = LLM(args.model, max_model_len=args.window + 1, **engine_args)

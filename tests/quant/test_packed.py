@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 
+from tokenmill import kernels
 from tokenmill.engine import LLMEngine
-from tokenmill.quant import Int4QuantMethod, PackedQuantMethod, kernels
+from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import (
     pack_gguf,

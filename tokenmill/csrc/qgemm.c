@@ -266,19 +266,22 @@ TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, cons
                                float *out) {
     const int64_t nc = K / 32, ng = K / G;
     const int64_t wrow = kind == 0 ? K : K / 2;
+    const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * wrow;
-        float *o = out + (n - n0) * K;
+        const float *s = scales + n * ng, *o = offsets ? offsets + n * ng : NULL;
+        float *dst = out + (n - n0) * K;
         for (int64_t c = 0; c < nc; c++) {
             __m256i codes = load_codes(kind, row, c);
-            uint8_t buf[32];
-            _mm256_storeu_si256((__m256i *)buf, codes);
-            for (int i = 0; i < 32; i++) {
-                int64_t k = c * 32 + i, g = k / G;
-                float code = kind == 0 ? (float)(int8_t)buf[i] : (float)buf[i];
-                float v = scales[n * ng + g] * code;
-                o[k] = offsets ? v - offsets[n * ng + g] : v;
+            __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; i++) {
+                __m256i v = kind == 0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+                int64_t g = g16 ? 2 * c + i / 2 : c >> gshift;
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[g]));
+                if (o) f = _mm256_sub_ps(f, _mm256_set1_ps(o[g]));
+                _mm256_storeu_ps(dst + c * 32 + 8 * i, f);
             }
         }
     }

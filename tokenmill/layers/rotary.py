@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.config import RopeScaling
 
 
@@ -55,6 +56,16 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        if (
+            q.shape[-1] % 16 == 0
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and kernels.fits(q, k, self.cos, self.sin)
+        ):
+            # In place: q and k are fresh projections no one else holds.
+            kernels.rope_neox_(q, positions, self.cos, self.sin)
+            kernels.rope_neox_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -35,9 +35,9 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(x), positions, fwd)
-        h = x + self.post_attention_layernorm(attn_out)
+        h = self.post_attention_layernorm(attn_out, residual=x)  # x + norm(attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(mlp_out)
+        return self.post_feedforward_layernorm(mlp_out, residual=h)
 
 
 class Gemma3Backbone(nn.Module):

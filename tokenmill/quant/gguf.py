@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant import kernels
+from tokenmill import kernels
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.packed import PackedWeight, reference_matmul
 

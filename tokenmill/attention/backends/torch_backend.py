@@ -1,7 +1,9 @@
-"""Pure-torch paged attention (CPU path and test oracle), built on scaled_dot_product_attention.
+"""Paged attention on CPU (and the test oracle), built on scaled_dot_product_attention.
 
-Decodes gather their blocks with ``index_select`` (much faster than advanced indexing on CPU)
-into one padded batch and attend in a single call under a length/window mask. A prefill chunk
+Decodes over a float32 cache run the C kernel (tokenmill/csrc/decode_ops.c), which reads each
+sequence's blocks in place. Otherwise they gather their blocks with ``index_select`` (much
+faster than advanced indexing on CPU) into one padded batch and attend in a single call under a
+length/window mask. A prefill chunk
 with no computed context attends to its own fresh K/V; one on top of cached context gathers
 its blocks first.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill import kernels
 from tokenmill.attention.kv_cache import dequantize_kv, write_kv
 from tokenmill.attention.metadata import AttentionMetadata, PrefillSeq
 
@@ -64,6 +67,11 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         nd, max_blocks = meta.decode_block_table.shape
         _, bs, nkv, hd = k_cache.shape
+        if kv_scales is None and hd % 8 == 0 and kernels.fits(q, k_cache, v_cache):
+            # Straight from the paged cache: no gather, no padding, no mask.
+            return kernels.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, window, scale
+            )
         flat_table = meta.decode_block_table.reshape(-1)
         k_buf = v_buf = None
         if meta.gather_buffers is not None:

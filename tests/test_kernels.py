@@ -1,0 +1,70 @@
+"""The C decode-step kernels equal their torch twins (RMSNorm, RoPE, paged decode attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import kernels
+from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not built here")
+
+
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_torch(norm_cls, with_residual) -> None:
+    torch.manual_seed(0)
+    norm = norm_cls(64, eps=1e-6)
+    norm.weight.data.normal_()
+    x, res = torch.randn(5, 64) * 3, torch.randn(5, 64)
+    residual = res if with_residual else None
+    ours = norm(x, residual)
+    gain = norm.weight + norm.weight_offset
+    ref = F.rms_norm(x, (64,), gain, 1e-6) + (res if with_residual else 0)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # The torch path (taken for other dtypes) agrees too.
+    torch.testing.assert_close(
+        norm(x.double(), None if residual is None else res.double()).float(), ref
+    )
+
+
+def test_rope_matches_torch() -> None:
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(head_dim=32, max_position=64, theta=10000.0)
+    positions = torch.tensor([0, 5, 63, 17])
+    q, k = torch.randn(4, 3, 32), torch.randn(4, 1, 32)
+    ref_q, ref_k = rope(positions, q.double(), k.double())  # torch path (not float32)
+    ours_q, ours_k = rope(positions, q.clone(), k.clone())
+    torch.testing.assert_close(ours_q, ref_q.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_k, ref_k.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_sdpa(window) -> None:
+    torch.manual_seed(2)
+    num_blocks, bs, kv_heads, heads, dim = 12, 4, 2, 6, 16
+    k_cache, v_cache = torch.randn(2, num_blocks, bs, kv_heads, dim)
+    seq_lens = torch.tensor([1, 7, 13])  # one short, one mid-block, one across 4 blocks
+    table = torch.zeros(3, 4, dtype=torch.long)
+    table[0, :1] = torch.tensor([9])
+    table[1, :2] = torch.tensor([3, 0])
+    table[2, :4] = torch.tensor([5, 11, 2, 7])
+    q = torch.randn(3, heads, dim)
+    meta = AttentionMetadata(
+        block_size=bs,
+        slot_mapping=torch.zeros(3, dtype=torch.long),
+        num_decodes=3,
+        decode_block_table=table,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+    )
+    ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.3)
+    # The torch path: float64 inputs do not fit the kernel, so SDPA runs.
+    ref = TorchAttentionBackend._decode(
+        q.double(), k_cache.double(), v_cache.double(), meta, 0.3, window, None
+    )
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,127 @@
+/*
+ * Small per-token operations of a decode step, on float32 CPU tensors (AVX2 + FMA).
+ *
+ * At batch 1 a decode step of gemma-3-270m runs ~100 RMSNorms, 18 RoPEs and 18 attentions over
+ * tensors of a few hundred floats; through torch each costs 20-60 us of dispatch against well
+ * under a microsecond of arithmetic. These do the arithmetic in one call each:
+ *   tm_rmsnorm:     out = residual + x / rms(x) * (w + offset) (residual optional), by row;
+ *   tm_rope_neox:   rotate-half RoPE of [tokens, heads, head_dim] in place from cos/sin tables;
+ *   tm_decode_attn: one query per sequence against its paged K/V (block table, length,
+ *                   sliding window, GQA), softmax in float32, without gathering blocks.
+ * Each has a torch twin in tokenmill/layers and tokenmill/attention, which tests compare.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TM_TARGET __attribute__((target("avx2,fma")))
+
+TM_TARGET static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* gain = weight + weight_offset (Gemma stores 1 + w as w); dim must be a multiple of 8. */
+TM_TARGET void tm_rmsnorm(const float *x, const float *weight, float weight_offset,
+                          const float *residual, float *out, int64_t rows, int64_t dim,
+                          float eps) {
+    const __m256 offset = _mm256_set1_ps(weight_offset);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)dim + eps));
+        float *o = out + r * dim;
+        const float *res = residual ? residual + r * dim : NULL;
+        for (int64_t i = 0; i < dim; i += 8) {
+            __m256 gain = _mm256_add_ps(_mm256_loadu_ps(weight + i), offset);
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), inv), gain);
+            if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res + i));
+            _mm256_storeu_ps(o + i, v);
+        }
+    }
+}
+
+/* x [tokens, heads, dim]; cos/sin [max_position, dim / 2]; dim / 2 a multiple of 8. */
+TM_TARGET void tm_rope_neox(float *x, const int64_t *positions, const float *cos_t,
+                            const float *sin_t, int64_t tokens, int64_t heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i += 8) {
+                __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + half + i);
+                __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(v + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+                _mm256_storeu_ps(v + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+            }
+        }
+    }
+}
+
+/*
+ * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D]; block_table [nd, max_blocks] int64;
+ * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
+ * >= seq_len - window. out [nd, H, D]. D a multiple of 8. Returns -1 if scratch memory fails.
+ */
+TM_TARGET int tm_decode_attn(const float *q, const float *k_cache, const float *v_cache,
+                             const int64_t *block_table, const int64_t *seq_lens, int64_t nd,
+                             int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
+                             int64_t window, float scale, float *out) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < nd; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const int64_t group = H / KVH, row = KVH * D;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1));
+        if (!scores) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < nd * H; job++) {
+            if (!scores) continue;
+            const int64_t seq = job / H, h = job % H, kvh = h / group;
+            const int64_t len = seq_lens[seq];
+            const int64_t start = window > 0 && len > window ? len - window : 0;
+            const float *qv = q + (seq * H + h) * D;
+            const int64_t *table = block_table + seq * max_blocks;
+            float mx = -INFINITY;
+            for (int64_t p = start; p < len; p++) {
+                const float *kv = k_cache + (table[p / bs] * bs + p % bs) * row + kvh * D;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kv + i), acc);
+                float sc = hsum8(acc) * scale;
+                scores[p] = sc;
+                mx = sc > mx ? sc : mx;
+            }
+            float denom = 0.0f;
+            for (int64_t p = start; p < len; p++) {
+                scores[p] = expf(scores[p] - mx);
+                denom += scores[p];
+            }
+            /* V rows are read in order (one pass over the context); the sum stays in L1. */
+            float *o = out + (seq * H + h) * D;
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
+            for (int64_t p = start; p < len; p++) {
+                const float *vv = v_cache + (table[p / bs] * bs + p % bs) * row + kvh * D;
+                __m256 w = _mm256_set1_ps(scores[p]);
+                for (int64_t i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(
+                        o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + i), _mm256_loadu_ps(o + i)));
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / denom);
+            for (int64_t i = 0; i < D; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
