@@ -98,3 +98,13 @@ def test_greedy_alone_equals_greedy_in_batch_of_16(llm: LLM) -> None:
     batch = llm.generate(others[:7] + [PLAIN[0]] + others[7:], params, use_tqdm=False)
     assert batch[7].outputs[0].token_ids == alone
     assert_all_blocks_free(llm.engine)
+
+
+def test_packed_weights_stay_near_the_file_size(llm: LLM) -> None:
+    """The quantization issue's bound: packed weights at most 1.5x the GGUF file."""
+    file_bytes = llm.engine.config.model_config.source.path.stat().st_size
+    weight_bytes = llm.engine.runner.model.weight_nbytes()
+    if llm.engine.config.quantization == "gguf":
+        assert weight_bytes <= 1.5 * file_bytes
+    else:  # dequantized to float32: about 4x the Q4_K_M file
+        assert weight_bytes > 3 * file_bytes

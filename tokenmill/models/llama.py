@@ -14,6 +14,7 @@ from torch import nn
 from tokenmill.attention import Attention, ForwardBatch
 from tokenmill.config import ModelConfig
 from tokenmill.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, get_act_fn
+from tokenmill.layers.linear import fuse_packed
 from tokenmill.models.base import CausalLM
 
 
@@ -41,6 +42,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
+        self.qkv_proj: Linear | None = None  # set by fuse_projections_ after loading
+        kv_size = self.num_kv_heads * c.head_dim
+        self.qkv_sizes = [self.num_heads * c.head_dim, kv_size, kv_size]
         if qk_norm is None and c.architecture == "qwen3":
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
@@ -57,11 +61,19 @@ class LlamaAttention(nn.Module):
             c.layer_sliding_window(layer_idx),
         )
 
+    def fuse_projections_(self) -> None:
+        """After loading: q/k/v in one packed matmul where their layouts allow."""
+        self.qkv_proj = fuse_packed([self.q_proj, self.k_proj, self.v_proj])
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -76,9 +88,18 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.act = get_act_fn(config.hidden_act)
+        self.gate_up_proj: Linear | None = None  # set by fuse_projections_ after loading
+
+    def fuse_projections_(self) -> None:
+        """After loading: gate and up in one packed matmul where their layouts allow."""
+        self.gate_up_proj = fuse_packed([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -83,6 +83,9 @@ def load_model(
             model.load_weights(_iter_safetensors(config.source.path), on_loaded)
         else:
             model.load_weights(_iter_gguf(config), on_loaded)
+    for module in model.modules():
+        if hasattr(module, "fuse_projections_"):
+            module.fuse_projections_()
     _release_freed_memory()
     return model.eval()
 

@@ -68,6 +68,30 @@ class PackedWeight:
         return w.reshape(n, k)
 
 
+def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
+    """One weight whose rows are those of ``weights`` in order (q/k/v or gate/up computed in one
+    pass over x), or None when their layouts differ."""
+    first = weights[0]
+    if any(
+        (w.kind, w.group, w.shape[1]) != (first.kind, first.group, first.shape[1]) for w in weights
+    ):
+        return None
+    offsets = None
+    if any(w.offsets is not None for w in weights):  # scale·code - 0 where a part has none
+        offsets = torch.cat(
+            [w.offsets if w.offsets is not None else torch.zeros_like(w.scales) for w in weights]
+        )
+    rows = sum(w.shape[0] for w in weights)
+    return PackedWeight(
+        first.kind,
+        torch.cat([w.codes for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        offsets,
+        first.group,
+        (rows, first.shape[1]),
+    )
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """int codes 0..15 [N, K] -> uint8 [N, K // 2] in the "q4" order."""
     n, k = codes.shape
