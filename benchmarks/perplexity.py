@@ -31,7 +31,17 @@ def main() -> None:
     parser.add_argument("--packed-activations", default=None, help="int8 (default) or float32")
     parser.add_argument("--int4-group-size", type=int, default=None, help="32 (default) or 128")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--decode-kernel",
+        action="store_true",
+        help="score every row with the small-batch packed kernel, as decode computes (prefill "
+        "otherwise expands packed tiles to float32, so --packed-activations would not show)",
+    )
     args = parser.parse_args()
+    if args.decode_kernel:
+        import tokenmill.quant.gguf
+
+        tokenmill.quant.gguf.FLOAT_GEMM_MIN_ROWS = 1 << 62
     engine_args = {
         name: getattr(args, name)
         for name in (
@@ -49,6 +59,8 @@ def main() -> None:
         llm, args.text.read_text(), args.window, args.stride, args.max_tokens_total
     )
     options = ", ".join(f"{k}={v}" for k, v in engine_args.items()) or "engine defaults"
+    if args.decode_kernel:
+        options += " (every row through the decode kernel)"
     stride = args.stride or args.window
     print(f"{args.model} on {args.text.name}: window {args.window}, stride {stride}, {options}")
     print(f"tokens scored: {result.num_tokens} in {result.num_windows} windows")

@@ -40,10 +40,9 @@ def _rss_mib() -> float:
 
 
 def run_mode(kwargs: dict) -> dict:
-    from tokenmill.bench.workload import random_prompts
+    from tokenmill.bench.workload import random_prompts, run_to_completion
     from tokenmill.config import EngineArgs
     from tokenmill.engine import LLMEngine
-    from tokenmill.sampling_params import SamplingParams
 
     engine = LLMEngine(
         EngineArgs(max_model_len=2048, kv_cache_memory=KV_BUDGET, max_num_seqs=32, **kwargs)
@@ -56,20 +55,11 @@ def run_mode(kwargs: dict) -> dict:
     out["max_concurrent_1000"] = engine.num_total_blocks // blocks_per_request
     vocab = engine.config.model_config.vocab_size
 
-    def run(prompts: list[list[int]], n: int) -> list:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(p, params)
-        done = []
-        while engine.has_unfinished_requests():
-            done += [o.metrics for o in engine.step() if o.finished]
-        return done
-
-    run(random_prompts(1, 16, vocab, seed=9), 4)  # warm-up
-    (m,) = run(random_prompts(1, 128, vocab, seed=2), 129)
+    run_to_completion(engine, random_prompts(1, 16, vocab, seed=9), 4)  # warm-up
+    (m,) = run_to_completion(engine, random_prompts(1, 128, vocab, seed=2), 129)
     out["decode_tok_s"] = 128 / (m.finished_time - m.first_token_time)
     start = time.perf_counter()
-    run(random_prompts(32, 128, vocab, seed=3), 128)
+    run_to_completion(engine, random_prompts(32, 128, vocab, seed=3), 128)
     out["concurrent32_tok_s"] = 32 * 128 / (time.perf_counter() - start)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out

@@ -38,9 +38,9 @@ def _peak_rss_mib() -> float:
 
 
 def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
+    from tokenmill.bench.workload import run_to_completion
     from tokenmill.config import EngineArgs
     from tokenmill.engine import LLMEngine
-    from tokenmill.sampling_params import SamplingParams
 
     engine = LLMEngine(
         EngineArgs(
@@ -53,23 +53,16 @@ def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
     )
     vocab = engine.config.model_config.vocab_size
 
-    def run(prompts: list[list[int]], n: int) -> list:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(p, params)
-        metrics = []
-        while engine.has_unfinished_requests():
-            metrics += [o.metrics for o in engine.step() if o.finished]
-        return metrics
-
-    run(_prompts(1, 16, vocab, seed=9), 4)  # warm-up
+    run_to_completion(engine, _prompts(1, 16, vocab, seed=9), 4)  # warm-up
     out = {}
-    (m,) = run(_prompts(1, PREFILL_PROMPT, vocab, seed=1), 1)
+    (m,) = run_to_completion(engine, _prompts(1, PREFILL_PROMPT, vocab, seed=1), 1)
     out["prefill_tok_s"] = PREFILL_PROMPT / m.ttft
-    (m,) = run(_prompts(1, DECODE_PROMPT, vocab, seed=2), DECODE_TOKENS + 1)
+    (m,) = run_to_completion(engine, _prompts(1, DECODE_PROMPT, vocab, seed=2), DECODE_TOKENS + 1)
     out["decode_tok_s"] = DECODE_TOKENS / (m.finished_time - m.first_token_time)
     start = time.perf_counter()
-    run(_prompts(CONCURRENT, CONCURRENT_PROMPT, vocab, seed=3), CONCURRENT_TOKENS)
+    run_to_completion(
+        engine, _prompts(CONCURRENT, CONCURRENT_PROMPT, vocab, seed=3), CONCURRENT_TOKENS
+    )
     out["concurrent_tok_s"] = CONCURRENT * CONCURRENT_TOKENS / (time.perf_counter() - start)
     out["peak_rss_mib"] = _peak_rss_mib()
     out["weights_mib"] = engine.runner.model.weight_nbytes() / 2**20

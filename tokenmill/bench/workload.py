@@ -1,8 +1,13 @@
-"""Synthetic prompts of exact token lengths, the same for every engine that is compared."""
+"""Synthetic prompts of exact token lengths, the same for every engine that is compared, and
+a loop that runs a batch of them to the end."""
 
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.engine import LLMEngine
 
 
 def random_prompts(
@@ -12,3 +17,17 @@ def random_prompts(
     rng = random.Random(seed)
     lo, hi = min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
     return [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy, ``max_tokens`` each (EOS ignored), all queued at once; the finished requests'
+    metrics in completion order."""
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    metrics = []
+    while engine.has_unfinished_requests():
+        metrics += [out.metrics for out in engine.step() if out.finished]
+    return metrics

@@ -78,8 +78,9 @@ class CausalLM(nn.Module):
                         f"checkpoint tensor {name!r} (packed, shape {tensor.shape}) does not fit "
                         f"the model's {tuple(param.shape)}"
                     )
+                device = param.device
                 del param
-                module.load_packed_(packed_method, tensor)
+                module.load_packed_(packed_method, tensor.to(device))
                 continue
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(

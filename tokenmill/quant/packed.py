@@ -36,6 +36,17 @@ class PackedWeight:
         tensors = [self.codes, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def to(self, device: torch.device) -> PackedWeight:
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return PackedWeight(
+            self.kind,
+            self.codes.to(device),
+            self.scales.to(device),
+            offsets,
+            self.group,
+            self.shape,
+        )
+
     def select_rows(self, index: torch.Tensor) -> PackedWeight:
         """The rows ``index`` (a permutation, e.g. undoing llama.cpp's q/k row order)."""
         offsets = None if self.offsets is None else self.offsets[index].contiguous()
@@ -55,7 +66,8 @@ class PackedWeight:
             return codes.to(torch.int16)
         n = codes.shape[0]
         chunks = codes.reshape(n, -1, 1, 16)
-        nibbles = (chunks >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=codes.device).view(1, 1, 2, 1)
+        nibbles = (chunks >> shifts) & 0x0F
         return nibbles.reshape(n, -1).to(torch.int16)
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
@@ -163,8 +175,8 @@ def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
             f"int4_group_size {group} must be a multiple of 32 dividing every weight row; "
             f"this model has rows of {k} elements (try 32)"
         )
-    codes = torch.empty((n, k // 2), dtype=torch.uint8)
-    scales = torch.empty((n, k // group), dtype=torch.float32)
+    codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight.device)
+    scales = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
     step = max(1, (1 << 22) // k)
     for r in range(0, n, step):
         w = weight[r : r + step].float().reshape(-1, k // group, group)
@@ -197,7 +209,7 @@ def reference_matmul(
     x = x.float()
     m, k = x.shape
     tile = max(1, (1 << 24) // k)  # bound the float weight tile (~16M elements)
-    out = torch.empty(m, w.shape[0], dtype=torch.float32)
+    out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
     if act_int8:
         xq, xd = quantize_activations(x)
         xq = xq.reshape(m, k // 32, 32)

@@ -166,7 +166,8 @@ def describe_memory_plan(engine: AsyncEngine) -> str:
         f"weights {_format_bytes(weight_bytes)} ({llm.config.dtype}"
         f"{', ' + llm.config.quantization if llm.config.quantization else ''} "
         f"on {llm.config.device}); "
-        f"KV cache {_format_bytes(kv_bytes)} = {llm.num_total_blocks} blocks x "
+        f"KV cache {_format_bytes(kv_bytes)} ({llm.runner.kv_cache_dtype}) = "
+        f"{llm.num_total_blocks} blocks x "
         f"{cache.block_size} tokens = {llm.num_total_blocks * cache.block_size} tokens; "
         f"max_model_len {sched.max_model_len}, max_num_seqs {sched.max_num_seqs}"
     )
