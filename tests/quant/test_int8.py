@@ -11,7 +11,7 @@ from conftest import assert_all_blocks_free
 
 from tokenmill.engine import LLMEngine
 from tokenmill.quant import Int8QuantMethod, create_quant_method
-from tokenmill.quant.int8 import has_fbgemm, quantize_per_channel
+from tokenmill.quant.int8 import quantize_per_channel
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,26 +32,24 @@ def test_zero_rows_survive() -> None:
     assert torch.equal(q.float() * scales[:, None], w)
 
 
-@pytest.mark.skipif(not has_fbgemm(), reason="fbgemm int8 GEMM is x86-only")
-@pytest.mark.parametrize("shape", [(1, 64, 48), (7, 256, 640), (33, 96, 32)])
+@pytest.mark.parametrize("shape", [(1, 64, 48), (7, 256, 640), (40, 96, 32)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fast_path_matches_reference(shape, bias) -> None:
+@pytest.mark.parametrize("act_int8", [False, True])
+def test_matmul_matches_dequantized_weight(shape, bias, act_int8) -> None:
     torch.manual_seed(1)
     m, n, k = shape
     w = torch.randn(n, k) * 0.05
     b = torch.randn(n) if bias else None
     x = torch.randn(m, k)
-    fast = Int8QuantMethod(use_fast_path=True)
-    ref = Int8QuantMethod(use_fast_path=False)
-    state = fast.quantize(w, b)
-    assert state.packed is not None
-    y_fast = fast.apply(state, x)
-    y_ref = ref.apply(ref.quantize(w, b), x)
-    assert torch.equal(fast.dequantize(state), ref.dequantize(ref.quantize(w, b)))
-    # The fast path also quantizes activations (7-bit, per batch): ~1% of the output range.
-    tol = 0.02 * y_ref.abs().max().item()
-    assert (y_fast - y_ref).abs().max().item() <= tol
-    assert torch.allclose(y_ref, F.linear(x, ref.dequantize(ref.quantize(w, b)), b))
+    method = Int8QuantMethod(act_int8=act_int8)
+    state = method.quantize(w, b)
+    q, scales = quantize_per_channel(w)
+    assert torch.equal(method.dequantize(state), q.float() * scales[:, None])
+    exact = F.linear(x, method.dequantize(state), b)
+    y = method.apply(state, x)
+    # int8 activations (per 32 elements, small batches only) cost ~0.5% of the output range.
+    tol = (0.01 if act_int8 else 1e-5) * exact.abs().max().item()
+    assert (y - exact).abs().max().item() <= tol
 
 
 def test_unknown_method_is_a_value_error() -> None:

@@ -37,10 +37,6 @@ class CausalLM(nn.Module):
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.nbytes(module.quant_state)
-            for extra in ("row_q", "row_scales"):  # a quantized embedding's lookup table
-                t = getattr(module, extra, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
         return total
 
     def load_weights(

@@ -125,7 +125,8 @@ class _StreamingQuantizer:
             return
         module, names = entry
         if not any(n in self.pending for n in names):
-            module.quantize_(self.method)
+            is_head = isinstance(module, Embedding) or name.startswith("lm_head.")
+            module.quantize_(self.method.head_method() if is_head else self.method)
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

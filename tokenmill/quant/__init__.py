@@ -27,7 +27,7 @@ def create_quant_method(
     if name == "gguf":
         return PackedQuantMethod(act_int8)
     if name == "int8":
-        return Int8QuantMethod()
+        return Int8QuantMethod(act_int8)
     if name == "int4":
         return Int4QuantMethod(int4_group_size, act_int8)
     raise ValueError(

@@ -29,6 +29,10 @@ class QuantMethod:
         """The float weight the state stands for (reference path and tests)."""
         raise NotImplementedError  # each scheme unpacks its own way
 
+    def head_method(self) -> QuantMethod:
+        """The method for the output head and a tied embedding (a scheme may keep them wider)."""
+        return self
+
     def nbytes(self, state: Any) -> int:
         """Resident bytes of the packed state."""
         raise NotImplementedError  # each scheme knows its own layout

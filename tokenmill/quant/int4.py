@@ -3,13 +3,18 @@
 Each group of 32 or 128 input elements of a row gets scale = max|w| / 7 and codes in [-8, 7];
 the codes are stored two per byte (0.5 bytes a weight plus a float32 scale and offset per
 group) and computed by the packed-weight kernel, exactly like a GGUF Q4_0 tensor.
+
+The output head (and a tied embedding) stays int8, as llama.cpp's Q4 mixes keep theirs at 6-8
+bits: the logits over a large vocabulary are where 4 bits hurt most.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
+from tokenmill.quant.int8 import Int8QuantMethod
 from tokenmill.quant.packed import quantize_int4
 
 INT4_GROUP_SIZES = (32, 128)
@@ -27,3 +32,6 @@ class Int4QuantMethod(PackedQuantMethod):
     def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
         bias = None if bias is None else bias.float().contiguous()
         return PackedState(quantize_int4(weight, self.group_size), bias)
+
+    def head_method(self) -> QuantMethod:
+        return Int8QuantMethod(self.act_int8)
