@@ -68,3 +68,21 @@ def test_decode_attention_matches_sdpa(window) -> None:
         q.double(), k_cache.double(), v_cache.double(), meta, 0.3, window, None
     )
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_an_int8_cache() -> None:
+    """An int8 cache with per-token-per-head scales equals attending its dequantized values."""
+    from tokenmill.attention.kv_cache import dequantize_kv, quantize_kv
+
+    torch.manual_seed(3)
+    k_f, v_f = torch.randn(2, 6, 4, 2, 16)
+    (k_q, k_s), (v_q, v_s) = quantize_kv(k_f, torch.int8), quantize_kv(v_f, torch.int8)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]])
+    seq_lens = torch.tensor([6, 11])
+    q = torch.randn(2, 4, 16)
+    ours = kernels.decode_attention(q, k_q, v_q, table, seq_lens, None, 0.25, (k_s, v_s))
+    k_d, v_d = dequantize_kv(k_q, k_s, torch.float32), dequantize_kv(v_q, v_s, torch.float32)
+    ref = kernels.decode_attention(
+        q, k_d.contiguous(), v_d.contiguous(), table, seq_lens, None, 0.25
+    )
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_rmsnorm.restype = None
     lib.tm_rope_neox.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.tm_rope_neox.restype = None
-    lib.tm_decode_attn.argtypes = [_ptr] * 5 + [_i64] * 7 + [ctypes.c_float, _ptr]
+    lib.tm_decode_attn.argtypes = [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr]
     lib.tm_decode_attn.restype = _int
     return lib
 
@@ -159,8 +159,10 @@ def decode_attention(
     seq_lens: torch.Tensor,
     window: int | None,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (q [nd, heads, head_dim]) against its paged K/V; int64 tables."""
+    """One query per sequence (q [nd, heads, head_dim]) against its paged K/V (float32, or int8
+    with per-token-per-head scales); int64 tables."""
     lib = _library()
     assert lib is not None
     nd, heads, dim = q.shape
@@ -170,6 +172,8 @@ def decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        None if kv_scales is None else kv_scales[0].data_ptr(),
+        None if kv_scales is None else kv_scales[1].data_ptr(),
         block_table.data_ptr(),
         seq_lens.data_ptr(),
         nd,

@@ -67,10 +67,17 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         nd, max_blocks = meta.decode_block_table.shape
         _, bs, nkv, hd = k_cache.shape
-        if kv_scales is None and hd % 8 == 0 and kernels.fits(q, k_cache, v_cache):
+        if hd % 8 == 0 and _kernel_reads(q, k_cache, v_cache, kv_scales):
             # Straight from the paged cache: no gather, no padding, no mask.
             return kernels.decode_attention(
-                q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, window, scale
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_table,
+                meta.decode_seq_lens,
+                window,
+                scale,
+                kv_scales,
             )
         flat_table = meta.decode_block_table.reshape(-1)
         k_buf = v_buf = None
@@ -151,3 +158,21 @@ def _gather_blocks(
     if out is None:
         return flat.index_select(0, block_ids)
     return torch.index_select(flat, 0, block_ids, out=out)
+
+
+def _kernel_reads(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> bool:
+    """Whether the C decode kernel handles this cache: float32, or int8 with its scales."""
+    if kv_scales is None:
+        return kernels.fits(q, k_cache, v_cache)
+    return (
+        k_cache.dtype == torch.int8
+        and v_cache.dtype == torch.int8
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and kernels.fits(q, *kv_scales)
+    )
