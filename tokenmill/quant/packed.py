@@ -166,9 +166,17 @@ def _as_q8(p: PackedWeight) -> PackedWeight:
     return PackedWeight("q8", p.codes_int().to(torch.int8), p.scales, p.offsets, p.group, p.shape)
 
 
+# Fractions of each group's range tried as its clipping range (llama.cpp's k-quants search
+# scales the same way): clipping rare extremes buys finer steps for the bulk of the weights.
+INT4_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
 def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
-    """Symmetric group-wise int4: code = round(w / s) in [-8, 7], s = max|w| / 7 per group,
-    stored as code + 8 with the offset 8·s."""
+    """Group-wise asymmetric int4: w ≈ s · q + lo with q in 0..15 per group of ``group``.
+
+    Each group's range [lo, hi] is its [min, max] shrunk by the ratio of INT4_CLIP_RATIOS with
+    the least squared error. Stored as codes with offset -lo.
+    """
     n, k = weight.shape
     if k % group or group % 32:
         raise ValueError(
@@ -177,15 +185,28 @@ def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
         )
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight.device)
     scales = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
-    step = max(1, (1 << 22) // k)
+    offsets = torch.empty_like(scales)
+    step = max(1, (1 << 20) // k)
     for r in range(0, n, step):
         w = weight[r : r + step].float().reshape(-1, k // group, group)
-        s = w.abs().amax(dim=-1) / 7.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round(w / s[:, :, None]).clamp_(-8, 7) + 8
+        w_min, w_max = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        best = None
+        for ratio in INT4_CLIP_RATIOS:
+            lo, hi = w_min * ratio, w_max * ratio
+            s = (hi - lo) / 15.0
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            q = torch.round((w - lo) / s).clamp_(0, 15)
+            err = (q * s + lo - w).square().sum(dim=-1, keepdim=True)
+            if best is None:
+                best = [err, q, s, lo]
+                continue
+            better = err < best[0]
+            best = [torch.where(better, new, old) for new, old in zip((err, q, s, lo), best)]
+        _, q, s, lo = best
         codes[r : r + step] = pack_nibbles(q.reshape(-1, k))
-        scales[r : r + step] = s
-    return PackedWeight("q4", codes, scales, 8.0 * scales, group, (n, k))
+        scales[r : r + step] = s.squeeze(-1)
+        offsets[r : r + step] = -lo.squeeze(-1)
+    return PackedWeight("q4", codes, scales, offsets, group, (n, k))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
