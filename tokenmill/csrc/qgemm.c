@@ -138,48 +138,13 @@ TM_TARGET static inline __attribute__((always_inline)) void rows_int8_impl(
     }
 }
 
-/* One x row against weight rows [n0, n1), four rows at a time: four independent accumulator
- * chains hide the multiply-add latency that a single row's chain would expose (decode, M = 1). */
-TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
-    const int kind, const int g16, int gshift, int64_t K, int64_t ng, const uint8_t *w,
-    int64_t wrow, const float *scales, int64_t m, const int8_t *xq, const float *xd, int64_t n0,
-    int64_t n1, float *y, int64_t N) {
-    const int64_t nc = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *xrow = xq + m * K;
-    const float *xdr = xd + m * nc;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        __m256 acc[4];
-        for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nc; c++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xrow + c * 32));
-            __m256 dx = _mm256_set1_ps(xdr[c]);
-            for (int r = 0; r < 4; r++) {
-                __m256i codes = load_codes(kind, w + (n + r) * wrow, c);
-                __m256i ucodes = kind == 0 ? _mm256_sign_epi8(codes, codes) : codes;
-                __m256i sx = kind == 0 ? _mm256_sign_epi8(xv, codes) : xv;
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, sx), ones);
-                __m256 dd = _mm256_mul_ps(chunk_scale(scales + (n + r) * ng, c, g16, gshift), dx);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc[r]);
-            }
-        }
-        for (int r = 0; r < 4; r++) y[m * N + n + r] = hsum(acc[r]);
-    }
-    if (n < n1)
-        rows_int8_impl(kind, g16, gshift, K, ng, w, wrow, scales, m, 1, xq, xd, n, n1, y, N);
-}
-
 TM_TARGET static void rows_int8(int kind, int64_t K, int64_t G, const uint8_t *w, int64_t wrow,
                                 const float *scales, int64_t m0, int mb, const int8_t *xq,
                                 const float *xd, int64_t n0, int64_t n1, float *y, int64_t N) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G;
 #define TM_ROWS(KIND, G16)                                                                   \
-    (mb == 1 ? rows_int8_m1_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, xq, xd, n0, n1,  \
-                                 y, N)                                                         \
-             : rows_int8_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd, n0, n1, \
-                              y, N))
+    rows_int8_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd, n0, n1, y, N)
     if (kind == 0 && G == 16) TM_ROWS(0, 1);
     else if (kind == 0) TM_ROWS(0, 0);
     else if (G == 16) TM_ROWS(1, 1);
