@@ -70,13 +70,15 @@ def test_decode_attention_matches_sdpa(window) -> None:
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_reads_an_int8_cache() -> None:
-    """An int8 cache with per-token-per-head scales equals attending its dequantized values."""
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_decode_attention_reads_a_quantized_cache(dtype) -> None:
+    """An int8 / fp8 cache with per-token-per-head scales equals attending its dequantized
+    values."""
     from tokenmill.attention.kv_cache import dequantize_kv, quantize_kv
 
     torch.manual_seed(3)
     k_f, v_f = torch.randn(2, 6, 4, 2, 16)
-    (k_q, k_s), (v_q, v_s) = quantize_kv(k_f, torch.int8), quantize_kv(v_f, torch.int8)
+    (k_q, k_s), (v_q, v_s) = quantize_kv(k_f, dtype), quantize_kv(v_f, dtype)
     table = torch.tensor([[4, 1, 0], [2, 5, 3]])
     seq_lens = torch.tensor([6, 11])
     q = torch.randn(2, 4, 16)

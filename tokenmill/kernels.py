@@ -42,7 +42,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_rmsnorm.restype = None
     lib.tm_rope_neox.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.tm_rope_neox.restype = None
-    lib.tm_decode_attn.argtypes = [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr]
+    lib.tm_decode_attn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_float, _ptr]
     lib.tm_decode_attn.restype = _int
     return lib
 
@@ -161,8 +161,8 @@ def decode_attention(
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (q [nd, heads, head_dim]) against its paged K/V (float32, or int8
-    with per-token-per-head scales); int64 tables."""
+    """One query per sequence (q [nd, heads, head_dim]) against its paged K/V (float32, or int8 /
+    fp8 e4m3 with per-token-per-head scales); int64 tables."""
     lib = _library()
     assert lib is not None
     nd, heads, dim = q.shape
@@ -174,6 +174,7 @@ def decode_attention(
         v_cache.data_ptr(),
         None if kv_scales is None else kv_scales[0].data_ptr(),
         None if kv_scales is None else kv_scales[1].data_ptr(),
+        _fp8_table().data_ptr() if k_cache.dtype == torch.float8_e4m3fn else None,
         block_table.data_ptr(),
         seq_lens.data_ptr(),
         nd,
@@ -189,3 +190,9 @@ def decode_attention(
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
     return out
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    """The float32 value of each of the 256 e4m3 bytes (the kernel decodes fp8 through it)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()

@@ -68,26 +68,28 @@ TM_TARGET void tm_rope_neox(float *x, const int64_t *positions, const float *cos
 }
 
 /*
- * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 with k_scales,
- * v_scales [blocks, bs, KVH] float32 (NULL for float32); block_table [nd, max_blocks] int64;
+ * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
+ * 256 e4m3 values) with k_scales, v_scales [blocks, bs, KVH] float32 (NULL for float32);
+ * block_table [nd, max_blocks] int64;
  * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
  * >= seq_len - window. out [nd, H, D]. D a multiple of 8. Returns -1 if scratch memory fails.
  */
-/* 8 cached elements as floats: float32 rows, or int8 codes (their scale applied by the caller). */
-TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int q8) {
-    if (q8) {
-        __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)base + idx));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    }
-    return _mm256_loadu_ps((const float *)base + idx);
+/* 8 cached elements as floats: float32 rows, or one-byte codes (int8, or fp8 e4m3 decoded
+ * through a 256-entry table); their per-token scale is applied by the caller. */
+TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int bytes, const float *lut) {
+    if (!bytes) return _mm256_loadu_ps((const float *)base + idx);
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + idx));
+    if (lut) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
-                             const float *k_scales, const float *v_scales,
+                             const float *k_scales, const float *v_scales, const float *fp8_lut,
                              const int64_t *block_table, const int64_t *seq_lens, int64_t nd,
                              int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
                              int64_t window, float scale, float *out) {
-    const int q8 = k_scales != NULL; /* int8 cache: one float32 scale per token per KV head */
+    /* A one-byte cache (int8, or fp8 with fp8_lut) has a float32 scale per token per KV head. */
+    const int q8 = k_scales != NULL;
     int64_t max_len = 0;
     for (int64_t i = 0; i < nd; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     const int64_t group = H / KVH, row = KVH * D;
@@ -109,7 +111,7 @@ TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_
                 const int64_t slot = table[p / bs] * bs + p % bs, at = slot * row + kvh * D;
                 __m256 acc = _mm256_setzero_ps();
                 for (int64_t i = 0; i < D; i += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), load8(k_cache, at + i, q8), acc);
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), load8(k_cache, at + i, q8, fp8_lut), acc);
                 float sc = hsum8(acc) * scale * (q8 ? k_scales[slot * KVH + kvh] : 1.0f);
                 scores[p] = sc;
                 mx = sc > mx ? sc : mx;
@@ -127,7 +129,7 @@ TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_
                 __m256 w = _mm256_set1_ps(scores[p] * (q8 ? v_scales[slot * KVH + kvh] : 1.0f));
                 for (int64_t i = 0; i < D; i += 8)
                     _mm256_storeu_ps(
-                        o + i, _mm256_fmadd_ps(w, load8(v_cache, at + i, q8), _mm256_loadu_ps(o + i)));
+                        o + i, _mm256_fmadd_ps(w, load8(v_cache, at + i, q8, fp8_lut), _mm256_loadu_ps(o + i)));
             }
             const __m256 inv = _mm256_set1_ps(1.0f / denom);
             for (int64_t i = 0; i < D; i += 8)
