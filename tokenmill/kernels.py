@@ -64,7 +64,7 @@ def qgemm(
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 with the C kernel (callers check available)."""
     lib = _library()
-    assert lib is not None and supports(w)
+    assert lib is not None  # callers checked available() and supports(w)
     x = x.float().contiguous()
     m, k = x.shape
     y = torch.empty(m, w.shape[0], dtype=torch.float32)
@@ -90,7 +90,7 @@ def qgemm(
 def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:
     """Float32 rows [start, end) of W with the C kernel (a tile for a float GEMM)."""
     lib = _library()
-    assert lib is not None and supports(w)
+    assert lib is not None  # callers checked available() and supports(w)
     out = torch.empty(end - start, w.shape[1], dtype=torch.float32)
     lib.tm_dequant_rows(
         start,

@@ -111,20 +111,21 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def from_block_codes(bc: BlockCodes, rows: int, cols: int) -> PackedWeight:
+# ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_K unsigned 0..15): packed two a byte.
+FOUR_BIT_TYPES = (2, 12)
+
+
+def from_block_codes(bc: BlockCodes, rows: int, cols: int, four_bit: bool) -> PackedWeight:
     """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order)."""
     codes = bc.codes.reshape(rows, cols)
     scales = bc.scales.reshape(rows, -1).contiguous()
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
-    lo, hi = int(codes.min()), int(codes.max())
-    if bc.group % 32 == 0 and lo >= -8 and hi <= 7 and offsets is None:
+    if not four_bit:
+        return PackedWeight("q8", codes.to(torch.int8), scales, offsets, bc.group, (rows, cols))
+    if offsets is None:
         # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
-        return PackedWeight(
-            "q4", pack_nibbles(codes + 8), scales, 8.0 * scales, bc.group, (rows, cols)
-        )
-    if bc.group % 32 == 0 and lo >= 0 and hi <= 15:
-        return PackedWeight("q4", pack_nibbles(codes), scales, offsets, bc.group, (rows, cols))
-    return PackedWeight("q8", codes.to(torch.int8), scales, offsets, bc.group, (rows, cols))
+        codes, offsets = codes + 8, 8.0 * scales
+    return PackedWeight("q4", pack_nibbles(codes), scales, offsets, bc.group, (rows, cols))
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
@@ -133,37 +134,22 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     rows, cols = shape
     if cols % elems:
         raise ValueError(f"row length {cols} is not a whole number of {elems}-element blocks")
-    per_row = cols // elems * nbytes
-    blocks = raw.reshape(rows, per_row)
+    blocks = raw.reshape(rows, cols // elems * nbytes)
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
+    four_bit = ggml_type in FOUR_BIT_TYPES
     parts = [
-        from_block_codes(
-            unpack(blocks[r : r + chunk].reshape(-1, nbytes)), len(blocks[r : r + chunk]), cols
-        )
-        for r in range(0, rows, chunk)
+        from_block_codes(unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit)
+        for part in blocks.split(chunk)
     ]
-    # Q4_0/Q4_K pack as "q4" in every chunk; other formats as "q8": kinds agree across chunks.
-    kinds = {p.kind for p in parts}
-    if len(kinds) > 1:  # a chunk of Q4_0 that happened to fit 0..15 unsigned: unify as q8
-        parts = [_as_q8(p) for p in parts]
-    first = parts[0]
-    offsets = [p.offsets for p in parts]
-    if any(o is None for o in offsets) and any(o is not None for o in offsets):
-        offsets = [
-            o if o is not None else torch.zeros_like(p.scales) for o, p in zip(offsets, parts)
-        ]
+    offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
     return PackedWeight(
-        first.kind,
+        parts[0].kind,
         torch.cat([p.codes for p in parts]),
         torch.cat([p.scales for p in parts]),
-        None if offsets[0] is None else torch.cat(offsets),
-        first.group,
+        offsets,
+        parts[0].group,
         (rows, cols),
     )
-
-
-def _as_q8(p: PackedWeight) -> PackedWeight:
-    return PackedWeight("q8", p.codes_int().to(torch.int8), p.scales, p.offsets, p.group, p.shape)
 
 
 # Fractions of each group's range tried as its clipping range (llama.cpp's k-quants search
