@@ -1,4 +1,5 @@
-"""Builds the optional C kernels (tokenmill/csrc: packed-weight matmul, decode-step ops);
+"""Builds the optional C kernels (tokenmill/csrc: packed-weight matmul, decode-step ops,
+decode-step graphs);
 metadata is in pyproject.
 
 The extension is optional: where it cannot be built (no C compiler), tokenmill installs anyway
@@ -16,7 +17,11 @@ setup(
     ext_modules=[
         Extension(
             "tokenmill._qgemm",
-            sources=["tokenmill/csrc/qgemm.c", "tokenmill/csrc/decode_ops.c"],
+            sources=[
+                "tokenmill/csrc/qgemm.c",
+                "tokenmill/csrc/decode_ops.c",
+                "tokenmill/csrc/graph.c",
+            ],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

@@ -88,3 +88,71 @@ def test_decode_attention_reads_a_quantized_cache(dtype) -> None:
         q, k_d.contiguous(), v_d.contiguous(), table, seq_lens, None, 0.25
     )
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
+def test_act_and_mul_matches_torch(act) -> None:
+    from tokenmill.layers import ActAndMul, get_act_fn
+
+    torch.manual_seed(4)
+    gate_up = torch.randn(3, 2 * 48) * 4  # wide enough to reach both tails
+    ours = ActAndMul(act)(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = get_act_fn(act)(gate) * up
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_rows_match_the_dequantized_table() -> None:
+    from tokenmill.quant.int4 import Int4QuantMethod
+
+    torch.manual_seed(5)
+    table = torch.randn(50, 64)
+    w = Int4QuantMethod(group_size=32).quantize(table, None).weight
+    ids = torch.tensor([[7, 0], [49, 7]])
+    ours = kernels.embed_rows(w, ids, 2.5)
+    ref = w.dequantize()[ids] * 2.5
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_kv_write_stores_rows_of_a_fused_projection() -> None:
+    torch.manual_seed(6)
+    qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16)  # q | k | v of 3 tokens, 2 KV heads of 16
+    k = qkv[:, 64:96].view(3, 2, 16)  # strided views, as the fused projection gives them
+    v = qkv[:, 96:].view(3, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 5, 4, 2, 16)
+    slots = torch.tensor([13, 2, 7])
+    kernels.kv_write(k, v, slots, k_cache, v_cache)
+    torch.testing.assert_close(k_cache.view(-1, 2, 16)[slots], k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache.view(-1, 2, 16)[slots], v, rtol=0, atol=0)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(-1, 32)[untouched].any() and not v_cache.view(-1, 32)[untouched].any()
+
+
+def test_recorded_calls_replay_on_new_inputs() -> None:
+    """A graph reads its inputs where the recording read them: new values in, new results out."""
+    from tokenmill.quant.int4 import Int4QuantMethod
+
+    torch.manual_seed(7)
+    norm = GemmaRMSNorm(64)
+    norm.weight.data.normal_()
+    w = Int4QuantMethod(group_size=32).quantize(torch.randn(40, 64), None).weight
+    x = torch.randn(2, 64)
+    with kernels.recording() as rec:
+        y = kernels.qgemm(norm(x), w, None, act_int8=True)
+    graph = kernels.Graph(rec)
+    assert len(graph) == 2
+    x.copy_(torch.randn(2, 64))
+    expected = kernels.qgemm(norm(x), w, None, act_int8=True)
+    graph.replay()
+    assert torch.equal(y, expected)
+
+
+def test_rmsnorm_reads_heads_inside_a_fused_projection() -> None:
+    torch.manual_seed(8)
+    norm = GemmaRMSNorm(16)
+    norm.weight.data.normal_()
+    qkv = torch.randn(3, 4 * 16 + 2 * 16)
+    q = qkv[:, :64].view(3, 4, 16)  # rows 16 apart within a token, 96 apart between tokens
+    assert not q.is_contiguous()
+    torch.testing.assert_close(norm(q), norm(q.contiguous()), rtol=0, atol=0)

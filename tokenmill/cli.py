@@ -41,6 +41,7 @@ _ENGINE_FLAG_HELP = {
     "packed_activations": "activations of packed-weight matmuls at small batch: int8 per 32 "
     "elements (fast, as llama.cpp) or float32 (exact)",
     "int4_group_size": "input elements per int4 scale: 32 or 128",
+    "enforce_eager": "run every step op by op (no replayed decode-step graphs on CPU)",
 }
 
 

@@ -376,6 +376,8 @@ class EngineArgs:
     # Activations of packed-weight matmuls at small batch: int8 per 32 elements (fast) or float32.
     packed_activations: str = "int8"
     int4_group_size: int = 32
+    # Run every step eagerly (no decode-step graphs on CPU; vLLM's flag for CUDA graphs).
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,17 +1,27 @@
 """tokenmill's C kernels (tokenmill/csrc), loaded through ctypes.
 
-qgemm.c: the packed-weight matmul; decode_ops.c: RMSNorm, RoPE and paged decode attention for
-float32 CPU tensors. The extension is built by ``pip install`` where a C compiler exists; it
-needs AVX2 and FMA at run time. ``available()`` says whether it can be used; every caller has a
-pure-torch path it takes otherwise (and that tests compare against), so everything runs
+qgemm.c: the packed-weight matmul; decode_ops.c: RMSNorm, RoPE and paged decode attention;
+graph.c: embedding rows, act(gate) * up, K/V cache writes, and the replay of recorded calls;
+all on float32 CPU tensors. The extension is built by ``pip install`` where a C compiler exists;
+it needs AVX2 and FMA at run time. ``available()`` says whether it can be used; every caller
+has a pure-torch path it takes otherwise (and that tests compare against), so everything runs
 everywhere. Callers check shapes and dtypes (``fits``) before calling.
+
+Every call goes through ``_launch``, which also appends it to the active ``Recording``, if
+any: a decode step run inside ``recording()`` becomes a ``Graph`` that replays all its kernel
+calls in one C call (tokenmill/worker/decode_graph.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
+import struct
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 
@@ -21,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 _KINDS = {"q8": 0, "q4": 1}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
+_OP_QGEMM, _OP_RMSNORM, _OP_ROPE, _OP_ATTN, _OP_EMBED, _OP_ACT_MUL, _OP_KV_WRITE = range(1, 8)
+_OP_WIDTH = 18
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 
 
 @functools.cache
@@ -38,17 +52,112 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_qgemm.restype = _int
     lib.tm_dequant_rows.argtypes = [_i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr]
     lib.tm_dequant_rows.restype = None
-    lib.tm_rmsnorm.argtypes = [_ptr, _ptr, ctypes.c_float, _ptr, _ptr, _i64, _i64, ctypes.c_float]
+    lib.tm_rmsnorm.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        ctypes.c_float,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        ctypes.c_float,
+    ]
     lib.tm_rmsnorm.restype = None
     lib.tm_rope_neox.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.tm_rope_neox.restype = None
     lib.tm_decode_attn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_float, _ptr]
     lib.tm_decode_attn.restype = _int
+    lib.tm_embed_rows.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        ctypes.c_float,
+        _ptr,
+    ]
+    lib.tm_embed_rows.restype = None
+    lib.tm_act_mul.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr]
+    lib.tm_act_mul.restype = None
+    lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    lib.tm_kv_write.restype = None
+    lib.tm_graph_run.argtypes = [_ptr, _i64]
+    lib.tm_graph_run.restype = _int
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+class Recording:
+    """Kernel calls made while ``recording()`` is active, with the tensors they touched (kept
+    alive, so the addresses a replay uses stay valid)."""
+
+    def __init__(self) -> None:
+        self.ops: list[list[int]] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def add(self, op: int, args: tuple[Any, ...]) -> None:
+        row = [op]
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self.tensors.append(a)
+                row.append(a.data_ptr())
+            elif a is None:
+                row.append(0)
+            elif isinstance(a, float):  # a double's bits; graph.c narrows to float
+                row.append(struct.unpack("<q", struct.pack("<d", a))[0])
+            else:
+                row.append(int(a))
+        self.ops.append(row + [0] * (_OP_WIDTH - len(row)))
+
+
+# The recording of the decode step being captured, if any. A context variable, not a module
+# global: set only inside ``recording()`` and private to the thread that captures.
+_RECORDING: ContextVar[Recording | None] = ContextVar("tokenmill_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Run kernels as usual and also record every call (see ``Graph``)."""
+    rec = Recording()
+    token = _RECORDING.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDING.reset(token)
+
+
+class Graph:
+    """Recorded kernel calls, replayed in order by one C call. What they read and write is
+    fixed: a replay sees new inputs only through the buffers the recorded calls used."""
+
+    def __init__(self, rec: Recording) -> None:
+        self.ops = torch.tensor(rec.ops, dtype=torch.int64)
+        self._tensors = rec.tensors
+        self._run = _library().tm_graph_run
+
+    def __len__(self) -> int:
+        return self.ops.shape[0]
+
+    def replay(self) -> None:
+        if self._run(self.ops.data_ptr(), self.ops.shape[0]) != 0:
+            raise MemoryError("a replayed kernel could not allocate its scratch buffer")
+
+
+def _launch(op: int, fn: Any, *args: Any) -> Any:
+    """fn(*args) with tensors passed as pointers; recorded when a recording is active."""
+    rc = fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec.add(op, args)
+    return rc
 
 
 def supports(w: PackedWeight) -> bool:
@@ -68,18 +177,20 @@ def qgemm(
     x = x.float().contiguous()
     m, k = x.shape
     y = torch.empty(m, w.shape[0], dtype=torch.float32)
-    rc = lib.tm_qgemm(
+    rc = _launch(
+        _OP_QGEMM,
+        lib.tm_qgemm,
         m,
         w.shape[0],
         k,
-        x.data_ptr(),
+        x,
         _KINDS[w.kind],
-        w.codes.data_ptr(),
-        w.scales.data_ptr(),
-        None if w.offsets is None else w.offsets.data_ptr(),
+        w.codes,
+        w.scales,
+        w.offsets,
         w.group,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
+        bias,
+        y,
         int(act_int8),
     )
     if rc != 0:
@@ -120,22 +231,37 @@ def rmsnorm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """residual + x / rms(x) · (weight + weight_offset) over the last dim (a multiple of 8)."""
+    """residual + x / rms(x) · (weight + weight_offset) over the last dim (a multiple of 8).
+    x is dense, or [tokens, heads, dim] with dense heads (``norm_rows_fit``); out is dense."""
     lib = _library()
     assert lib is not None
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.float32)
     dim = x.shape[-1]
-    lib.tm_rmsnorm(
-        x.data_ptr(),
-        weight.data_ptr(),
-        weight_offset,
-        None if residual is None else residual.data_ptr(),
-        out.data_ptr(),
+    inner, outer_stride = (x.shape[1], x.stride(0)) if not x.is_contiguous() else (1, dim)
+    _launch(
+        _OP_RMSNORM,
+        lib.tm_rmsnorm,
+        x,
+        outer_stride,
+        inner,
+        weight,
+        float(weight_offset),
+        residual,
+        out,
         x.numel() // dim,
         dim,
-        eps,
+        float(eps),
     )
     return out
+
+
+def norm_rows_fit(x: torch.Tensor) -> bool:
+    """Whether ``rmsnorm`` reads x's rows: float32 CPU, dense, or [tokens, heads, dim] with each
+    token's heads dense (q or k viewed in a fused q/k/v projection's output)."""
+    if x.is_contiguous():
+        return fits(x)
+    heads_dense = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    return heads_dense and available() and x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def rope_neox_(
@@ -145,9 +271,7 @@ def rope_neox_(
     lib = _library()
     assert lib is not None
     tokens, heads, dim = x.shape
-    lib.tm_rope_neox(
-        x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim
-    )
+    _launch(_OP_ROPE, lib.tm_rope_neox, x, positions, cos, sin, tokens, heads, dim)
     return x
 
 
@@ -168,15 +292,17 @@ def decode_attention(
     nd, heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
-    rc = lib.tm_decode_attn(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        None if kv_scales is None else kv_scales[0].data_ptr(),
-        None if kv_scales is None else kv_scales[1].data_ptr(),
-        _fp8_table().data_ptr() if k_cache.dtype == torch.float8_e4m3fn else None,
-        block_table.data_ptr(),
-        seq_lens.data_ptr(),
+    rc = _launch(
+        _OP_ATTN,
+        lib.tm_decode_attn,
+        q,
+        k_cache,
+        v_cache,
+        None if kv_scales is None else kv_scales[0],
+        None if kv_scales is None else kv_scales[1],
+        _fp8_table() if k_cache.dtype == torch.float8_e4m3fn else None,
+        block_table,
+        seq_lens,
         nd,
         heads,
         kv_heads,
@@ -184,8 +310,8 @@ def decode_attention(
         bs,
         block_table.shape[1],
         window or 0,
-        scale,
-        out.data_ptr(),
+        float(scale),
+        out,
     )
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
@@ -196,3 +322,62 @@ def decode_attention(
 def _fp8_table() -> torch.Tensor:
     """The float32 value of each of the 256 e4m3 bytes (the kernel decodes fp8 through it)."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def embed_rows(w: PackedWeight, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Float32 rows ``ids`` (int64, contiguous) of a packed table, times ``scale``."""
+    lib = _library()
+    assert lib is not None  # callers checked available() and supports(w)
+    out = torch.empty(ids.numel(), w.shape[1], dtype=torch.float32)
+    _launch(
+        _OP_EMBED,
+        lib.tm_embed_rows,
+        ids,
+        ids.numel(),
+        w.shape[1],
+        _KINDS[w.kind],
+        w.codes,
+        w.scales,
+        w.offsets,
+        w.group,
+        float(scale),
+        out,
+    )
+    return out.reshape(*ids.shape, w.shape[1])
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for gate_up [tokens, 2d] = [gate | up] (d a multiple of 8)."""
+    lib = _library()
+    assert lib is not None
+    n, d = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(n, d, dtype=torch.float32)
+    _launch(_OP_ACT_MUL, lib.tm_act_mul, gate_up, n, d, 2 * d, ACTIVATIONS[act], out)
+    return out
+
+
+def kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """k, v [tokens, kv_heads, head_dim] (each token's row dense; views into a fused q/k/v
+    projection do) into float32 caches [blocks, block_size, kv_heads, head_dim] at their slots."""
+    lib = _library()
+    assert lib is not None
+    row = k.shape[1] * k.shape[2]
+    _launch(
+        _OP_KV_WRITE,
+        lib.tm_kv_write,
+        k,
+        k.stride(0),
+        v,
+        v.stride(0),
+        slot_mapping,
+        k.shape[0],
+        row,
+        k_cache,
+        v_cache,
+    )

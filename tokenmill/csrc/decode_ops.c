@@ -25,13 +25,16 @@ TM_TARGET static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* gain = weight + weight_offset (Gemma stores 1 + w as w); dim must be a multiple of 8. */
-TM_TARGET void tm_rmsnorm(const float *x, const float *weight, float weight_offset,
-                          const float *residual, float *out, int64_t rows, int64_t dim,
-                          float eps) {
+/* gain = weight + weight_offset (Gemma stores 1 + w as w); dim must be a multiple of 8.
+ * Row r of x starts at x + (r / inner) * outer_stride + (r % inner) * dim: groups of `inner`
+ * adjacent rows, groups outer_stride apart (q or k heads viewed in a fused q/k/v projection);
+ * out and residual are dense [rows, dim]. */
+TM_TARGET void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner,
+                          const float *weight, float weight_offset, const float *residual,
+                          float *out, int64_t rows, int64_t dim, float eps) {
     const __m256 offset = _mm256_set1_ps(weight_offset);
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
+        const float *xr = x + (r / inner) * outer_stride + (r % inner) * dim;
         __m256 acc = _mm256_setzero_ps();
         for (int64_t i = 0; i < dim; i += 8) {
             __m256 v = _mm256_loadu_ps(xr + i);

@@ -112,6 +112,8 @@ class LLMEngine:
             self.eos_token_ids,
             args.seed,
             kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=max_model_len,
+            enforce_eager=args.enforce_eager,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -37,10 +37,14 @@ class Embedding(nn.Module):
         self.quant_method = method
         self.weight = None  # type: ignore[assignment]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Rows ``input_ids`` of the table, times ``scale`` if given (Gemma's sqrt(hidden))."""
         if self.quant_method is not None:
-            return self.quant_method.embedding(self.quant_state, input_ids).to(self.dtype)
-        return F.embedding(input_ids, self.weight)
+            h = self.quant_method.embedding(self.quant_state, input_ids, scale)
+            return h.to(self.dtype)
+        h = F.embedding(input_ids, self.weight)
+        # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
+        return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
 
     def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:

@@ -71,9 +71,7 @@ class Gemma3ForCausalLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        h = self.model.embed_tokens(input_ids, scale=self.embed_scale)
         for layer in self.model.layers:
             h = layer(h, positions, fwd)
         return self.model.norm(h)

@@ -13,7 +13,7 @@ from torch import nn
 
 from tokenmill.attention import Attention, ForwardBatch
 from tokenmill.config import ModelConfig
-from tokenmill.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, get_act_fn
+from tokenmill.layers import ActAndMul, Embedding, Linear, RMSNorm, RotaryEmbedding, get_act_fn
 from tokenmill.layers.linear import fuse_packed
 from tokenmill.models.base import CausalLM
 
@@ -88,6 +88,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.act = get_act_fn(config.hidden_act)
+        self.act_and_mul = ActAndMul(config.hidden_act)
         self.gate_up_proj: Linear | None = None  # set by fuse_projections_ after loading
 
     def fuse_projections_(self) -> None:
@@ -96,10 +97,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

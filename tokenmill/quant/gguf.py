@@ -60,9 +60,15 @@ class PackedQuantMethod(QuantMethod):
             y = _tiled_float_gemm(x2.float(), w, state.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
-    def embedding(self, state: PackedState, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of the table in float32 (a packed embedding's lookup)."""
-        return state.weight.dequantize(ids.reshape(-1)).reshape(*ids.shape, -1)
+    def embedding(
+        self, state: PackedState, ids: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        """Rows ``ids`` of the table in float32 (a packed embedding's lookup), times ``scale``."""
+        w = state.weight
+        if kernels.available() and kernels.supports(w) and ids.is_contiguous():
+            return kernels.embed_rows(w, ids, 1.0 if scale is None else scale)
+        h = w.dequantize(ids.reshape(-1)).reshape(*ids.shape, -1)
+        return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
 
     def dequantize(self, state: PackedState) -> torch.Tensor:
         return state.weight.dequantize()

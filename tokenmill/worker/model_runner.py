@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill import kernels
 from tokenmill.attention import (
     AttentionMetadata,
     ForwardBatch,
@@ -26,9 +27,14 @@ from tokenmill.config import ModelConfig
 from tokenmill.core.sched_output import PromptLogprobs, RunnerOutput, SchedulerOutput
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
+
+# Decode steps of up to this many requests replay a recorded graph (worker/decode_graph.py);
+# past it the kernels' own work dwarfs the per-call cost a graph saves.
+DECODE_GRAPH_MAX_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -75,6 +81,8 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         c = model.config
         self.model = model
@@ -109,21 +117,35 @@ class ModelRunner:
         self._parked_generators: dict[str, torch.Generator | None] = {}
         # Prompt log-probs already sent for preempted requests: their recompute sends no repeats.
         self._parked_prompt_logprob_idx: dict[str, int] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if not enforce_eager and device.type == "cpu" and kernels.available():
+            max_len = max_model_len or c.max_position_embeddings
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, block_size, -(-max_len // block_size), DECODE_GRAPH_MAX_BATCH
+            )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput(sampled_token_ids={})
+        out = RunnerOutput(sampled_token_ids={})
+        graph_logits = self._decode_graph_step(sched)
+        if graph_logits is not None:
+            return self._sample(list(sched.num_scheduled_tokens), graph_logits, out)
         input_ids, positions, attn, sample_req_ids, sample_idx, prompt_rows = self._prepare(sched)
         fwd = ForwardBatch(self.kv_caches, attn)
         hidden = self.model(input_ids, positions, fwd)
-        out = RunnerOutput(sampled_token_ids={})
         for rows in prompt_rows:
             out.prompt_logprobs[rows.req_id] = self._prompt_logprobs(hidden, rows)
         if not sample_req_ids:
             return out
         logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        return self._sample(sample_req_ids, logits, out)
+
+    def _sample(
+        self, sample_req_ids: list[str], logits: torch.Tensor, out: RunnerOutput
+    ) -> RunnerOutput:
         rows = [self._sampling_row(rid) for rid in sample_req_ids]
         token_ids, logprobs = self.sampler(logits, rows)
         for rid, tok, lp in zip(sample_req_ids, token_ids, logprobs):
@@ -132,6 +154,29 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
+
+    def _decode_graph_step(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of a step of decodes only, each sampling, through a decode graph; None when
+        the step is not one (it then runs eagerly)."""
+        graphs, scheduled = self.decode_graphs, sched.num_scheduled_tokens
+        if graphs is None or not graphs.runs(len(scheduled)) or len(scheduled) == 0:
+            return None
+        if any(n != 1 for n in scheduled.values()):
+            return None
+        num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
+        num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
+        bs = self.block_size
+        ids, positions, slots, tables, seq_lens = [], [], [], [], []
+        for rid in scheduled:
+            state, p = self.requests[rid], num_computed[rid]
+            if p + 1 != len(state.token_ids) or self._prompt_logprob_rows(rid, 0, p, 1):
+                return None  # a prompt token: no sample, or prompt log-probs owed
+            ids.append(state.token_ids[p])
+            positions.append(p)
+            slots.append(state.block_ids[p // bs] * bs + p % bs)
+            tables.append(state.block_ids[: p // bs + 1])
+            seq_lens.append(p + 1)
+        return graphs.step(ids, positions, slots, tables, seq_lens)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:

@@ -36,16 +36,21 @@ class TorchAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        if kv_scales is None:
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        else:
+        if kv_scales is not None:
             write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
             write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        elif _kernel_writes(k, v, k_cache, v_cache, meta.slot_mapping):
+            kernels.kv_write(k, v, meta.slot_mapping, k_cache, v_cache)
+        else:
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        dtype = q.dtype
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         nd = meta.num_decodes
+        if nd == q.shape[0]:  # decodes only: their output is the whole output
+            return self._decode(q, k_cache, v_cache, meta, scale, window, kv_scales).to(dtype)
+        out = torch.empty_like(q, dtype=dtype)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, kv_scales)
         for seq in meta.prefills:
@@ -158,6 +163,26 @@ def _gather_blocks(
     if out is None:
         return flat.index_select(0, block_ids)
     return torch.index_select(flat, 0, block_ids, out=out)
+
+
+def _kernel_writes(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Whether the C kernel can store k and v: float32, each token's row dense (they may be
+    views into a fused q/k/v projection)."""
+    row_dense = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    return (
+        row_dense
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and kernels.fits(k_cache, v_cache)
+        and k.dtype == v.dtype == torch.float32
+        and k.device.type == "cpu"
+    )
 
 
 def _kernel_reads(

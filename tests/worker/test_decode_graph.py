@@ -1,0 +1,61 @@
+"""Decode-step graphs: a replayed step gives exactly the eager step's results, and a model that
+computes outside the C kernels is left to run eagerly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import assert_all_blocks_free
+
+from tokenmill import kernels
+from tokenmill.engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not built here")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], together: bool) -> list:
+    """Outputs of ``prompts``, all in one batch or one request at a time."""
+    outputs: dict[str, object] = {}
+    batches = [prompts] if together else [[p] for p in prompts]
+    ids = []
+    for batch in batches:
+        ids += [engine.add_request(p, GREEDY) for p in batch]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0]
+    assert_all_blocks_free(engine)
+    return [(outputs[i].token_ids, outputs[i].logprobs) for i in ids]
+
+
+def _engines(path, **kwargs) -> tuple[LLMEngine, LLMEngine]:
+    common = dict(model=str(path), max_model_len=128, kv_cache_memory="8MiB", **kwargs)
+    return LLMEngine.from_args(**common), LLMEngine.from_args(**common, enforce_eager=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def test_replayed_decodes_equal_eager_ones(tiny_model_dir) -> None:
+    # int8 weights: every op of the tiny Gemma 3's decode step has a C kernel.
+    graphed, eager = _engines(tiny_model_dir("gemma3"), quantization="int8")
+    prompts = _prompts(4, seed=1)
+    for together in (False, True):
+        assert _run(graphed, prompts, together) == _run(eager, prompts, together)
+    assert graphed.runner.decode_graphs.captured_sizes() == [1, 4]
+    assert eager.runner.decode_graphs is None
+
+
+def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> None:
+    # A float checkpoint's projections are torch's F.linear: nothing to replay.
+    graphed, eager = _engines(tiny_model_dir("gemma3"))
+    prompts = _prompts(2, seed=2)
+    assert _run(graphed, prompts, together=False) == _run(eager, prompts, together=False)
+    graphs = graphed.runner.decode_graphs
+    assert graphs.captured_sizes() == [] and not graphs.runs(1)

@@ -1,0 +1,158 @@
+/*
+ * Decode-step graphs: CUDA graphs' idea on the CPU.
+ *
+ * A batch-1 decode step of a small model runs ~250 kernels of a few microseconds to a few
+ * hundred; called one by one from Python each pays ~10-40 us of interpreter and dispatch cost,
+ * as much as the arithmetic of the whole step. tokenmill/worker/decode_graph.py records the
+ * kernel calls of one decode step (pointers into the weights, the KV cache, fixed input buffers
+ * and kept-alive intermediate tensors) and replays them here in one call.
+ *
+ * An op is a row of TM_OP_WIDTH int64: the op kind, then its arguments in the order of the
+ * kernel it calls (pointers and integers as int64, floats as the bits of a double).
+ *
+ * Also here, the small ops a decode step needs besides tokenmill/csrc/decode_ops.c's:
+ *   tm_embed_rows:  rows of a packed table (token embeddings) times a multiplier;
+ *   tm_act_mul:     act(gate) * up over a fused [gate | up] projection (GELU-tanh, SiLU);
+ *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TM_TARGET __attribute__((target("avx2,fma")))
+#define TM_OP_WIDTH 18
+
+enum { OP_QGEMM = 1, OP_RMSNORM, OP_ROPE, OP_ATTN, OP_EMBED, OP_ACT_MUL, OP_KV_WRITE };
+enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
+
+/* The kernels of qgemm.c and decode_ops.c. */
+int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
+             const float *scales, const float *offsets, int64_t G, const float *bias, float *y,
+             int act_int8);
+void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
+                     const float *scales, const float *offsets, int64_t G, float *out);
+void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner, const float *weight,
+                float weight_offset, const float *residual, float *out, int64_t rows, int64_t dim,
+                float eps);
+void tm_rope_neox(float *x, const int64_t *positions, const float *cos_t, const float *sin_t,
+                  int64_t tokens, int64_t heads, int64_t dim);
+int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
+                   const float *k_scales, const float *v_scales, const float *fp8_lut,
+                   const int64_t *block_table, const int64_t *seq_lens, int64_t nd, int64_t H,
+                   int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t window,
+                   float scale, float *out);
+
+/* out[i] = table row ids[i] (dequantized) * mult; K-element rows. */
+TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
+                             const uint8_t *w, const float *scales, const float *offsets,
+                             int64_t G, float mult, float *out) {
+    const __m256 m = _mm256_set1_ps(mult);
+    for (int64_t i = 0; i < n; i++) {
+        float *row = out + i * K;
+        tm_dequant_rows(ids[i], ids[i] + 1, K, kind, w, scales, offsets, G, row);
+        if (mult != 1.0f)
+            for (int64_t j = 0; j < K; j += 8)
+                _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), m));
+    }
+}
+
+/* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp. */
+TM_TARGET static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). */
+TM_TARGET static inline __m256 gelu_tanh8(__m256 x) {
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                             _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x),
+                                             _mm256_mul_ps(x, x), x));
+    __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+TM_TARGET static inline __m256 silu8(__m256 x) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+/* gu [n, ld]: gate in columns [0, d), up in [d, 2d); out [n, d]. d a multiple of 8. */
+TM_TARGET void tm_act_mul(const float *gu, int64_t n, int64_t d, int64_t ld, int act,
+                          float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = gu + r * ld, *u = g + d;
+        float *o = out + r * d;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 a = act == ACT_SILU ? silu8(x) : gelu_tanh8(x);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* Token t's K and V (row elements each, at k + t * k_ld, v + t * v_ld) into slot slots[t]. */
+void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
+                 const int64_t *slots, int64_t n, int64_t row, float *k_cache, float *v_cache) {
+    for (int64_t t = 0; t < n; t++) {
+        memcpy(k_cache + slots[t] * row, k + t * k_ld, sizeof(float) * (size_t)row);
+        memcpy(v_cache + slots[t] * row, v + t * v_ld, sizeof(float) * (size_t)row);
+    }
+}
+
+static inline float f32(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return (float)d;
+}
+
+#define P(i) ((void *)(intptr_t)a[i])
+
+/* Runs ops [n_ops, TM_OP_WIDTH] in order; returns 0, or -1 when a kernel could not allocate. */
+int tm_graph_run(const int64_t *ops, int64_t n_ops) {
+    for (int64_t i = 0; i < n_ops; i++) {
+        const int64_t *a = ops + i * TM_OP_WIDTH + 1;
+        int rc = 0;
+        switch (ops[i * TM_OP_WIDTH]) {
+        case OP_QGEMM:
+            rc = tm_qgemm(a[0], a[1], a[2], P(3), (int)a[4], P(5), P(6), P(7), a[8], P(9), P(10),
+                          (int)a[11]);
+            break;
+        case OP_RMSNORM:
+            tm_rmsnorm(P(0), a[1], a[2], P(3), f32(a[4]), P(5), P(6), a[7], a[8], f32(a[9]));
+            break;
+        case OP_ROPE:
+            tm_rope_neox(P(0), P(1), P(2), P(3), a[4], a[5], a[6]);
+            break;
+        case OP_ATTN:
+            rc = tm_decode_attn(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), a[8], a[9], a[10],
+                                a[11], a[12], a[13], a[14], f32(a[15]), P(16));
+            break;
+        case OP_EMBED:
+            tm_embed_rows(P(0), a[1], a[2], (int)a[3], P(4), P(5), P(6), a[7], f32(a[8]), P(9));
+            break;
+        case OP_ACT_MUL:
+            tm_act_mul(P(0), a[1], a[2], a[3], (int)a[4], P(5));
+            break;
+        case OP_KV_WRITE:
+            tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8));
+            break;
+        default:
+            return -1;
+        }
+        if (rc != 0) return -1;
+    }
+    return 0;
+}

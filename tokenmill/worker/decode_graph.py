@@ -1,0 +1,142 @@
+"""Decode steps replayed from a recording: CUDA graphs' idea on the CPU.
+
+A batch-1 decode step of gemma-3-270m calls ~250 C kernels. Called one by one from Python, each
+pays 10-40 us of interpreter and dispatch cost; together that is about as much time as the
+arithmetic of the whole step. So the first decode-only step of each batch size runs eagerly
+inside ``kernels.recording()``, on fixed input buffers. If every computation in it went through
+a recorded kernel (checked by watching torch's dispatcher: only views and allocations may run
+outside one), its calls become a ``kernels.Graph``, which later steps of that size replay in one
+C call after writing their inputs into the buffers. A model or mode whose decode step computes
+anything with torch (a float checkpoint's F.linear, a quantized KV cache's writes, ...) is not
+captured and keeps running eagerly; nothing else changes.
+
+The input buffers are sized for the largest batch: token ids, positions, slots, block tables
+[max_batch, max_blocks_per_seq] and sequence lengths; a graph of batch size B uses their first
+B rows. A replay is checked once, right after its capture, against the eager step it recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tokenmill import kernels
+from tokenmill.attention import AttentionMetadata, ForwardBatch
+from tokenmill.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+# Ops that allocate without computing: a recorded step may call these outside its kernels.
+_ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
+
+
+class _ComputeWatch(TorchDispatchMode):
+    """Notes every torch op that computes (anything but a view or an allocation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view and func.overloadpacket not in _ALLOCATIONS:
+            self.computed.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: kernels.Graph
+    logits: torch.Tensor  # [batch, vocab]: where each replay leaves its logits
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        block_size: int,
+        max_blocks_per_seq: int,
+        max_batch: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_batch = max_batch
+        long = dict(dtype=torch.long)
+        self.ids = torch.zeros(max_batch, **long)
+        self.positions = torch.zeros(max_batch, **long)
+        self.slots = torch.zeros(max_batch, **long)
+        self.seq_lens = torch.zeros(max_batch, **long)
+        self.block_table = torch.zeros(max_batch, max_blocks_per_seq, **long)
+        # Batch size -> its graph, or None once it proved not capturable.
+        self._captured: dict[int, _Captured | None] = {}
+
+    def captured_sizes(self) -> list[int]:
+        """Batch sizes whose decode steps replay a graph."""
+        return sorted(b for b, c in self._captured.items() if c is not None)
+
+    def runs(self, batch_size: int) -> bool:
+        """Whether decode steps of this size go through here (captured, or not yet tried)."""
+        return batch_size <= self.max_batch and self._captured.get(batch_size, True) is not None
+
+    def step(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+    ) -> torch.Tensor:
+        """Logits [batch, vocab] of one decode step: replayed, or run eagerly while capturing.
+        The tensor is the graph's output buffer: read it before the next step."""
+        b = len(ids)
+        # NOTE: through numpy views: a torch copy per buffer costs more than the writes.
+        self.ids.numpy()[:b] = ids
+        self.positions.numpy()[:b] = positions
+        self.slots.numpy()[:b] = slots
+        self.seq_lens.numpy()[:b] = seq_lens
+        table = self.block_table.numpy()
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = blocks
+        captured = self._captured.get(b)
+        if captured is not None:
+            captured.graph.replay()
+            return captured.logits
+        return self._capture(b)
+
+    def _capture(self, b: int) -> torch.Tensor:
+        attn = AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=self.slots[:b],
+            num_decodes=b,
+            decode_block_table=self.block_table[:b],
+            decode_seq_lens=self.seq_lens[:b],
+            prefills=[],
+        )
+        fwd = ForwardBatch(self.kv_caches, attn)
+        watch = _ComputeWatch()
+        with kernels.recording() as rec, watch:
+            hidden = self.model(self.ids[:b], self.positions[:b], fwd)
+            logits = self.model.compute_logits(hidden)
+        if watch.computed:
+            logger.info(
+                "decode steps of batch size %d run eagerly: %s computes outside the C kernels",
+                b,
+                watch.computed[0],
+            )
+            self._captured[b] = None
+            return logits
+        graph = kernels.Graph(rec)
+        expected = logits.clone()
+        graph.replay()  # writes the same K/V into the same slots again: harmless
+        if not torch.equal(logits, expected):
+            logger.warning("decode graph of batch size %d differs from its eager step", b)
+            self._captured[b] = None
+            return expected
+        self._captured[b] = _Captured(graph, logits)
+        logger.info("decode steps of batch size %d replay a graph of %d kernels", b, len(graph))
+        return logits
