@@ -156,3 +156,13 @@ def test_rmsnorm_reads_heads_inside_a_fused_projection() -> None:
     q = qkv[:, :64].view(3, 4, 16)  # rows 16 apart within a token, 96 apart between tokens
     assert not q.is_contiguous()
     torch.testing.assert_close(norm(q), norm(q.contiguous()), rtol=0, atol=0)
+
+
+def test_argmax_matches_torch_with_ties_and_nans() -> None:
+    torch.manual_seed(9)
+    x = torch.randn(4, 1003)  # a tail past the last 8-wide step
+    x[1, 5] = x[1, 900] = 50.0  # a tie: the first index wins, as in torch
+    x[2, 1001] = 60.0  # the maximum in the tail
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    x[3, 7] = float("nan")
+    assert kernels.argmax_rows(x) is None  # left to torch

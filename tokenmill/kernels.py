@@ -86,6 +86,8 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_act_mul.restype = None
     lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
     lib.tm_kv_write.restype = None
+    lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.tm_argmax_rows.restype = _int
     lib.tm_graph_run.argtypes = [_ptr, _i64]
     lib.tm_graph_run.restype = _int
     return lib
@@ -381,3 +383,14 @@ def kv_write(
         k_cache,
         v_cache,
     )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of a float32 [rows, n] tensor (first index among ties); None when
+    a row holds a NaN (torch then decides)."""
+    lib = _library()
+    assert lib is not None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if lib.tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
+        return None
+    return out

