@@ -22,6 +22,7 @@ setup(
                 "tokenmill/csrc/decode_ops.c",
                 "tokenmill/csrc/graph.c",
             ],
+            depends=["tokenmill/csrc/simd.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

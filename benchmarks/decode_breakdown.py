@@ -1,7 +1,11 @@
 """Where a batch-1 decode step of gemma-3-270m spends its time, part by part.
 
-Wraps the engine's parts with timers (wall clock, so nested parts are included in their parents)
-and decodes 64 tokens after a 128-token prompt:
+Decodes 64 tokens after a 128-token prompt, twice:
+- eagerly (--enforce-eager's path), with the engine's parts wrapped in timers (wall clock, so
+  nested parts are included in their parents): Python dispatch shows as the gap between a
+  part and the kernels inside it;
+- as the engine runs by default, where decode steps of up to 8 requests replay a recorded graph
+  of C kernels (worker/decode_graph.py): the graph is then replayed with per-kernel timing.
 
     python benchmarks/decode_breakdown.py [--quantization none|int8|int4] [--batch 1]
 """
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import time
 from collections.abc import Callable
+
+import torch
 
 from tokenmill import LLM, SamplingParams, kernels
 from tokenmill.attention import layer as attention_layer
@@ -22,6 +29,7 @@ from tokenmill.models import llama
 def _timed(owner: object, name: str, key: str, acc: dict[str, float]) -> None:
     fn: Callable = getattr(owner, name)
 
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -38,9 +46,43 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
-    llm = LLM(
-        "gemma-3-270m", max_model_len=1024, kv_cache_memory="512MiB", quantization=args.quantization
+    eager_step = run_eager(args)
+    graph_step = run_graphed(args)
+    print(f"decode step: eager {eager_step * 1e3:.2f} ms, graphed {graph_step * 1e3:.2f} ms")
+
+
+def _engine(args: argparse.Namespace, enforce_eager: bool) -> LLM:
+    return LLM(
+        "gemma-3-270m",
+        max_model_len=1024,
+        kv_cache_memory="512MiB",
+        quantization=args.quantization,
+        enforce_eager=enforce_eager,
     )
+
+
+def _decode(llm: LLM, args: argparse.Namespace, before_decode: Callable[[], None]) -> float:
+    """Seconds per decode step of ``args.batch`` requests (prefill not counted)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
+    prompts = [list(range(1000 + 7 * i, 1128 + 7 * i)) for i in range(args.batch)]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        engine.step()  # prefill
+    before_decode()
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps
+
+
+def run_eager(args: argparse.Namespace) -> float:
+    llm = _engine(args, enforce_eager=True)
     engine, acc = llm.engine, collections.defaultdict(float)
     model = engine.runner.model
     parts = [
@@ -58,28 +100,51 @@ def main() -> None:
     ]
     for owner, name, key in parts:
         _timed(owner, name, key, acc)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
-    prompts = [list(range(1000 + 7 * i, 1128 + 7 * i)) for i in range(args.batch)]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.scheduler.waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()  # prefill
-    acc.clear()
-    start, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    total = (time.perf_counter() - start) / steps
+    steps = args.steps
+    total = _decode(llm, args, acc.clear)
     print(
-        f"batch {args.batch}, quantization {engine.config.quantization}, C kernels "
+        f"eager: batch {args.batch}, quantization {engine.config.quantization}, C kernels "
         f"{'on' if kernels.available() else 'off'}: {total * 1e3:.2f} ms/step, "
         f"{args.batch / total:.1f} tokens/s"
     )
     for _, _, key in parts:
         print(f"  {key:34s} {acc[key] / steps * 1e3:7.2f} ms/step")
+    for owner, name, _ in parts:  # unwrap: the graphed run must not see the timers
+        if name in vars(owner) and not isinstance(owner, type):
+            delattr(owner, name)
+        elif isinstance(owner, type):
+            setattr(owner, name, getattr(owner, name).__wrapped__)
+    return total
+
+
+def run_graphed(args: argparse.Namespace) -> float:
+    llm = _engine(args, enforce_eager=False)
+    graphs = llm.engine.runner.decode_graphs
+    total = _decode(llm, args, lambda: None)
+    print(f"graphed: batch {args.batch}: {total * 1e3:.2f} ms/step, {args.batch / total:.1f} tok/s")
+    if graphs is None or args.batch not in graphs.captured_sizes():
+        print("  (no graph for this batch size: its steps ran eagerly)")
+        return total
+    graph = graphs.graph(args.batch)
+    times = torch.zeros(len(graph), dtype=torch.float64)
+    per_op = torch.zeros_like(times)
+    reps = 20
+    for _ in range(reps):  # the last step's inputs again: same K/V into the same slot
+        graph.replay(times)
+        per_op += times
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for name, t in zip(graph.op_names(), per_op.tolist()):
+        if name == f"matmul N={llm.engine.config.model_config.vocab_size}":
+            name = "output head (matmul)"
+        elif name.startswith("matmul"):
+            name = "layer matmuls"
+        by_kind[name] += t / reps
+    replay = sum(by_kind.values())
+    print(f"  {'graph replay, all kernels':34s} {replay * 1e3:7.2f} ms/step ({len(graph)} calls)")
+    for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"    {name:32s} {t * 1e3:7.2f} ms/step")
+    print(f"  {'scheduler, sampler, outputs':34s} {(total - replay) * 1e3:7.2f} ms/step")
+    return total
 
 
 if __name__ == "__main__":

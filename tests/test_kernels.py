@@ -166,3 +166,39 @@ def test_argmax_matches_torch_with_ties_and_nans() -> None:
     assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
     x[3, 7] = float("nan")
     assert kernels.argmax_rows(x) is None  # left to torch
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_decode_attention_over_a_long_context_split_across_threads(window) -> None:
+    """One sequence, one KV head: the context is split into spans whose softmax states merge."""
+    torch.manual_seed(10)
+    bs, heads, dim, seq_len = 16, 4, 32, 300
+    k_cache, v_cache = torch.randn(2, 24, bs, 1, dim)
+    table = torch.randperm(24)[:19].reshape(1, -1)
+    seq_lens = torch.tensor([seq_len])
+    q = torch.randn(1, heads, dim)
+    meta = AttentionMetadata(
+        block_size=bs,
+        slot_mapping=torch.zeros(1, dtype=torch.long),
+        num_decodes=1,
+        decode_block_table=table,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+    )
+    with _threads(2):
+        ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.2)
+    ref = TorchAttentionBackend._decode(
+        q.double(), k_cache.double(), v_cache.double(), meta, 0.2, window, None
+    )
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+class _threads:
+    def __init__(self, n: int) -> None:
+        self.n, self.saved = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_num_threads(self.saved)

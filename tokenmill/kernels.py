@@ -34,7 +34,17 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
 _OP_QGEMM, _OP_RMSNORM, _OP_ROPE, _OP_ATTN, _OP_EMBED, _OP_ACT_MUL, _OP_KV_WRITE = range(1, 8)
 _OP_WIDTH = 18
+_OP_NAMES = {
+    "matmul": _OP_QGEMM,
+    "rmsnorm": _OP_RMSNORM,
+    "rope": _OP_ROPE,
+    "attention": _OP_ATTN,
+    "embedding": _OP_EMBED,
+    "act*mul": _OP_ACT_MUL,
+    "kv write": _OP_KV_WRITE,
+}
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
+MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 
 
 @functools.cache
@@ -88,7 +98,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_kv_write.restype = None
     lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.tm_argmax_rows.restype = _int
-    lib.tm_graph_run.argtypes = [_ptr, _i64]
+    lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     return lib
 
@@ -148,9 +158,20 @@ class Graph:
     def __len__(self) -> int:
         return self.ops.shape[0]
 
-    def replay(self) -> None:
-        if self._run(self.ops.data_ptr(), self.ops.shape[0]) != 0:
+    def replay(self, times: torch.Tensor | None = None) -> None:
+        """Run the recorded calls; ``times`` (float64 [len(self)]), if given, gets each call's
+        wall time in seconds (benchmarks/decode_breakdown.py)."""
+        ptr = None if times is None else times.data_ptr()
+        if self._run(self.ops.data_ptr(), self.ops.shape[0], ptr) != 0:
             raise MemoryError("a replayed kernel could not allocate its scratch buffer")
+
+    def op_names(self) -> list[str]:
+        """What each recorded call is: its kernel, and for a matmul its output size."""
+        names = {v: k for k, v in _OP_NAMES.items()}
+        return [
+            f"matmul N={int(row[2])}" if row[0] == _OP_QGEMM else names[int(row[0])]
+            for row in self.ops.tolist()
+        ]
 
 
 def _launch(op: int, fn: Any, *args: Any) -> Any:

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define TM_TARGET __attribute__((target("avx2,fma")))
 
 TM_TARGET static inline float hsum8(__m256 v) {
@@ -71,13 +73,6 @@ TM_TARGET void tm_rope_neox(float *x, const int64_t *positions, const float *cos
     }
 }
 
-/*
- * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
- * 256 e4m3 values) with k_scales, v_scales [blocks, bs, KVH] float32 (NULL for float32);
- * block_table [nd, max_blocks] int64;
- * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
- * >= seq_len - window. out [nd, H, D]. D a multiple of 8. Returns -1 if scratch memory fails.
- */
 /* 8 cached elements as floats: float32 rows, or one-byte codes (int8, or fp8 e4m3 decoded
  * through a 256-entry table); their per-token scale is applied by the caller. */
 TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int bytes, const float *lut) {
@@ -87,60 +82,187 @@ TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int bytes, c
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
+#define TM_MAX_GROUP 16 /* query heads per KV head handled in one pass over its K/V */
+
+/* One job: the `group` query heads of KV head kvh over context positions [lo, hi) of one
+ * sequence. Each K and V row is read once for all of them (GQA). Leaves the unnormalized
+ * output o[g][D], the running max m[g] and the sum of exponentials l[g] (flash-decoding's
+ * partial state; an empty range gives m = -inf, l = 0, o = 0). Inlined into one copy per
+ * group size so the per-head accumulators live in registers. */
+TM_TARGET static inline __attribute__((always_inline)) void attend_span_impl(
+    const int64_t group, const float *q, const void *k_cache, const void *v_cache,
+    const float *k_scales, const float *v_scales, const float *lut, int q8, const int64_t *table,
+    int64_t kvh, int64_t KVH, int64_t D, int64_t bs, int64_t lo, int64_t hi, float scale,
+    float *scores, float *o, float *m, float *l) {
+    const int64_t row = KVH * D, n = hi - lo;
+    for (int64_t g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + g * D + i, _mm256_setzero_ps());
+    }
+    if (n <= 0) return;
+    const int64_t stride = (n + 7) / 8 * 8; /* scores rows padded for 8-wide exp */
+    /* Block by block: position p sits in slot table[p / bs] * bs + p % bs. */
+#define TM_FOR_POSITIONS(BODY)                                                               \
+    for (int64_t b = lo / bs; b * bs < hi; b++) {                                            \
+        const int64_t p0 = b * bs > lo ? b * bs : lo, p1 = (b + 1) * bs < hi ? (b + 1) * bs : hi; \
+        for (int64_t p = p0, slot = table[b] * bs + p0 - b * bs; p < p1; p++, slot++) {      \
+            const int64_t at = slot * row + kvh * D;                                         \
+            BODY                                                                             \
+        }                                                                                    \
+    }
+    /* Scores: a K row against every head's query. */
+    TM_FOR_POSITIONS({
+        __m256 acc[TM_MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            __m256 kv = load8(k_cache, at + i, q8, lut);
+            for (int64_t g = 0; g < group; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, acc[g]);
+        }
+        const float ks = scale * (q8 ? k_scales[slot * KVH + kvh] : 1.0f);
+        for (int64_t g = 0; g < group; g++) {
+            float sc = hsum8(acc[g]) * ks;
+            scores[g * stride + p - lo] = sc;
+            m[g] = sc > m[g] ? sc : m[g];
+        }
+    })
+    /* exp(score - max), with each V row's scale folded in (int8 / fp8 caches). */
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * stride;
+        for (int64_t j = n; j < stride; j++) sg[j] = -INFINITY;
+        const __m256 mv = _mm256_set1_ps(m[g]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < stride; j += 8) {
+            __m256 e = tm_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
+            e = j + 8 <= n ? e : _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((int)(n - j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+            _mm256_storeu_ps(sg + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        l[g] = hsum8(sum);
+    }
+    if (q8)
+        TM_FOR_POSITIONS({
+            for (int64_t g = 0; g < group; g++) scores[g * stride + p - lo] *= v_scales[slot * KVH + kvh];
+        })
+    /* Outputs 8 columns at a time, summed over the span in registers: V's rows stream from
+     * L1/L2 once per column slice, and nothing is stored until the slice is done. */
+    for (int64_t i = 0; i < D; i += 8) {
+        __m256 acc[TM_MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+        TM_FOR_POSITIONS({
+            __m256 vv = load8(v_cache, at + i, q8, lut);
+            for (int64_t g = 0; g < group; g++)
+                acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * stride + p - lo]), vv, acc[g]);
+        })
+        for (int64_t g = 0; g < group; g++) _mm256_storeu_ps(o + g * D + i, acc[g]);
+    }
+#undef TM_FOR_POSITIONS
+}
+
+#define TM_SPAN_ARGS                                                                         \
+    const float *q, const void *k_cache, const void *v_cache, const float *k_scales,         \
+        const float *v_scales, const float *lut, int q8, const int64_t *table, int64_t kvh,  \
+        int64_t KVH, int64_t D, int64_t bs, int64_t lo, int64_t hi, float scale,             \
+        float *scores, float *o, float *m, float *l
+#define TM_SPAN_CALL(G)                                                                      \
+    attend_span_impl(G, q, k_cache, v_cache, k_scales, v_scales, lut, q8, table, kvh, KVH, D, \
+                     bs, lo, hi, scale, scores, o, m, l)
+TM_TARGET static void attend_span_1(TM_SPAN_ARGS) { TM_SPAN_CALL(1); }
+TM_TARGET static void attend_span_2(TM_SPAN_ARGS) { TM_SPAN_CALL(2); }
+TM_TARGET static void attend_span_4(TM_SPAN_ARGS) { TM_SPAN_CALL(4); }
+TM_TARGET static void attend_span_8(TM_SPAN_ARGS) { TM_SPAN_CALL(8); }
+
+TM_TARGET static void attend_span(int64_t group, TM_SPAN_ARGS) {
+    switch (group) {
+    case 1: attend_span_1(q, k_cache, v_cache, k_scales, v_scales, lut, q8, table, kvh, KVH, D, bs, lo, hi, scale, scores, o, m, l); break;
+    case 2: attend_span_2(q, k_cache, v_cache, k_scales, v_scales, lut, q8, table, kvh, KVH, D, bs, lo, hi, scale, scores, o, m, l); break;
+    case 4: attend_span_4(q, k_cache, v_cache, k_scales, v_scales, lut, q8, table, kvh, KVH, D, bs, lo, hi, scale, scores, o, m, l); break;
+    case 8: attend_span_8(q, k_cache, v_cache, k_scales, v_scales, lut, q8, table, kvh, KVH, D, bs, lo, hi, scale, scores, o, m, l); break;
+    default: TM_SPAN_CALL(group); /* other group sizes: accumulators in memory */
+    }
+}
+#undef TM_SPAN_CALL
+#undef TM_SPAN_ARGS
+
+/*
+ * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
+ * 256 e4m3 values) with k_scales, v_scales [blocks, bs, KVH] float32 (NULL for float32);
+ * block_table [nd, max_blocks] int64;
+ * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
+ * >= seq_len - window. out [nd, H, D]. D a multiple of 8, H / KVH <= 16. Returns -1 if scratch
+ * memory fails.
+ *
+ * Jobs are (sequence, KV head, span of the context): a batch-1 step of a model with one KV head
+ * would otherwise leave all but one thread idle, so long contexts are split into spans whose
+ * partial softmax states are merged at the end (flash-decoding).
+ */
 TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
                              const float *k_scales, const float *v_scales, const float *fp8_lut,
                              const int64_t *block_table, const int64_t *seq_lens, int64_t nd,
                              int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
                              int64_t window, float scale, float *out) {
-    /* A one-byte cache (int8, or fp8 with fp8_lut) has a float32 scale per token per KV head. */
-    const int q8 = k_scales != NULL;
-    int64_t max_len = 0;
+    const int q8 = k_scales != NULL; /* one-byte cache: float32 scale per token per KV head */
+    const int64_t group = H / KVH;
+    if (group > TM_MAX_GROUP) return -1;
+    int64_t max_len = 1;
     for (int64_t i = 0; i < nd; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-    const int64_t group = H / KVH, row = KVH * D;
+    if (window > 0 && max_len > window) max_len = window;
+    int64_t splits = 1; /* enough jobs for every thread, spans of at least 32 positions */
+    const int64_t threads = omp_get_max_threads();
+    while (nd * KVH * splits < threads && max_len / (2 * splits) >= 32) splits *= 2;
+    const int64_t jobs = nd * KVH * splits, span_max = (max_len + splits - 1) / splits + 8;
+    float *part = malloc(sizeof(float) * (size_t)(jobs * group * (D + 2)));
+    if (!part) return -1;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1));
+        float *scores = malloc(sizeof(float) * (size_t)(group * span_max));
         if (!scores) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t job = 0; job < nd * H; job++) {
+        for (int64_t job = 0; job < jobs; job++) {
             if (!scores) continue;
-            const int64_t seq = job / H, h = job % H, kvh = h / group;
+            const int64_t seq = job / (KVH * splits), kvh = job / splits % KVH, s = job % splits;
             const int64_t len = seq_lens[seq];
             const int64_t start = window > 0 && len > window ? len - window : 0;
-            const float *qv = q + (seq * H + h) * D;
-            const int64_t *table = block_table + seq * max_blocks;
-            float mx = -INFINITY;
-            for (int64_t p = start; p < len; p++) {
-                const int64_t slot = table[p / bs] * bs + p % bs, at = slot * row + kvh * D;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t i = 0; i < D; i += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), load8(k_cache, at + i, q8, fp8_lut), acc);
-                float sc = hsum8(acc) * scale * (q8 ? k_scales[slot * KVH + kvh] : 1.0f);
-                scores[p] = sc;
-                mx = sc > mx ? sc : mx;
-            }
-            float denom = 0.0f;
-            for (int64_t p = start; p < len; p++) {
-                scores[p] = expf(scores[p] - mx);
-                denom += scores[p];
-            }
-            /* V rows are read in order (one pass over the context); the sum stays in L1. */
-            float *o = out + (seq * H + h) * D;
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_setzero_ps());
-            for (int64_t p = start; p < len; p++) {
-                const int64_t slot = table[p / bs] * bs + p % bs, at = slot * row + kvh * D;
-                __m256 w = _mm256_set1_ps(scores[p] * (q8 ? v_scales[slot * KVH + kvh] : 1.0f));
-                for (int64_t i = 0; i < D; i += 8)
-                    _mm256_storeu_ps(
-                        o + i, _mm256_fmadd_ps(w, load8(v_cache, at + i, q8, fp8_lut), _mm256_loadu_ps(o + i)));
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / denom);
-            for (int64_t i = 0; i < D; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), inv));
+            const int64_t lo = start + (len - start) * s / splits;
+            const int64_t hi = start + (len - start) * (s + 1) / splits;
+            float *o = part + job * group * (D + 2), *m = o + group * D, *l = m + group;
+            attend_span(group, q + (seq * H + kvh * group) * D, k_cache, v_cache, k_scales,
+                        v_scales, fp8_lut, q8, block_table + seq * max_blocks, kvh, KVH, D, bs, lo,
+                        hi, scale, scores, o, m, l);
         }
         free(scores);
     }
+    /* Merge each head's spans: out = sum_s o_s e^(m_s - m) / sum_s l_s e^(m_s - m). */
+    for (int64_t seq = 0; seq < nd && !failed; seq++)
+        for (int64_t kvh = 0; kvh < KVH; kvh++)
+            for (int64_t g = 0; g < group; g++) {
+                const float *first = part + (seq * KVH + kvh) * splits * group * (D + 2);
+                float mx = -INFINITY, denom = 0.0f;
+                for (int64_t s = 0; s < splits; s++) {
+                    const float ms = first[s * group * (D + 2) + group * D + g];
+                    mx = ms > mx ? ms : mx;
+                }
+                float *dst = out + (seq * H + kvh * group + g) * D;
+                for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_setzero_ps());
+                for (int64_t s = 0; s < splits; s++) {
+                    const float *ps = first + s * group * (D + 2);
+                    const float ls = ps[group * D + group + g];
+                    if (ls == 0.0f) continue; /* an empty span */
+                    const float c = expf(ps[group * D + g] - mx);
+                    denom += ls * c;
+                    const __m256 cv = _mm256_set1_ps(c);
+                    for (int64_t i = 0; i < D; i += 8)
+                        _mm256_storeu_ps(dst + i, _mm256_fmadd_ps(cv, _mm256_loadu_ps(ps + g * D + i),
+                                                                  _mm256_loadu_ps(dst + i)));
+                }
+                const __m256 inv = _mm256_set1_ps(1.0f / denom);
+                for (int64_t i = 0; i < D; i += 8)
+                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(dst + i), inv));
+            }
+    free(part);
     return failed ? -1 : 0;
 }
 

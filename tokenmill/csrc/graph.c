@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+
+#include "simd.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma")))
 #define TM_OP_WIDTH 18
@@ -57,35 +60,17 @@ TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
     }
 }
 
-/* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp. */
-TM_TARGET static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3). */
 TM_TARGET static inline __m256 gelu_tanh8(__m256 x) {
     __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                              _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x),
                                              _mm256_mul_ps(x, x), x));
-    __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+    __m256 e = tm_exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
 TM_TARGET static inline __m256 silu8(__m256 x) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    __m256 e = tm_exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
     return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
@@ -120,9 +105,17 @@ static inline float f32(int64_t bits) {
 
 #define P(i) ((void *)(intptr_t)a[i])
 
-/* Runs ops [n_ops, TM_OP_WIDTH] in order; returns 0, or -1 when a kernel could not allocate. */
-int tm_graph_run(const int64_t *ops, int64_t n_ops) {
+static inline double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Runs ops [n_ops, TM_OP_WIDTH] in order; returns 0, or -1 when a kernel could not allocate.
+ * times (optional, [n_ops]): each op's wall time in seconds, for profiling. */
+int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
     for (int64_t i = 0; i < n_ops; i++) {
+        const double start = times ? seconds() : 0.0;
         const int64_t *a = ops + i * TM_OP_WIDTH + 1;
         int rc = 0;
         switch (ops[i * TM_OP_WIDTH]) {
@@ -153,6 +146,7 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops) {
             return -1;
         }
         if (rc != 0) return -1;
+        if (times) times[i] = seconds() - start;
     }
     return 0;
 }

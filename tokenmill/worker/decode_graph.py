@@ -79,6 +79,13 @@ class DecodeGraphs:
         """Batch sizes whose decode steps replay a graph."""
         return sorted(b for b, c in self._captured.items() if c is not None)
 
+    def graph(self, batch_size: int) -> kernels.Graph:
+        """The graph decode steps of this size replay (one of ``captured_sizes``)."""
+        captured = self._captured.get(batch_size)
+        if captured is None:
+            raise ValueError(f"no decode graph for batch size {batch_size}")
+        return captured.graph
+
     def runs(self, batch_size: int) -> bool:
         """Whether decode steps of this size go through here (captured, or not yet tried)."""
         return batch_size <= self.max_batch and self._captured.get(batch_size, True) is not None

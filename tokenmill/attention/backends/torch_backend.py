@@ -72,7 +72,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         nd, max_blocks = meta.decode_block_table.shape
         _, bs, nkv, hd = k_cache.shape
-        if hd % 8 == 0 and _kernel_reads(q, k_cache, v_cache, kv_scales):
+        group_ok = q.shape[1] // nkv <= kernels.MAX_ATTENTION_GROUP
+        if hd % 8 == 0 and group_ok and _kernel_reads(q, k_cache, v_cache, kv_scales):
             # Straight from the paged cache: no gather, no padding, no mask.
             return kernels.decode_attention(
                 q,
