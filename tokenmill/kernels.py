@@ -188,7 +188,22 @@ def supports(w: PackedWeight) -> bool:
     n, k = w.shape
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
-    return k % w.group == 0 and k % 32 == 0 and group_ok and w.codes.device.type == "cpu"
+    # float16 scales come from Q8_0 / Q5_0 / Q4_0 only: 32-element groups.
+    scales_ok = w.scales.dtype == torch.float32 or (
+        w.scales.dtype == torch.float16 and w.group % 32 == 0
+    )
+    return (
+        k % w.group == 0
+        and k % 32 == 0
+        and group_ok
+        and scales_ok
+        and w.codes.device.type == "cpu"
+    )
+
+
+def _kind(w: PackedWeight) -> int:
+    """The kernels' ``kind``: bit 0 for 4-bit codes, bit 1 for float16 scales."""
+    return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0)
 
 
 def qgemm(
@@ -207,7 +222,7 @@ def qgemm(
         w.shape[0],
         k,
         x,
-        _KINDS[w.kind],
+        _kind(w),
         w.codes,
         w.scales,
         w.offsets,
@@ -230,7 +245,7 @@ def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:
         start,
         end,
         w.shape[1],
-        _KINDS[w.kind],
+        _kind(w),
         w.codes.data_ptr(),
         w.scales.data_ptr(),
         None if w.offsets is None else w.offsets.data_ptr(),
@@ -358,7 +373,7 @@ def embed_rows(w: PackedWeight, ids: torch.Tensor, scale: float = 1.0) -> torch.
         ids,
         ids.numel(),
         w.shape[1],
-        _KINDS[w.kind],
+        _kind(w),
         w.codes,
         w.scales,
         w.offsets,

@@ -47,6 +47,9 @@ def test_repacking_is_exact(name: str) -> None:
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight; the rest an int8 code.
     assert w.kind == ("q4" if name in ("Q4_0", "Q4_K") else "q8")
+    # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants.
+    f16 = name in ("Q4_0", "Q5_0", "Q8_0")
+    assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
     assert torch.equal(w.dequantize(rows), ref[rows])

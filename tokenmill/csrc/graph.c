@@ -31,10 +31,10 @@ enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
 /* The kernels of qgemm.c and decode_ops.c. */
 int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
-             const float *scales, const float *offsets, int64_t G, const float *bias, float *y,
+             const void *scales, const float *offsets, int64_t G, const float *bias, float *y,
              int act_int8);
 void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
-                     const float *scales, const float *offsets, int64_t G, float *out);
+                     const void *scales, const float *offsets, int64_t G, float *out);
 void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner, const float *weight,
                 float weight_offset, const float *residual, float *out, int64_t rows, int64_t dim,
                 float eps);
@@ -48,7 +48,7 @@ int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
 
 /* out[i] = table row ids[i] (dequantized) * mult; K-element rows. */
 TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
-                             const uint8_t *w, const float *scales, const float *offsets,
+                             const uint8_t *w, const void *scales, const float *offsets,
                              int64_t G, float mult, float *out) {
     const __m256 m = _mm256_set1_ps(mult);
     for (int64_t i = 0; i < n; i++) {

@@ -5,8 +5,9 @@
  *   kind 0 ("q8"): int8 codes [N, K]
  *   kind 1 ("q4"): 4-bit codes [N, K/2], per 32-element chunk byte j holds element j (low
  *                  nibble) and element j+16 (high nibble), as ggml's Q4_0/Q4_K do
- * with a float32 scale per group of G elements (G = 16 or a multiple of 32) and optionally a
- * float32 offset per group:  w = scale · code - offset.
+ * with a scale per group of G elements (G = 16 or a multiple of 32; float32, or float16 where
+ * the file's own scales are float16: Q8_0, Q5_0) and optionally a float32 offset per group:
+ * w = scale · code - offset. `kind` says both: bit 0 set for "q4" codes, bit 1 for float16 scales.
  *
  * Two ways to treat the activations, chosen per call:
  *   act_int8 = 1: each 32-element chunk of x is quantized to int8 with its own scale (as
@@ -54,11 +55,24 @@ TM_TARGET static inline __m256i load_codes(int kind, const uint8_t *row, int64_t
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
+/* Scale i of a row's scales (float16 or float32). */
+TM_TARGET static inline float scale_at(const void *s, int64_t i, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)s)[i]) : ((const float *)s)[i];
+}
+
 /* Scale vector of chunk c: one scale for G >= 32 (G / 32 = 2^gshift chunks share it), two
  * halves for G == 16. */
-TM_TARGET static inline __m256 chunk_scale(const float *s, int64_t c, int g16, int gshift) {
-    if (g16) return _mm256_set_m128(_mm_set1_ps(s[2 * c + 1]), _mm_set1_ps(s[2 * c]));
-    return _mm256_set1_ps(s[c >> gshift]);
+TM_TARGET static inline __m256 chunk_scale(const void *s, int64_t c, int g16, int gshift,
+                                           int f16) {
+    if (g16)
+        return _mm256_set_m128(_mm_set1_ps(scale_at(s, 2 * c + 1, f16)),
+                               _mm_set1_ps(scale_at(s, 2 * c, f16)));
+    return _mm256_set1_ps(scale_at(s, c >> gshift, f16));
+}
+
+/* Row n's scales. */
+static inline const void *row_scales(const void *scales, int64_t n, int64_t ng, int f16) {
+    return (const char *)scales + n * ng * (f16 ? 2 : 4);
 }
 
 /* x row -> int8 codes + one scale per 32 elements (round to nearest even, like torch.round). */
@@ -115,14 +129,14 @@ TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng
  * arithmetic and its order are those of the general path: a row's result does not depend on
  * the batch it is in. */
 TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
-    const int kind, const int g16, int gshift, int64_t K, int64_t ng, const uint8_t *w,
-    int64_t wrow, const float *scales, const int8_t *xq, const float *xd, int64_t n0, int64_t n1,
-    float *y) {
+    const int kind, const int g16, const int f16, int gshift, int64_t K, int64_t ng,
+    const uint8_t *w, int64_t wrow, const void *scales, const int8_t *xq, const float *xd,
+    int64_t n0, int64_t n1, float *y) {
     const int64_t nc = K / 32, cbytes = kind == 0 ? 32 : 16;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * wrow;
-        const float *s = scales + n * ng;
+        const void *s = row_scales(scales, n, ng, f16);
         __m256 acc = _mm256_setzero_ps();
         for (int64_t c = 0; c < nc; c++) {
             _mm_prefetch((const char *)(row + c * cbytes + TM_PREFETCH), _MM_HINT_T0);
@@ -131,7 +145,7 @@ TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c * 32));
             if (kind == 0) xv = _mm256_sign_epi8(xv, codes);
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, xv), ones);
-            __m256 dd = _mm256_mul_ps(chunk_scale(s, c, g16, gshift), _mm256_set1_ps(xd[c]));
+            __m256 dd = _mm256_mul_ps(chunk_scale(s, c, g16, gshift, f16), _mm256_set1_ps(xd[c]));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc);
         }
         y[n] = hsum(acc);
@@ -141,20 +155,20 @@ TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
 /* Rows [n0, n1) of y for x rows [m0, m0 + mb), int8 activations. Inlined into one copy per
  * (kind, G == 16) so the inner loop has no branches on them. */
 TM_TARGET static inline __attribute__((always_inline)) void rows_int8_impl(
-    const int kind, const int g16, int gshift, int64_t K, int64_t ng, const uint8_t *w,
-    int64_t wrow, const float *scales, int64_t m0, int mb, const int8_t *xq, const float *xd,
-    int64_t n0, int64_t n1, float *y, int64_t N) {
+    const int kind, const int g16, const int f16, int gshift, int64_t K, int64_t ng,
+    const uint8_t *w, int64_t wrow, const void *scales, int64_t m0, int mb, const int8_t *xq,
+    const float *xd, int64_t n0, int64_t n1, float *y, int64_t N) {
     const int64_t nc = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * wrow;
-        const float *s = scales + n * ng;
+        const void *s = row_scales(scales, n, ng, f16);
         __m256 acc[MB];
         for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nc; c++) {
             __m256i codes = load_codes(kind, row, c);
             __m256i ucodes = kind == 0 ? _mm256_sign_epi8(codes, codes) : codes;
-            __m256 sc = chunk_scale(s, c, g16, gshift);
+            __m256 sc = chunk_scale(s, c, g16, gshift, f16);
             for (int i = 0; i < mb; i++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + c * 32));
                 if (kind == 0) xv = _mm256_sign_epi8(xv, codes);
@@ -168,36 +182,40 @@ TM_TARGET static inline __attribute__((always_inline)) void rows_int8_impl(
     }
 }
 
-TM_TARGET static void rows_int8(int kind, int64_t K, int64_t G, const uint8_t *w, int64_t wrow,
-                                const float *scales, int64_t m0, int mb, const int8_t *xq,
-                                const float *xd, int64_t n0, int64_t n1, float *y, int64_t N) {
+TM_TARGET static void rows_int8(int kind, int f16, int64_t K, int64_t G, const uint8_t *w,
+                                int64_t wrow, const void *scales, int64_t m0, int mb,
+                                const int8_t *xq, const float *xd, int64_t n0, int64_t n1, float *y,
+                                int64_t N) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G;
-#define TM_ROWS(KIND, G16)                                                                   \
+#define TM_ROWS(KIND, G16, F16)                                                              \
     do {                                                                                     \
         if (mb == 1)                                                                         \
-            rows_int8_m1_impl(KIND, G16, gshift, K, ng, w, wrow, scales, xq + m0 * K,        \
+            rows_int8_m1_impl(KIND, G16, F16, gshift, K, ng, w, wrow, scales, xq + m0 * K,   \
                               xd + m0 * (K / 32), n0, n1, y + m0 * N);                       \
         else                                                                                 \
-            rows_int8_impl(KIND, G16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd, n0, n1, \
-                           y, N);                                                            \
+            rows_int8_impl(KIND, G16, F16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd,   \
+                           n0, n1, y, N);                                                    \
     } while (0)
-    if (kind == 0 && G == 16) TM_ROWS(0, 1);
-    else if (kind == 0) TM_ROWS(0, 0);
-    else if (G == 16) TM_ROWS(1, 1);
-    else TM_ROWS(1, 0);
+    if (f16) { /* the file's float16 scales: Q8_0 and Q5_0, 32-element groups */
+        if (kind == 0) TM_ROWS(0, 0, 1);
+        else TM_ROWS(1, 0, 1);
+    } else if (kind == 0 && G == 16) TM_ROWS(0, 1, 0);
+    else if (kind == 0) TM_ROWS(0, 0, 0);
+    else if (G == 16) TM_ROWS(1, 1, 0);
+    else TM_ROWS(1, 0, 0);
 #undef TM_ROWS
 }
 
 /* The same with float activations: codes widened to float32, 8 at a time. */
-TM_TARGET static void rows_float(int kind, int64_t K, int64_t G, const uint8_t *w,
-                                 int64_t wrow, const float *scales, int64_t m0, int mb,
+TM_TARGET static void rows_float(int kind, int f16, int64_t K, int64_t G, const uint8_t *w,
+                                 int64_t wrow, const void *scales, int64_t m0, int mb,
                                  const float *x, int64_t n0, int64_t n1, float *y, int64_t N) {
     const int64_t nc = K / 32, ng = K / G;
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * wrow;
-        const float *s = scales + n * ng;
+        const void *s = row_scales(scales, n, ng, f16);
         __m256 acc[MB];
         for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nc; c++) {
@@ -216,7 +234,8 @@ TM_TARGET static void rows_float(int kind, int64_t K, int64_t G, const uint8_t *
                 wf[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
             }
             if (G == 16) {
-                __m256 sa = _mm256_set1_ps(s[2 * c]), sb = _mm256_set1_ps(s[2 * c + 1]);
+                __m256 sa = _mm256_set1_ps(scale_at(s, 2 * c, f16));
+                __m256 sb = _mm256_set1_ps(scale_at(s, 2 * c + 1, f16));
                 for (int i = 0; i < mb; i++) {
                     const float *xc = x + (m0 + i) * K + c * 32;
                     __m256 ta = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xc));
@@ -227,7 +246,7 @@ TM_TARGET static void rows_float(int kind, int64_t K, int64_t G, const uint8_t *
                     acc[i] = _mm256_fmadd_ps(tb, sb, acc[i]);
                 }
             } else {
-                __m256 sc = _mm256_set1_ps(s[c >> gshift]);
+                __m256 sc = _mm256_set1_ps(scale_at(s, c >> gshift, f16));
                 for (int i = 0; i < mb; i++) {
                     const float *xc = x + (m0 + i) * K + c * 32;
                     __m256 t = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xc));
@@ -247,8 +266,10 @@ TM_TARGET static void rows_float(int kind, int64_t K, int64_t G, const uint8_t *
  * Returns 0, or -1 when a scratch buffer could not be allocated.
  */
 TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind,
-                       const uint8_t *w, const float *scales, const float *offsets, int64_t G,
+                       const uint8_t *w, const void *scales, const float *offsets, int64_t G,
                        const float *bias, float *y, int act_int8) {
+    const int f16 = kind >> 1 & 1;
+    kind &= 1;
     const int64_t nc = K / 32, ng = K / G;
     const int64_t wrow = kind == 0 ? K : K / 2;
     int8_t *xq = NULL;
@@ -272,9 +293,9 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             int mb = (int)(M - m0 < MB ? M - m0 : MB);
             if (act_int8)
-                rows_int8(kind, K, G, w, wrow, scales, m0, mb, xq, xd, n0, n1, y, N);
+                rows_int8(kind, f16, K, G, w, wrow, scales, m0, mb, xq, xd, n0, n1, y, N);
             else
-                rows_float(kind, K, G, w, wrow, scales, m0, mb, x, n0, n1, y, N);
+                rows_float(kind, f16, K, G, w, wrow, scales, m0, mb, x, n0, n1, y, N);
         }
         if (offsets || bias) {
             for (int64_t m = 0; m < M; m++)
@@ -299,15 +320,18 @@ fail:
 
 /* Float rows [n0, n1) of W into out[(n1 - n0), K]: the tile a float GEMM consumes. */
 TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
-                               const float *scales, const float *offsets, int64_t G,
+                               const void *scales, const float *offsets, int64_t G,
                                float *out) {
+    const int f16 = kind >> 1 & 1;
+    kind &= 1;
     const int64_t nc = K / 32, ng = K / G;
     const int64_t wrow = kind == 0 ? K : K / 2;
     const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
 #pragma omp parallel for schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * wrow;
-        const float *s = scales + n * ng, *o = offsets ? offsets + n * ng : NULL;
+        const void *s = row_scales(scales, n, ng, f16);
+        const float *o = offsets ? offsets + n * ng : NULL;
         float *dst = out + (n - n0) * K;
         for (int64_t c = 0; c < nc; c++) {
             __m256i codes = load_codes(kind, row, c);
@@ -316,7 +340,7 @@ TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, cons
             for (int i = 0; i < 4; i++) {
                 __m256i v = kind == 0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
                 int64_t g = g16 ? 2 * c + i / 2 : c >> gshift;
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s[g]));
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(scale_at(s, g, f16)));
                 if (o) f = _mm256_sub_ps(f, _mm256_set1_ps(o[g]));
                 _mm256_storeu_ps(dst + c * 32 + 8 * i, f);
             }

@@ -3,7 +3,8 @@
     w[n, k] = scales[n, k // G] · code[n, k] - offsets[n, k // G]
 
 One layout serves every packed scheme: GGUF's block formats are repacked into it at load with
-their own scales (no extra error), and int4 is quantized into it. ``kind`` says how codes are
+their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0, Q4_0, so
+the output head reads half the scale bytes), and int4 is quantized into it. ``kind`` says how codes are
 stored:
   "q8": int8 codes [N, K] (GGUF Q8_0, Q5_0, Q5_K, Q6_K);
   "q4": 4-bit codes 0..15, two per byte [N, K/2]; in each 32-element chunk byte j holds
@@ -26,7 +27,7 @@ from tokenmill.quant.gguf_blocks import BLOCK_CODES, BlockCodes
 class PackedWeight:
     kind: str  # "q8" | "q4"
     codes: torch.Tensor  # int8 [N, K] or uint8 [N, K // 2]
-    scales: torch.Tensor  # float32 [N, K // G]
+    scales: torch.Tensor  # float32 or float16 [N, K // G]
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
@@ -74,7 +75,7 @@ class PackedWeight:
         """Float32 rows of W (all of them by default)."""
         q = self.codes_int(rows).float()
         n, k = q.shape
-        w = self.scales[rows][:, :, None] * q.reshape(n, -1, self.group)
+        w = self.scales[rows].float()[:, :, None] * q.reshape(n, -1, self.group)
         if self.offsets is not None:
             w = w - self.offsets[rows][:, :, None]
         return w.reshape(n, k)
@@ -84,9 +85,8 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
     """One weight whose rows are those of ``weights`` in order (q/k/v or gate/up computed in one
     pass over x), or None when their layouts differ."""
     first = weights[0]
-    if any(
-        (w.kind, w.group, w.shape[1]) != (first.kind, first.group, first.shape[1]) for w in weights
-    ):
+    layout = (first.kind, first.group, first.shape[1], first.scales.dtype)
+    if any((w.kind, w.group, w.shape[1], w.scales.dtype) != layout for w in weights):
         return None
     offsets = None
     if any(w.offsets is not None for w in weights):  # scale·code - 0 where a part has none
@@ -113,18 +113,26 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_K unsigned 0..15): packed two a byte.
 FOUR_BIT_TYPES = (2, 12)
+# ggml types whose block scale is a float16 (Q4_0, Q5_0, Q8_0): kept float16, exactly. The
+# k-quants' scales are products (super-block scale times a small integer): float32.
+FLOAT16_SCALE_TYPES = (2, 6, 8)
 
 
-def from_block_codes(bc: BlockCodes, rows: int, cols: int, four_bit: bool) -> PackedWeight:
+def from_block_codes(
+    bc: BlockCodes, rows: int, cols: int, four_bit: bool, f16_scales: bool = False
+) -> PackedWeight:
     """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order)."""
     codes = bc.codes.reshape(rows, cols)
     scales = bc.scales.reshape(rows, -1).contiguous()
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
     if not four_bit:
+        scales = scales.half() if f16_scales else scales
         return PackedWeight("q8", codes.to(torch.int8), scales, offsets, bc.group, (rows, cols))
     if offsets is None:
         # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
         codes, offsets = codes + 8, 8.0 * scales
+    if f16_scales:
+        scales = scales.half()
     return PackedWeight("q4", pack_nibbles(codes), scales, offsets, bc.group, (rows, cols))
 
 
@@ -136,9 +144,9 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
         raise ValueError(f"row length {cols} is not a whole number of {elems}-element blocks")
     blocks = raw.reshape(rows, cols // elems * nbytes)
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
-    four_bit = ggml_type in FOUR_BIT_TYPES
+    four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
     parts = [
-        from_block_codes(unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit)
+        from_block_codes(unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit, f16_scales)
         for part in blocks.split(chunk)
     ]
     offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
@@ -228,7 +236,7 @@ def reference_matmul(
             continue
         codes = w.codes_int(rows).float()
         n = codes.shape[0]
-        scaled = (w.scales[rows][:, :, None] * codes.reshape(n, -1, w.group)).reshape(
+        scaled = (w.scales[rows].float()[:, :, None] * codes.reshape(n, -1, w.group)).reshape(
             n, k // 32, 32
         )
         y = (torch.einsum("mcj,ncj->mnc", xq, scaled) * xd[:, None, :]).sum(-1)
