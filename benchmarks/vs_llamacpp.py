@@ -6,6 +6,9 @@
     llama.cpp: 32 sequences decoded together in one batch per step, as its `batched` example);
 (d) peak resident memory of the process that ran (a)-(c).
 Each engine runs in its own process (so (d) is its own); both see the same random prompts.
+Also (a) against the memory-bandwidth limit: bytes each engine reads per decoded token (its
+weights as held in memory, plus the KV cache of the mean context) over the read bandwidth
+measured here first (a 1 GiB float32 sum, 2 threads).
 Needs `pip install llama-cpp-python` (builds llama.cpp with the machine's gcc, ~8 minutes).
 
     python benchmarks/vs_llamacpp.py [--quantization none|int8|int4] [--kv-cache-dtype int8]
@@ -23,6 +26,7 @@ import time
 import numpy as np
 
 DECODE_PROMPT, DECODE_TOKENS, PREFILL_PROMPT = 128, 128, 1024
+MEAN_CONTEXT = DECODE_PROMPT + DECODE_TOKENS // 2  # tokens of KV cache a decode step reads
 CONCURRENT, CONCURRENT_PROMPT, CONCURRENT_TOKENS = 32, 128, 128
 THREADS = 2
 
@@ -38,9 +42,12 @@ def _peak_rss_mib() -> float:
 
 
 def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
+    import torch
+
     from tokenmill.bench.workload import run_to_completion
     from tokenmill.config import EngineArgs
     from tokenmill.engine import LLMEngine
+    from tokenmill.worker.model_runner import kv_bytes_per_block
 
     engine = LLMEngine(
         EngineArgs(
@@ -66,6 +73,14 @@ def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
     out["concurrent_tok_s"] = CONCURRENT * CONCURRENT_TOKENS / (time.perf_counter() - start)
     out["peak_rss_mib"] = _peak_rss_mib()
     out["weights_mib"] = engine.runner.model.weight_nbytes() / 2**20
+    cfg = engine.config
+    kv_per_token = (
+        kv_bytes_per_block(
+            cfg.model_config, cfg.cache_config.block_size, torch.float32, kv_cache_dtype
+        )
+        / cfg.cache_config.block_size
+    )
+    out["bytes_per_token"] = engine.runner.model.weight_nbytes() + MEAN_CONTEXT * kv_per_token
     return out
 
 
@@ -149,6 +164,29 @@ def run_llamacpp(path: str, vocab: int) -> dict:
     return out
 
 
+def read_bandwidth_gbs() -> float:
+    """Sustained read bandwidth: the best of 5 sums over 1 GiB of float32, 2 threads."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    x = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def _gguf_bytes_per_token(path: str, config) -> float:
+    """llama.cpp reads the file's tensors as they are, and a float16 KV cache."""
+    from tokenmill.models.gguf_file import GGUFFile
+
+    weights = sum(t.num_bytes for t in GGUFFile(path).tensors)
+    kv = 2 * config.num_key_value_heads * config.head_dim * 2 * config.num_hidden_layers
+    return weights + MEAN_CONTEXT * kv
+
+
 def _child(argv: list[str]) -> dict:
     proc = subprocess.run(
         [sys.executable, __file__, *argv], capture_output=True, text=True, check=False
@@ -174,8 +212,12 @@ def main() -> None:
         source = resolve_model("gemma-3-270m")
         gguf = GGUFFile(source.path)
         config = ModelConfig.from_gguf(source.path, gguf.metadata, gguf.tensor_names())
-        print(json.dumps(run_llamacpp(str(source.path), config.vocab_size)))
+        out = run_llamacpp(str(source.path), config.vocab_size)
+        out["bytes_per_token"] = _gguf_bytes_per_token(str(source.path), config)
+        print(json.dumps(out))
         return
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     flags = ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.quantization:
         flags += ["--quantization", args.quantization]
@@ -191,6 +233,12 @@ def main() -> None:
         ("peak_rss_mib", "(d) peak RSS MiB"),
     ]:
         print(f"| {label} | {tm[key]:.1f} | {lc[key]:.1f} | {tm[key] / lc[key]:.2f}x |")
+    print(f"\n(a) against the read bandwidth measured here, {bandwidth:.1f} GB/s:")
+    print("| | MB read per token | limit tok/s | (a) share of limit |\n|---|---|---|---|")
+    for name, r in (("tokenmill", tm), ("llama.cpp", lc)):
+        limit = bandwidth * 1e9 / r["bytes_per_token"]
+        mb = r["bytes_per_token"] / 1e6
+        print(f"| {name} | {mb:.1f} | {limit:.1f} | {r['decode_tok_s'] / limit:.0%} |")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,18 @@ logger = logging.getLogger(__name__)
 _KINDS = {"q8": 0, "q4": 1}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
-_OP_QGEMM, _OP_RMSNORM, _OP_ROPE, _OP_ATTN, _OP_EMBED, _OP_ACT_MUL, _OP_KV_WRITE = range(1, 8)
-_OP_WIDTH = 18
+(
+    _OP_QGEMM,
+    _OP_RMSNORM,
+    _OP_ROPE,
+    _OP_ATTN,
+    _OP_EMBED,
+    _OP_ACT_MUL,
+    _OP_KV_WRITE,
+    _OP_ADD,
+    _OP_GATHER,
+) = range(1, 10)
+_OP_WIDTH = 19
 _OP_NAMES = {
     "matmul": _OP_QGEMM,
     "rmsnorm": _OP_RMSNORM,
@@ -42,6 +52,8 @@ _OP_NAMES = {
     "embedding": _OP_EMBED,
     "act*mul": _OP_ACT_MUL,
     "kv write": _OP_KV_WRITE,
+    "add": _OP_ADD,
+    "embedding (float)": _OP_GATHER,
 }
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
@@ -75,9 +87,9 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_float,
     ]
     lib.tm_rmsnorm.restype = None
-    lib.tm_rope_neox.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.tm_rope_neox.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.tm_rope_neox.restype = None
-    lib.tm_decode_attn.argtypes = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_float, _ptr]
+    lib.tm_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr]
     lib.tm_decode_attn.restype = _int
     lib.tm_embed_rows.argtypes = [
         _ptr,
@@ -96,6 +108,10 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_act_mul.restype = None
     lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
     lib.tm_kv_write.restype = None
+    lib.tm_gather_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]
+    lib.tm_gather_rows.restype = None
+    lib.tm_add.argtypes = [_ptr, _ptr, _ptr, _i64]
+    lib.tm_add.restype = None
     lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.tm_argmax_rows.restype = _int
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
@@ -193,11 +209,7 @@ def supports(w: PackedWeight) -> bool:
         w.scales.dtype == torch.float16 and w.group % 32 == 0
     )
     return (
-        k % w.group == 0
-        and k % 32 == 0
-        and group_ok
-        and scales_ok
-        and w.codes.device.type == "cpu"
+        k % w.group == 0 and k % 32 == 0 and group_ok and scales_ok and w.codes.device.type == "cpu"
     )
 
 
@@ -270,7 +282,7 @@ def rmsnorm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + x / rms(x) · (weight + weight_offset) over the last dim (a multiple of 8).
-    x is dense, or [tokens, heads, dim] with dense heads (``norm_rows_fit``); out is dense."""
+    x is dense, or [tokens, heads, dim] with dense heads (``heads_fit``); out is dense."""
     lib = _library()
     assert lib is not None
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -293,9 +305,10 @@ def rmsnorm(
     return out
 
 
-def norm_rows_fit(x: torch.Tensor) -> bool:
-    """Whether ``rmsnorm`` reads x's rows: float32 CPU, dense, or [tokens, heads, dim] with each
-    token's heads dense (q or k viewed in a fused q/k/v projection's output)."""
+def heads_fit(x: torch.Tensor) -> bool:
+    """Whether ``rmsnorm``, ``rope_neox_`` and ``decode_attention`` read x: float32 CPU, dense,
+    or [tokens, heads, dim] with each token's heads dense (q or k viewed in a fused q/k/v
+    projection's output)."""
     if x.is_contiguous():
         return fits(x)
     heads_dense = x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
@@ -305,11 +318,12 @@ def norm_rows_fit(x: torch.Tensor) -> bool:
 def rope_neox_(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """Rotate-half RoPE of x [tokens, heads, head_dim] in place; positions int64 [tokens]."""
+    """Rotate-half RoPE of x [tokens, heads, head_dim] (``heads_fit``) in place; positions int64
+    [tokens]."""
     lib = _library()
     assert lib is not None
     tokens, heads, dim = x.shape
-    _launch(_OP_ROPE, lib.tm_rope_neox, x, positions, cos, sin, tokens, heads, dim)
+    _launch(_OP_ROPE, lib.tm_rope_neox, x, x.stride(0), positions, cos, sin, tokens, heads, dim)
     return x
 
 
@@ -323,17 +337,18 @@ def decode_attention(
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (q [nd, heads, head_dim]) against its paged K/V (float32, or int8 /
-    fp8 e4m3 with per-token-per-head scales); int64 tables."""
+    """One query per sequence (q [nd, heads, head_dim], ``heads_fit``) against its paged K/V
+    (float32, or int8 / fp8 e4m3 with per-token-per-head scales); int64 tables."""
     lib = _library()
     assert lib is not None
     nd, heads, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32)
     rc = _launch(
         _OP_ATTN,
         lib.tm_decode_attn,
         q,
+        q.stride(0),
         k_cache,
         v_cache,
         None if kv_scales is None else kv_scales[0],
@@ -430,3 +445,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if lib.tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
         return None
     return out
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b for two dense float32 tensors of one shape (the residual stream's add)."""
+    lib = _library()
+    assert lib is not None
+    out = torch.empty(a.shape, dtype=torch.float32)
+    _launch(_OP_ADD, lib.tm_add, a, b, out, a.numel())
+    return out
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Rows ``ids`` (int64, contiguous) of a dense float32 table [vocab, dim], times ``scale``."""
+    lib = _library()
+    assert lib is not None
+    out = torch.empty(ids.numel(), table.shape[1], dtype=torch.float32)
+    _launch(
+        _OP_GATHER, lib.tm_gather_rows, ids, ids.numel(), table.shape[1], table, float(scale), out
+    )
+    return out.reshape(*ids.shape, table.shape[1])

@@ -186,3 +186,20 @@ def test_int4_group_that_does_not_divide_rows_is_refused(tiny_model_dir) -> None
 def test_gguf_quantization_needs_a_gguf(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="needs a .gguf model"):
         _greedy(tiny_model_dir("llama"), quantization="gguf")
+
+
+def test_packed_weight_takes_its_bias_into_the_kernel() -> None:
+    """A GGUF layer's float bias is folded into its packed state after loading (Qwen2's q/k/v):
+    the same result, with nothing left for torch to add."""
+    from tokenmill.layers import Linear
+    from tokenmill.quant.gguf import PackedQuantMethod
+
+    torch.manual_seed(3)
+    layer = Linear(64, 24, bias=True)
+    layer.bias.data.normal_()
+    layer.load_packed_(PackedQuantMethod(), quantize_int4(torch.randn(24, 64), 32))
+    x = torch.randn(3, 64)
+    before = layer(x)
+    layer.fold_bias_()
+    assert layer.bias is None and layer.quant_state.bias is not None
+    torch.testing.assert_close(layer(x), before, rtol=1e-6, atol=1e-6)

@@ -42,9 +42,10 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
-def test_replayed_decodes_equal_eager_ones(tiny_model_dir) -> None:
-    # int8 weights: every op of the tiny Gemma 3's decode step has a C kernel.
-    graphed, eager = _engines(tiny_model_dir("gemma3"), quantization="int8")
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3"])
+def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
+    # int8 weights: every op of these decode steps has a C kernel (qwen2's q/k/v biases too).
+    graphed, eager = _engines(tiny_model_dir(arch), quantization="int8")
     prompts = _prompts(4, seed=1)
     for together in (False, True):
         assert _run(graphed, prompts, together) == _run(eager, prompts, together)

@@ -55,14 +55,16 @@ TM_TARGET void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner,
     }
 }
 
-/* x [tokens, heads, dim]; cos/sin [max_position, dim / 2]; dim / 2 a multiple of 8. */
-TM_TARGET void tm_rope_neox(float *x, const int64_t *positions, const float *cos_t,
-                            const float *sin_t, int64_t tokens, int64_t heads, int64_t dim) {
+/* x [tokens, heads, dim], token t at x + t * token_stride (q or k inside a fused q/k/v
+ * projection), heads dense; cos/sin [max_position, dim / 2]; dim / 2 a multiple of 8. */
+TM_TARGET void tm_rope_neox(float *x, int64_t token_stride, const int64_t *positions,
+                            const float *cos_t, const float *sin_t, int64_t tokens, int64_t heads,
+                            int64_t dim) {
     const int64_t half = dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
         for (int64_t h = 0; h < heads; h++) {
-            float *v = x + (t * heads + h) * dim;
+            float *v = x + t * token_stride + h * dim;
             for (int64_t i = 0; i < half; i += 8) {
                 __m256 x1 = _mm256_loadu_ps(v + i), x2 = _mm256_loadu_ps(v + half + i);
                 __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
@@ -187,7 +189,7 @@ TM_TARGET static void attend_span(int64_t group, TM_SPAN_ARGS) {
 #undef TM_SPAN_ARGS
 
 /*
- * q [nd, H, D]; k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
+ * q [nd, H, D] (sequence i's heads dense at q + i * q_stride); k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
  * 256 e4m3 values) with k_scales, v_scales [blocks, bs, KVH] float32 (NULL for float32);
  * block_table [nd, max_blocks] int64;
  * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
@@ -198,7 +200,8 @@ TM_TARGET static void attend_span(int64_t group, TM_SPAN_ARGS) {
  * would otherwise leave all but one thread idle, so long contexts are split into spans whose
  * partial softmax states are merged at the end (flash-decoding).
  */
-TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
+TM_TARGET int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cache,
+                             const void *v_cache,
                              const float *k_scales, const float *v_scales, const float *fp8_lut,
                              const int64_t *block_table, const int64_t *seq_lens, int64_t nd,
                              int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
@@ -229,7 +232,7 @@ TM_TARGET int tm_decode_attn(const float *q, const void *k_cache, const void *v_
             const int64_t lo = start + (len - start) * s / splits;
             const int64_t hi = start + (len - start) * (s + 1) / splits;
             float *o = part + job * group * (D + 2), *m = o + group * D, *l = m + group;
-            attend_span(group, q + (seq * H + kvh * group) * D, k_cache, v_cache, k_scales,
+            attend_span(group, q + seq * q_stride + kvh * group * D, k_cache, v_cache, k_scales,
                         v_scales, fp8_lut, q8, block_table + seq * max_blocks, kvh, KVH, D, bs, lo,
                         hi, scale, scores, o, m, l);
         }

@@ -12,8 +12,10 @@
  *
  * Also here, the small ops a decode step needs besides tokenmill/csrc/decode_ops.c's:
  *   tm_embed_rows:  rows of a packed table (token embeddings) times a multiplier;
+ *   tm_gather_rows: the same for a float32 table;
  *   tm_act_mul:     act(gate) * up over a fused [gate | up] projection (GELU-tanh, SiLU);
- *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots.
+ *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots;
+ *   tm_add:         the residual stream's a + b.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,9 +26,19 @@
 #include "simd.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma")))
-#define TM_OP_WIDTH 18
+#define TM_OP_WIDTH 19
 
-enum { OP_QGEMM = 1, OP_RMSNORM, OP_ROPE, OP_ATTN, OP_EMBED, OP_ACT_MUL, OP_KV_WRITE };
+enum {
+    OP_QGEMM = 1,
+    OP_RMSNORM,
+    OP_ROPE,
+    OP_ATTN,
+    OP_EMBED,
+    OP_ACT_MUL,
+    OP_KV_WRITE,
+    OP_ADD,
+    OP_GATHER,
+};
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
 /* The kernels of qgemm.c and decode_ops.c. */
@@ -38,9 +50,9 @@ void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t 
 void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner, const float *weight,
                 float weight_offset, const float *residual, float *out, int64_t rows, int64_t dim,
                 float eps);
-void tm_rope_neox(float *x, const int64_t *positions, const float *cos_t, const float *sin_t,
-                  int64_t tokens, int64_t heads, int64_t dim);
-int tm_decode_attn(const float *q, const void *k_cache, const void *v_cache,
+void tm_rope_neox(float *x, int64_t token_stride, const int64_t *positions, const float *cos_t,
+                  const float *sin_t, int64_t tokens, int64_t heads, int64_t dim);
+int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                    const float *k_scales, const float *v_scales, const float *fp8_lut,
                    const int64_t *block_table, const int64_t *seq_lens, int64_t nd, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t window,
@@ -57,6 +69,21 @@ TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
         if (mult != 1.0f)
             for (int64_t j = 0; j < K; j += 8)
                 _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), m));
+    }
+}
+
+/* out[i] = table row ids[i] * mult; K-element float32 rows. */
+TM_TARGET void tm_gather_rows(const int64_t *ids, int64_t n, int64_t K, const float *table,
+                              float mult, float *out) {
+    const __m256 m = _mm256_set1_ps(mult);
+    for (int64_t i = 0; i < n; i++) {
+        const float *src = table + ids[i] * K;
+        float *row = out + i * K;
+        int64_t j = 0;
+        if (mult != 1.0f)
+            for (; j + 8 <= K; j += 8)
+                _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), m));
+        for (; j < K; j++) row[j] = mult != 1.0f ? src[j] * mult : src[j];
     }
 }
 
@@ -97,6 +124,14 @@ void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
     }
 }
 
+/* out = a + b over n floats. */
+TM_TARGET void tm_add(const float *a, const float *b, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (; i < n; i++) out[i] = a[i] + b[i];
+}
+
 static inline float f32(int64_t bits) {
     double d;
     memcpy(&d, &bits, sizeof d);
@@ -127,17 +162,23 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
             tm_rmsnorm(P(0), a[1], a[2], P(3), f32(a[4]), P(5), P(6), a[7], a[8], f32(a[9]));
             break;
         case OP_ROPE:
-            tm_rope_neox(P(0), P(1), P(2), P(3), a[4], a[5], a[6]);
+            tm_rope_neox(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7]);
             break;
         case OP_ATTN:
-            rc = tm_decode_attn(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), a[8], a[9], a[10],
-                                a[11], a[12], a[13], a[14], f32(a[15]), P(16));
+            rc = tm_decode_attn(P(0), a[1], P(2), P(3), P(4), P(5), P(6), P(7), P(8), a[9], a[10],
+                                a[11], a[12], a[13], a[14], a[15], f32(a[16]), P(17));
             break;
         case OP_EMBED:
             tm_embed_rows(P(0), a[1], a[2], (int)a[3], P(4), P(5), P(6), a[7], f32(a[8]), P(9));
             break;
         case OP_ACT_MUL:
             tm_act_mul(P(0), a[1], a[2], a[3], (int)a[4], P(5));
+            break;
+        case OP_GATHER:
+            tm_gather_rows(P(0), a[1], a[2], P(3), f32(a[4]), P(5));
+            break;
+        case OP_ADD:
+            tm_add(P(0), P(1), P(2), a[3]);
             break;
         case OP_KV_WRITE:
             tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8));

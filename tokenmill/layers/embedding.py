@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
+
 if TYPE_CHECKING:
     from tokenmill.quant.gguf import PackedQuantMethod
     from tokenmill.quant.packed import PackedWeight
@@ -42,6 +44,9 @@ class Embedding(nn.Module):
         if self.quant_method is not None:
             h = self.quant_method.embedding(self.quant_state, input_ids, scale)
             return h.to(self.dtype)
+        ids_fit = input_ids.dtype == torch.int64 and input_ids.is_contiguous()
+        if ids_fit and input_ids.device.type == "cpu" and kernels.fits(self.weight):
+            return kernels.gather_rows(self.weight, input_ids, 1.0 if scale is None else scale)
         h = F.embedding(input_ids, self.weight)
         # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
         return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)

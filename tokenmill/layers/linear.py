@@ -41,6 +41,14 @@ class Linear(nn.Module):
         self.quant_method = method
         self.weight = None  # type: ignore[assignment]
 
+    def fold_bias_(self) -> None:
+        """After loading: a packed weight's float bias (GGUF) moves into its state, so the
+        matmul kernel adds it and torch computes nothing after the kernel."""
+        state = self.quant_state
+        if self.bias is not None and getattr(state, "bias", False) is None:
+            state.bias = self.bias.data.float().contiguous()
+            self.bias = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             y = self.quant_method.apply(self.quant_state, x)
@@ -55,9 +63,9 @@ def _data(p: nn.Parameter | None) -> torch.Tensor | None:
 
 def fuse_packed(linears: list[Linear]) -> Linear | None:
     """A Linear computing ``cat([l(x) for l in linears], -1)`` in one packed matmul, when all hold
-    packed weights (GGUF, int4) of one layout and no bias; the parts give theirs up (None
-    otherwise, and nothing changes). Decode runs ~7 small matmuls a layer: fewer, larger
-    calls save their fixed cost."""
+    packed weights (GGUF, int4) of one layout, biases (if any) folded into their states; the
+    parts give theirs up (None otherwise, and nothing changes). Decode runs ~7 small matmuls a
+    layer: fewer, larger calls save their fixed cost."""
     from tokenmill.quant.gguf import PackedQuantMethod, PackedState
     from tokenmill.quant.packed import concat_rows
 
@@ -65,16 +73,26 @@ def fuse_packed(linears: list[Linear]) -> Linear | None:
     first = linears[0]
     if len(methods) != 1 or not isinstance(first.quant_method, PackedQuantMethod):
         return None
-    if any(lin.bias is not None or lin.quant_state.bias is not None for lin in linears):
+    if any(lin.bias is not None for lin in linears):
         return None
     weight = concat_rows([lin.quant_state.weight for lin in linears])
     if weight is None:
         return None
+    bias = None
+    if any(lin.quant_state.bias is not None for lin in linears):  # Qwen2's q/k/v biases
+        bias = torch.cat(
+            [
+                lin.quant_state.bias
+                if lin.quant_state.bias is not None
+                else torch.zeros(lin.out_features, dtype=torch.float32)
+                for lin in linears
+            ]
+        )
     fused = Linear.__new__(Linear)
     nn.Module.__init__(fused)
     fused.in_features, fused.out_features = first.in_features, weight.shape[0]
     fused.weight, fused.bias = None, None  # type: ignore[assignment]
-    fused.quant_method, fused.quant_state = first.quant_method, PackedState(weight)
+    fused.quant_method, fused.quant_state = first.quant_method, PackedState(weight, bias)
     for lin in linears:
         lin.quant_method, lin.quant_state = None, None  # computed by ``fused`` from now on
     return fused

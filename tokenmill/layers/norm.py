@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if (
             x.shape[-1] % 8 == 0
-            and kernels.norm_rows_fit(x)
+            and kernels.heads_fit(x)
             and kernels.fits(self.weight)
             and (residual is None or kernels.fits(residual))
         ):

@@ -60,9 +60,11 @@ class RotaryEmbedding(nn.Module):
             q.shape[-1] % 16 == 0
             and positions.dtype == torch.int64
             and positions.is_contiguous()
-            and kernels.fits(q, k, self.cos, self.sin)
+            and kernels.heads_fit(q)
+            and kernels.heads_fit(k)
+            and kernels.fits(self.cos, self.sin)
         ):
-            # In place: q and k are fresh projections no one else holds.
+            # In place: q and k are fresh projections (or views of one) no one else holds.
             kernels.rope_neox_(q, positions, self.cos, self.sin)
             kernels.rope_neox_(k, positions, self.cos, self.sin)
             return q, k

@@ -13,7 +13,15 @@ from torch import nn
 
 from tokenmill.attention import Attention, ForwardBatch
 from tokenmill.config import ModelConfig
-from tokenmill.layers import ActAndMul, Embedding, Linear, RMSNorm, RotaryEmbedding, get_act_fn
+from tokenmill.layers import (
+    ActAndMul,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    get_act_fn,
+    residual_add,
+)
 from tokenmill.layers.linear import fuse_packed
 from tokenmill.models.base import CausalLM
 
@@ -110,8 +118,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, fwd)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = residual_add(x, self.self_attn(self.input_layernorm(x), positions, fwd))
+        return residual_add(h, self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaBackbone(nn.Module):

@@ -84,6 +84,9 @@ def load_model(
         else:
             model.load_weights(_iter_gguf(config), on_loaded)
     for module in model.modules():
+        if isinstance(module, Linear):
+            module.fold_bias_()
+    for module in model.modules():
         if hasattr(module, "fuse_projections_"):
             module.fuse_projections_()
     _release_freed_memory()

@@ -193,12 +193,14 @@ def _kernel_reads(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> bool:
     """Whether the C decode kernel handles this cache: float32, or int8 / fp8 with its scales."""
+    if not kernels.heads_fit(q):
+        return False
     if kv_scales is None:
-        return kernels.fits(q, k_cache, v_cache)
+        return kernels.fits(k_cache, v_cache)
     return (
         k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
         and v_cache.dtype == k_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and kernels.fits(q, *kv_scales)
+        and kernels.fits(*kv_scales)
     )
