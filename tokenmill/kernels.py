@@ -42,7 +42,8 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     _OP_KV_WRITE,
     _OP_ADD,
     _OP_GATHER,
-) = range(1, 10)
+    _OP_KV_WRITE_INT8,
+) = range(1, 11)
 _OP_WIDTH = 19
 _OP_NAMES = {
     "matmul": _OP_QGEMM,
@@ -54,6 +55,7 @@ _OP_NAMES = {
     "kv write": _OP_KV_WRITE,
     "add": _OP_ADD,
     "embedding (float)": _OP_GATHER,
+    "kv write (int8)": _OP_KV_WRITE_INT8,
 }
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
@@ -110,6 +112,8 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_kv_write.restype = None
     lib.tm_gather_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]
     lib.tm_gather_rows.restype = None
+    lib.tm_kv_write_int8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64] + [_ptr] * 4
+    lib.tm_kv_write_int8.restype = None
     lib.tm_add.argtypes = [_ptr, _ptr, _ptr, _i64]
     lib.tm_add.restype = None
     lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
@@ -465,3 +469,32 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> t
         _OP_GATHER, lib.tm_gather_rows, ids, ids.numel(), table.shape[1], table, float(scale), out
     )
     return out.reshape(*ids.shape, table.shape[1])
+
+
+def kv_write_int8(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """``kv_write`` into int8 caches with a float32 scale per token per KV head, quantized as
+    attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
+    lib = _library()
+    assert lib is not None
+    _launch(
+        _OP_KV_WRITE_INT8,
+        lib.tm_kv_write_int8,
+        k,
+        k.stride(0),
+        v,
+        v.stride(0),
+        slot_mapping,
+        k.shape[0],
+        k.shape[1],
+        k.shape[2],
+        caches[0],
+        caches[1],
+        scales[0],
+        scales[1],
+    )

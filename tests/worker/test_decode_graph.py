@@ -53,6 +53,13 @@ def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
     assert eager.runner.decode_graphs is None
 
 
+def test_int8_kv_cache_replays_too(tiny_model_dir) -> None:
+    graphed, eager = _engines(tiny_model_dir("gemma3"), quantization="int8", kv_cache_dtype="int8")
+    prompts = _prompts(3, seed=3)
+    assert _run(graphed, prompts, together=True) == _run(eager, prompts, together=True)
+    assert graphed.runner.decode_graphs.captured_sizes() == [3]
+
+
 def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> None:
     # A float checkpoint's projections are torch's F.linear: nothing to replay.
     graphed, eager = _engines(tiny_model_dir("gemma3"))

@@ -15,6 +15,7 @@
  *   tm_gather_rows: the same for a float32 table;
  *   tm_act_mul:     act(gate) * up over a fused [gate | up] projection (GELU-tanh, SiLU);
  *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots;
+ *   tm_kv_write_int8: the same into an int8 cache, with a scale per token per KV head;
  *   tm_add:         the residual stream's a + b.
  */
 #include <immintrin.h>
@@ -38,6 +39,7 @@ enum {
     OP_KV_WRITE,
     OP_ADD,
     OP_GATHER,
+    OP_KV_WRITE_INT8,
 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
@@ -124,6 +126,44 @@ void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
     }
 }
 
+/* One KV head's row x [D] -> int8 codes and scale amax / 127, as attention/kv_cache.py's
+ * quantize_kv does it (x / scale, rounded half to even, clamped), so both give the same bytes. */
+TM_TARGET static void quantize_head_int8(const float *x, int64_t D, int8_t *q, float *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8)
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    float m[8], mx = 0.0f;
+    _mm256_storeu_ps(m, amax);
+    for (int i = 0; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
+    const float s = mx / 127.0f;
+    *scale = s;
+    const __m256 d = _mm256_set1_ps(s > 1.17549435e-38f ? s : 1.17549435e-38f);
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t i = 0; i < D; i += 8) {
+        __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), d),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
+        int32_t w[8];
+        _mm256_storeu_si256((__m256i *)w, v);
+        for (int j = 0; j < 8; j++) q[i + j] = (int8_t)w[j];
+    }
+}
+
+/* Token t's K and V ([KVH, D] each, at k + t * k_ld, v + t * v_ld) into slot slots[t] of int8
+ * caches [slots, KVH, D] and their scales [slots, KVH]. D a multiple of 8. */
+TM_TARGET void tm_kv_write_int8(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
+                                const int64_t *slots, int64_t n, int64_t KVH, int64_t D,
+                                int8_t *k_cache, int8_t *v_cache, float *k_scales,
+                                float *v_scales) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t at = slots[t] * KVH + h;
+            quantize_head_int8(k + t * k_ld + h * D, D, k_cache + at * D, k_scales + at);
+            quantize_head_int8(v + t * v_ld + h * D, D, v_cache + at * D, v_scales + at);
+        }
+}
+
 /* out = a + b over n floats. */
 TM_TARGET void tm_add(const float *a, const float *b, float *out, int64_t n) {
     int64_t i = 0;
@@ -176,6 +216,10 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
             break;
         case OP_GATHER:
             tm_gather_rows(P(0), a[1], a[2], P(3), f32(a[4]), P(5));
+            break;
+        case OP_KV_WRITE_INT8:
+            tm_kv_write_int8(P(0), a[1], P(2), a[3], P(4), a[5], a[6], a[7], P(8), P(9), P(10),
+                             P(11));
             break;
         case OP_ADD:
             tm_add(P(0), P(1), P(2), a[3]);

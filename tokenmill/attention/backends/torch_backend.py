@@ -37,8 +37,13 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if kv_scales is not None:
-            write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
-            write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
+            int8_ok = k_cache.dtype == v_cache.dtype == torch.int8 and head_dim % 8 == 0
+            int8_ok = int8_ok and k_cache.is_contiguous() and v_cache.is_contiguous()
+            if int8_ok and _kernel_writes(k, v, *kv_scales, meta.slot_mapping):
+                kernels.kv_write_int8(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
+            else:
+                write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
+                write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
         elif _kernel_writes(k, v, k_cache, v_cache, meta.slot_mapping):
             kernels.kv_write(k, v, meta.slot_mapping, k_cache, v_cache)
         else:
@@ -174,7 +179,7 @@ def _kernel_writes(
     slot_mapping: torch.Tensor,
 ) -> bool:
     """Whether the C kernel can store k and v: float32, each token's row dense (they may be
-    views into a fused q/k/v projection)."""
+    views into a fused q/k/v projection), into these float32 tensors (caches, or scales)."""
     row_dense = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
     return (
         row_dense
