@@ -204,18 +204,21 @@ class _threads:
         torch.set_num_threads(self.saved)
 
 
-def test_int8_kv_write_gives_the_bytes_of_the_torch_quantizer() -> None:
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_kv_write_gives_the_bytes_of_the_torch_quantizer(dtype) -> None:
     from tokenmill.attention.kv_cache import write_kv
 
     torch.manual_seed(11)
     qkv = torch.randn(3, 4 * 16 + 2 * 2 * 16) * 3
     qkv[1, 64:80] = 0.0  # an all-zero head: scale 0, codes 0
+    qkv[2, 100] = 1e-30  # fp8 subnormals next to a large value
     k, v = qkv[:, 64:96].view(3, 2, 16), qkv[:, 96:].view(3, 2, 16)
     slots = torch.tensor([13, 2, 7])
-    ours = [torch.zeros(5, 4, 2, 16, dtype=torch.int8) for _ in range(2)]
+    ours = [torch.zeros(5, 4, 2, 16, dtype=dtype) for _ in range(2)]
     our_scales = [torch.zeros(5, 4, 2) for _ in range(2)]
-    kernels.kv_write_int8(k, v, slots, (ours[0], ours[1]), (our_scales[0], our_scales[1]))
+    kernels.kv_write_quantized(k, v, slots, (ours[0], ours[1]), (our_scales[0], our_scales[1]))
     for x, cache, scales in ((k, ours[0], our_scales[0]), (v, ours[1], our_scales[1])):
         ref, ref_scales = torch.zeros_like(cache), torch.zeros_like(scales)
         write_kv(ref, ref_scales, slots, x.contiguous())
-        assert torch.equal(cache, ref) and torch.equal(scales, ref_scales)
+        assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+        assert torch.equal(scales, ref_scales)

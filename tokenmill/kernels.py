@@ -42,7 +42,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     _OP_KV_WRITE,
     _OP_ADD,
     _OP_GATHER,
-    _OP_KV_WRITE_INT8,
+    _OP_KV_WRITE_Q8,
 ) = range(1, 11)
 _OP_WIDTH = 19
 _OP_NAMES = {
@@ -55,7 +55,7 @@ _OP_NAMES = {
     "kv write": _OP_KV_WRITE,
     "add": _OP_ADD,
     "embedding (float)": _OP_GATHER,
-    "kv write (int8)": _OP_KV_WRITE_INT8,
+    "kv write (int8/fp8)": _OP_KV_WRITE_Q8,
 }
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
@@ -112,14 +112,16 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_kv_write.restype = None
     lib.tm_gather_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]
     lib.tm_gather_rows.restype = None
-    lib.tm_kv_write_int8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64] + [_ptr] * 4
-    lib.tm_kv_write_int8.restype = None
+    lib.tm_kv_write_q8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
+    lib.tm_kv_write_q8.argtypes += [_ptr] * 4
+    lib.tm_kv_write_q8.restype = None
     lib.tm_add.argtypes = [_ptr, _ptr, _ptr, _i64]
     lib.tm_add.restype = None
     lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.tm_argmax_rows.restype = _int
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
+    _fp8_table()  # built now: a decode step being recorded must not compute it
     return lib
 
 
@@ -471,20 +473,20 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> t
     return out.reshape(*ids.shape, table.shape[1])
 
 
-def kv_write_int8(
+def kv_write_quantized(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
     caches: tuple[torch.Tensor, torch.Tensor],
     scales: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """``kv_write`` into int8 caches with a float32 scale per token per KV head, quantized as
-    attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
+    """``kv_write`` into int8 or fp8 (e4m3fn) caches with a float32 scale per token per KV head,
+    quantized as attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
     lib = _library()
     assert lib is not None
     _launch(
-        _OP_KV_WRITE_INT8,
-        lib.tm_kv_write_int8,
+        _OP_KV_WRITE_Q8,
+        lib.tm_kv_write_q8,
         k,
         k.stride(0),
         v,
@@ -493,6 +495,7 @@ def kv_write_int8(
         k.shape[0],
         k.shape[1],
         k.shape[2],
+        int(caches[0].dtype == torch.float8_e4m3fn),
         caches[0],
         caches[1],
         scales[0],

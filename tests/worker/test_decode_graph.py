@@ -53,8 +53,10 @@ def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
     assert eager.runner.decode_graphs is None
 
 
-def test_int8_kv_cache_replays_too(tiny_model_dir) -> None:
-    graphed, eager = _engines(tiny_model_dir("gemma3"), quantization="int8", kv_cache_dtype="int8")
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_replays_too(tiny_model_dir, kv_dtype) -> None:
+    path = tiny_model_dir("gemma3")
+    graphed, eager = _engines(path, quantization="int8", kv_cache_dtype=kv_dtype)
     prompts = _prompts(3, seed=3)
     assert _run(graphed, prompts, together=True) == _run(eager, prompts, together=True)
     assert graphed.runner.decode_graphs.captured_sizes() == [3]

@@ -15,7 +15,7 @@
  *   tm_gather_rows: the same for a float32 table;
  *   tm_act_mul:     act(gate) * up over a fused [gate | up] projection (GELU-tanh, SiLU);
  *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots;
- *   tm_kv_write_int8: the same into an int8 cache, with a scale per token per KV head;
+ *   tm_kv_write_q8: the same into an int8 or fp8 cache, with a scale per token per KV head;
  *   tm_add:         the residual stream's a + b.
  */
 #include <immintrin.h>
@@ -39,7 +39,7 @@ enum {
     OP_KV_WRITE,
     OP_ADD,
     OP_GATHER,
-    OP_KV_WRITE_INT8,
+    OP_KV_WRITE_Q8,
 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
@@ -126,9 +126,37 @@ void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
     }
 }
 
-/* One KV head's row x [D] -> int8 codes and scale amax / 127, as attention/kv_cache.py's
- * quantize_kv does it (x / scale, rounded half to even, clamped), so both give the same bytes. */
-TM_TARGET static void quantize_head_int8(const float *x, int64_t D, int8_t *q, float *scale) {
+/* float -> float8 e4m3fn, rounding to nearest even: c10's conversion, bit for bit (|f| >= 480
+ * gives NaN; callers clamp to 448 first). */
+static inline uint8_t to_fp8_e4m3fn(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    const uint32_t sign = b & 0x80000000u;
+    b ^= sign;
+    uint8_t r;
+    if (b >= 1087u << 20) {
+        r = 0x7f;
+    } else if (b < 121u << 23) { /* subnormal in e4m3: let a float add do the rounding */
+        const uint32_t denorm_bits = 141u << 23;
+        float g, denorm;
+        memcpy(&g, &b, sizeof g);
+        memcpy(&denorm, &denorm_bits, sizeof denorm);
+        g += denorm;
+        uint32_t gb;
+        memcpy(&gb, &g, sizeof gb);
+        r = (uint8_t)(gb - denorm_bits);
+    } else {
+        const uint32_t odd = (b >> 20) & 1u;
+        b += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        r = (uint8_t)(b >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* One KV head's row x [D] -> one-byte codes (int8, or fp8 e4m3fn) and its scale amax / qmax,
+ * as attention/kv_cache.py's quantize_kv does it (x / scale; int8 rounded half to even; both
+ * clamped to +-qmax), so both give the same bytes. */
+TM_TARGET static void quantize_head(const float *x, int64_t D, int fp8, uint8_t *q, float *scale) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t i = 0; i < D; i += 8)
@@ -136,31 +164,38 @@ TM_TARGET static void quantize_head_int8(const float *x, int64_t D, int8_t *q, f
     float m[8], mx = 0.0f;
     _mm256_storeu_ps(m, amax);
     for (int i = 0; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
-    const float s = mx / 127.0f;
+    const float qmax = fp8 ? 448.0f : 127.0f, s = mx / qmax;
     *scale = s;
     const __m256 d = _mm256_set1_ps(s > 1.17549435e-38f ? s : 1.17549435e-38f);
-    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 lo = _mm256_set1_ps(-qmax), hi = _mm256_set1_ps(qmax);
     for (int64_t i = 0; i < D; i += 8) {
-        __m256 y = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), d),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
-        int32_t w[8];
-        _mm256_storeu_si256((__m256i *)w, v);
-        for (int j = 0; j < 8; j++) q[i + j] = (int8_t)w[j];
+        __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), d);
+        if (!fp8) y = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        y = _mm256_min_ps(_mm256_max_ps(y, lo), hi);
+        if (fp8) {
+            float f[8];
+            _mm256_storeu_ps(f, y);
+            for (int j = 0; j < 8; j++) q[i + j] = to_fp8_e4m3fn(f[j]);
+        } else {
+            int32_t w[8];
+            _mm256_storeu_si256((__m256i *)w, _mm256_cvtps_epi32(y));
+            for (int j = 0; j < 8; j++) q[i + j] = (uint8_t)(int8_t)w[j];
+        }
     }
 }
 
-/* Token t's K and V ([KVH, D] each, at k + t * k_ld, v + t * v_ld) into slot slots[t] of int8
- * caches [slots, KVH, D] and their scales [slots, KVH]. D a multiple of 8. */
-TM_TARGET void tm_kv_write_int8(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
-                                const int64_t *slots, int64_t n, int64_t KVH, int64_t D,
-                                int8_t *k_cache, int8_t *v_cache, float *k_scales,
-                                float *v_scales) {
+/* Token t's K and V ([KVH, D] each, at k + t * k_ld, v + t * v_ld) into slot slots[t] of
+ * one-byte caches [slots, KVH, D] (int8, or fp8 e4m3fn) and their scales [slots, KVH].
+ * D a multiple of 8. */
+TM_TARGET void tm_kv_write_q8(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
+                              const int64_t *slots, int64_t n, int64_t KVH, int64_t D, int fp8,
+                              uint8_t *k_cache, uint8_t *v_cache, float *k_scales,
+                              float *v_scales) {
     for (int64_t t = 0; t < n; t++)
         for (int64_t h = 0; h < KVH; h++) {
             const int64_t at = slots[t] * KVH + h;
-            quantize_head_int8(k + t * k_ld + h * D, D, k_cache + at * D, k_scales + at);
-            quantize_head_int8(v + t * v_ld + h * D, D, v_cache + at * D, v_scales + at);
+            quantize_head(k + t * k_ld + h * D, D, fp8, k_cache + at * D, k_scales + at);
+            quantize_head(v + t * v_ld + h * D, D, fp8, v_cache + at * D, v_scales + at);
         }
 }
 
@@ -217,9 +252,9 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
         case OP_GATHER:
             tm_gather_rows(P(0), a[1], a[2], P(3), f32(a[4]), P(5));
             break;
-        case OP_KV_WRITE_INT8:
-            tm_kv_write_int8(P(0), a[1], P(2), a[3], P(4), a[5], a[6], a[7], P(8), P(9), P(10),
-                             P(11));
+        case OP_KV_WRITE_Q8:
+            tm_kv_write_q8(P(0), a[1], P(2), a[3], P(4), a[5], a[6], a[7], (int)a[8], P(9), P(10),
+                           P(11), P(12));
             break;
         case OP_ADD:
             tm_add(P(0), P(1), P(2), a[3]);

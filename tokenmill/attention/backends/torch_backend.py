@@ -37,10 +37,10 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         if kv_scales is not None:
-            int8_ok = k_cache.dtype == v_cache.dtype == torch.int8 and head_dim % 8 == 0
-            int8_ok = int8_ok and k_cache.is_contiguous() and v_cache.is_contiguous()
-            if int8_ok and _kernel_writes(k, v, *kv_scales, meta.slot_mapping):
-                kernels.kv_write_int8(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
+            one_byte = k_cache.dtype == v_cache.dtype and head_dim % 8 == 0
+            one_byte = one_byte and k_cache.is_contiguous() and v_cache.is_contiguous()
+            if one_byte and _kernel_writes(k, v, *kv_scales, meta.slot_mapping):
+                kernels.kv_write_quantized(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
             else:
                 write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
                 write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
