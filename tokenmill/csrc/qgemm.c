@@ -30,7 +30,7 @@
 #include <string.h>
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
-#define MB 4 /* rows of x per pass over a weight row */
+#define MB 8 /* rows of x per pass over a weight row */
 #ifndef TM_PREFETCH
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
 #endif
