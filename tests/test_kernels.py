@@ -32,6 +32,19 @@ def test_rmsnorm_matches_torch(norm_cls, with_residual) -> None:
     )
 
 
+def _decode_meta(bs: int, table: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
+    """Metadata of a decodes-only step (what the torch reference path reads)."""
+    n = seq_lens.numel()
+    return AttentionMetadata(
+        block_size=bs,
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        num_decodes=n,
+        decode_block_table=table,
+        decode_seq_lens=seq_lens,
+        prefills=[],
+    )
+
+
 def test_rope_matches_torch() -> None:
     torch.manual_seed(1)
     rope = RotaryEmbedding(head_dim=32, max_position=64, theta=10000.0)
@@ -54,14 +67,7 @@ def test_decode_attention_matches_sdpa(window) -> None:
     table[1, :2] = torch.tensor([3, 0])
     table[2, :4] = torch.tensor([5, 11, 2, 7])
     q = torch.randn(3, heads, dim)
-    meta = AttentionMetadata(
-        block_size=bs,
-        slot_mapping=torch.zeros(3, dtype=torch.long),
-        num_decodes=3,
-        decode_block_table=table,
-        decode_seq_lens=seq_lens,
-        prefills=[],
-    )
+    meta = _decode_meta(bs, table, seq_lens)
     ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.3)
     # The torch path: float64 inputs do not fit the kernel, so SDPA runs.
     ref = TorchAttentionBackend._decode(
@@ -177,14 +183,7 @@ def test_decode_attention_over_a_long_context_split_across_threads(window) -> No
     table = torch.randperm(24)[:19].reshape(1, -1)
     seq_lens = torch.tensor([seq_len])
     q = torch.randn(1, heads, dim)
-    meta = AttentionMetadata(
-        block_size=bs,
-        slot_mapping=torch.zeros(1, dtype=torch.long),
-        num_decodes=1,
-        decode_block_table=table,
-        decode_seq_lens=seq_lens,
-        prefills=[],
-    )
+    meta = _decode_meta(bs, table, seq_lens)
     with _threads(2):
         ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.2)
     ref = TorchAttentionBackend._decode(
