@@ -18,6 +18,7 @@ B rows. A replay is checked once, right after its capture, against the eager ste
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,19 @@ logger = logging.getLogger(__name__)
 
 # Ops that allocate without computing: a recorded step may call these outside its kernels.
 _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
+
+
+def warm_up_capture() -> threading.Thread:
+    """Import what capturing needs, in the background (call while the model loads): entering a
+    TorchDispatchMode first imports torch._dynamo, ~2 s that would otherwise stall the first
+    decode step. Join the thread before the first capture."""
+
+    def work() -> None:
+        import torch._dynamo  # noqa: F401
+
+    thread = threading.Thread(target=work, name="tokenmill-capture-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 class _ComputeWatch(TorchDispatchMode):
@@ -61,8 +75,10 @@ class DecodeGraphs:
         block_size: int,
         max_blocks_per_seq: int,
         max_batch: int,
+        warm_up: threading.Thread | None = None,
     ) -> None:
         self.model = model
+        self._warm_up = warm_up
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_batch = max_batch
@@ -125,6 +141,8 @@ class DecodeGraphs:
             prefills=[],
         )
         fwd = ForwardBatch(self.kv_caches, attn)
+        if self._warm_up is not None:
+            self._warm_up.join()
         watch = _ComputeWatch()
         with kernels.recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)

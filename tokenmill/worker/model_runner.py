@@ -9,6 +9,7 @@ log-probs also get logits at the prompt positions of their chunk (a slice of row
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        capture_warm_up: threading.Thread | None = None,
     ) -> None:
         c = model.config
         self.model = model
@@ -121,7 +123,12 @@ class ModelRunner:
         if not enforce_eager and device.type == "cpu" and kernels.available():
             max_len = max_model_len or c.max_position_embeddings
             self.decode_graphs = DecodeGraphs(
-                model, self.kv_caches, block_size, -(-max_len // block_size), DECODE_GRAPH_MAX_BATCH
+                model,
+                self.kv_caches,
+                block_size,
+                -(-max_len // block_size),
+                DECODE_GRAPH_MAX_BATCH,
+                capture_warm_up,
             )
 
     @torch.inference_mode()
