@@ -127,7 +127,7 @@ def test_kv_write_stores_rows_of_a_fused_projection() -> None:
     v = qkv[:, 96:].view(3, 2, 16)
     k_cache, v_cache = torch.zeros(2, 5, 4, 2, 16)
     slots = torch.tensor([13, 2, 7])
-    kernels.kv_write(k, v, slots, k_cache, v_cache)
+    kernels.kv_write(k, v, slots, (k_cache, v_cache))
     torch.testing.assert_close(k_cache.view(-1, 2, 16)[slots], k, rtol=0, atol=0)
     torch.testing.assert_close(v_cache.view(-1, 2, 16)[slots], v, rtol=0, atol=0)
     untouched = torch.ones(20, dtype=torch.bool)
@@ -215,7 +215,7 @@ def test_quantized_kv_write_gives_the_bytes_of_the_torch_quantizer(dtype) -> Non
     slots = torch.tensor([13, 2, 7])
     ours = [torch.zeros(5, 4, 2, 16, dtype=dtype) for _ in range(2)]
     our_scales = [torch.zeros(5, 4, 2) for _ in range(2)]
-    kernels.kv_write_quantized(k, v, slots, (ours[0], ours[1]), (our_scales[0], our_scales[1]))
+    kernels.kv_write(k, v, slots, (ours[0], ours[1]), (our_scales[0], our_scales[1]))
     for x, cache, scales in ((k, ours[0], our_scales[0]), (v, ours[1], our_scales[1])):
         ref, ref_scales = torch.zeros_like(cache), torch.zeros_like(scales)
         write_kv(ref, ref_scales, slots, x.contiguous())

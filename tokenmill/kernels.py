@@ -46,16 +46,16 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 ) = range(1, 11)
 _OP_WIDTH = 19
 _OP_NAMES = {
-    "matmul": _OP_QGEMM,
-    "rmsnorm": _OP_RMSNORM,
-    "rope": _OP_ROPE,
-    "attention": _OP_ATTN,
-    "embedding": _OP_EMBED,
-    "act*mul": _OP_ACT_MUL,
-    "kv write": _OP_KV_WRITE,
-    "add": _OP_ADD,
-    "embedding (float)": _OP_GATHER,
-    "kv write (int8/fp8)": _OP_KV_WRITE_Q8,
+    _OP_QGEMM: "matmul",
+    _OP_RMSNORM: "rmsnorm",
+    _OP_ROPE: "rope",
+    _OP_ATTN: "attention",
+    _OP_EMBED: "embedding",
+    _OP_ACT_MUL: "act*mul",
+    _OP_KV_WRITE: "kv write",
+    _OP_ADD: "add",
+    _OP_GATHER: "embedding (float)",
+    _OP_KV_WRITE_Q8: "kv write (int8/fp8)",
 }
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
@@ -189,9 +189,8 @@ class Graph:
 
     def op_names(self) -> list[str]:
         """What each recorded call is: its kernel, and for a matmul its output size."""
-        names = {v: k for k, v in _OP_NAMES.items()}
         return [
-            f"matmul N={int(row[2])}" if row[0] == _OP_QGEMM else names[int(row[0])]
+            f"matmul N={int(row[2])}" if row[0] == _OP_QGEMM else _OP_NAMES[int(row[0])]
             for row in self.ops.tolist()
         ]
 
@@ -419,26 +418,43 @@ def kv_write(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """k, v [tokens, kv_heads, head_dim] (each token's row dense; views into a fused q/k/v
-    projection do) into float32 caches [blocks, block_size, kv_heads, head_dim] at their slots."""
+    projection are) into caches [blocks, block_size, kv_heads, head_dim] at their slots: float32,
+    or int8 / fp8 e4m3fn with a float32 scale per token per KV head (``scales``), quantized as
+    attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
     lib = _library()
     assert lib is not None
-    row = k.shape[1] * k.shape[2]
+    if scales is None:
+        _launch(
+            _OP_KV_WRITE,
+            lib.tm_kv_write,
+            k,
+            k.stride(0),
+            v,
+            v.stride(0),
+            slot_mapping,
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+            *caches,
+        )
+        return
     _launch(
-        _OP_KV_WRITE,
-        lib.tm_kv_write,
+        _OP_KV_WRITE_Q8,
+        lib.tm_kv_write_q8,
         k,
         k.stride(0),
         v,
         v.stride(0),
         slot_mapping,
         k.shape[0],
-        row,
-        k_cache,
-        v_cache,
+        k.shape[1],
+        k.shape[2],
+        int(caches[0].dtype == torch.float8_e4m3fn),
+        *caches,
+        *scales,
     )
 
 
@@ -471,33 +487,3 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> t
         _OP_GATHER, lib.tm_gather_rows, ids, ids.numel(), table.shape[1], table, float(scale), out
     )
     return out.reshape(*ids.shape, table.shape[1])
-
-
-def kv_write_quantized(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor],
-    scales: tuple[torch.Tensor, torch.Tensor],
-) -> None:
-    """``kv_write`` into int8 or fp8 (e4m3fn) caches with a float32 scale per token per KV head,
-    quantized as attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
-    lib = _library()
-    assert lib is not None
-    _launch(
-        _OP_KV_WRITE_Q8,
-        lib.tm_kv_write_q8,
-        k,
-        k.stride(0),
-        v,
-        v.stride(0),
-        slot_mapping,
-        k.shape[0],
-        k.shape[1],
-        k.shape[2],
-        int(caches[0].dtype == torch.float8_e4m3fn),
-        caches[0],
-        caches[1],
-        scales[0],
-        scales[1],
-    )

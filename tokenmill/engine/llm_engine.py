@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import kernels
 from tokenmill.config import (
     CacheConfig,
     EngineArgs,
@@ -33,7 +32,7 @@ from tokenmill.quant import create_quant_method
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.worker.decode_graph import warm_up_capture
+from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -56,8 +55,8 @@ class LLMEngine:
         started = time.monotonic()
         device = _pick_device(args.device)
         # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
-        graphs = device.type == "cpu" and not args.enforce_eager and kernels.available()
-        capture_warm_up = warm_up_capture() if graphs else None
+        decode_graphs = not args.enforce_eager and graphs_supported(device)
+        capture_warm_up = warm_up_capture() if decode_graphs else None
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         dtype_name = args.dtype if args.dtype != "auto" else "float32"
@@ -118,7 +117,7 @@ class LLMEngine:
             args.seed,
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max_model_len,
-            enforce_eager=args.enforce_eager,
+            decode_graphs=decode_graphs,
             capture_warm_up=capture_warm_up,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)

@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
 
 
+def graphs_supported(device: torch.device) -> bool:
+    """Whether decode steps can be recorded here: CPU tensors and the C kernels built."""
+    return device.type == "cpu" and kernels.available()
+
+
 def warm_up_capture() -> threading.Thread:
     """Import what capturing needs, in the background (call while the model loads): entering a
     TorchDispatchMode first imports torch._dynamo, ~2 s that would otherwise stall the first

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill import kernels
 from tokenmill.attention import (
     AttentionMetadata,
     ForwardBatch,
@@ -83,7 +82,7 @@ class ModelRunner:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        decode_graphs: bool = False,
         capture_warm_up: threading.Thread | None = None,
     ) -> None:
         c = model.config
@@ -120,7 +119,7 @@ class ModelRunner:
         # Prompt log-probs already sent for preempted requests: their recompute sends no repeats.
         self._parked_prompt_logprob_idx: dict[str, int] = {}
         self.decode_graphs: DecodeGraphs | None = None
-        if not enforce_eager and device.type == "cpu" and kernels.available():
+        if decode_graphs:
             max_len = max_model_len or c.max_position_embeddings
             self.decode_graphs = DecodeGraphs(
                 model,
@@ -170,8 +169,7 @@ class ModelRunner:
             return None
         if any(n != 1 for n in scheduled.values()):
             return None
-        num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
-        num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
+        num_computed = _num_computed(sched)
         bs = self.block_size
         ids, positions, slots, tables, seq_lens = [], [], [], [], []
         for rid in scheduled:
@@ -180,7 +178,7 @@ class ModelRunner:
                 return None  # a prompt token: no sample, or prompt log-probs owed
             ids.append(state.token_ids[p])
             positions.append(p)
-            slots.append(state.block_ids[p // bs] * bs + p % bs)
+            slots.append(self._slot(state, p))
             tables.append(state.block_ids[: p // bs + 1])
             seq_lens.append(p + 1)
         return graphs.step(ids, positions, slots, tables, seq_lens)
@@ -221,8 +219,7 @@ class ModelRunner:
         torch.Tensor,
         list[PromptLogprobRows],
     ]:
-        num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
-        num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
+        num_computed = _num_computed(sched)
         decodes = [rid for rid, n in sched.num_scheduled_tokens.items() if n == 1]
         prefills = [rid for rid, n in sched.num_scheduled_tokens.items() if n > 1]
         bs = self.block_size
@@ -237,7 +234,7 @@ class ModelRunner:
             state, p = self.requests[rid], num_computed[rid]
             ids.append(state.token_ids[p])
             pos.append(p)
-            slots.append(state.block_ids[p // bs] * bs + p % bs)
+            slots.append(self._slot(state, p))
             max_blocks = max(max_blocks, p // bs + 1)
         table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
         for i, rid in enumerate(decodes):
@@ -331,6 +328,11 @@ class ModelRunner:
             self._gather_buffers = bufs
         return bufs
 
+    def _slot(self, state: RunnerRequestState, position: int) -> int:
+        """Where the K/V of the token at ``position`` goes in the paged cache."""
+        bs = self.block_size
+        return state.block_ids[position // bs] * bs + position % bs
+
     def _sampling_row(self, req_id: str) -> SamplingRow:
         state = self.requests[req_id]
         return SamplingRow(
@@ -340,6 +342,13 @@ class ModelRunner:
             generator=state.generator,
             eos_token_ids=self.eos_token_ids,
         )
+
+
+def _num_computed(sched: SchedulerOutput) -> dict[str, int]:
+    """Tokens already in the cache, per scheduled request."""
+    num_computed = {r.req_id: r.num_computed_tokens for r in sched.new_reqs}
+    num_computed |= {r.req_id: r.num_computed_tokens for r in sched.cached_reqs}
+    return num_computed
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

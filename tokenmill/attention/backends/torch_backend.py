@@ -36,16 +36,11 @@ class TorchAttentionBackend:
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        if kv_scales is not None:
-            one_byte = k_cache.dtype == v_cache.dtype and head_dim % 8 == 0
-            one_byte = one_byte and k_cache.is_contiguous() and v_cache.is_contiguous()
-            if one_byte and _kernel_writes(k, v, *kv_scales, meta.slot_mapping):
-                kernels.kv_write_quantized(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
-            else:
-                write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
-                write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
-        elif _kernel_writes(k, v, k_cache, v_cache, meta.slot_mapping):
-            kernels.kv_write(k, v, meta.slot_mapping, k_cache, v_cache)
+        if _kernel_writes(k, v, k_cache, v_cache, kv_scales, meta.slot_mapping):
+            kernels.kv_write(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
+        elif kv_scales is not None:
+            write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
+            write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
         else:
             k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -176,16 +171,27 @@ def _kernel_writes(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """Whether the C kernel can store k and v: float32, each token's row dense (they may be
-    views into a fused q/k/v projection), into these float32 tensors (caches, or scales)."""
+    """Whether the C kernel can store k and v (float32, each token's row dense: they may be
+    views into a fused q/k/v projection) into this cache: float32, or one-byte with its scales."""
     row_dense = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    if kv_scales is None:
+        cache_ok = kernels.fits(k_cache, v_cache)
+    else:
+        cache_ok = (
+            k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k.shape[2] % 8 == 0
+            and kernels.fits(*kv_scales)
+        )
     return (
         row_dense
+        and cache_ok
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
-        and kernels.fits(k_cache, v_cache)
         and k.dtype == v.dtype == torch.float32
         and k.device.type == "cpu"
     )
