@@ -209,12 +209,19 @@ def supports(w: PackedWeight) -> bool:
     n, k = w.shape
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
-    # float16 scales come from Q8_0 / Q5_0 / Q4_0 only: 32-element groups.
+    # float16 scales come from Q8_0 / Q5_0 / Q4_0 only: 32-element groups; 16-element groups
+    # from Q6_K only (int8 codes).
     scales_ok = w.scales.dtype == torch.float32 or (
         w.scales.dtype == torch.float16 and w.group % 32 == 0
     )
+    # rows of a multiple of 64 elements: codes in the kernel's lane order (quant/packed.py)
     return (
-        k % w.group == 0 and k % 32 == 0 and group_ok and scales_ok and w.codes.device.type == "cpu"
+        k % w.group == 0
+        and k % 64 == 0
+        and group_ok
+        and scales_ok
+        and not (w.kind == "q4" and w.group == 16)
+        and w.codes.device.type == "cpu"
     )
 
 

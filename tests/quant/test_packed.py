@@ -14,10 +14,13 @@ from tokenmill.engine import LLMEngine
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import (
+    lane_order,
+    pack_codes,
     pack_gguf,
     quantize_activations,
     quantize_int4,
     reference_matmul,
+    unpack_codes,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -55,12 +58,22 @@ def test_repacking_is_exact(name: str) -> None:
     assert torch.equal(w.dequantize(rows), ref[rows])
 
 
+# Rows of 16 chunks (two blocks of 8 in the kernel's lane order), and for the 32-element
+# formats 20 (8 + 8 + 4) and 6 (4 + 2); the k-quants' 256-element blocks always fill blocks of 8.
+KERNEL_SHAPES = [
+    (name, k)
+    for name, t in GGML_TYPES.items()
+    for k in (512, 640, 192)
+    if k % BLOCK_CODES[t][0] == 0
+]
+
+
 @needs_kernel
-@pytest.mark.parametrize("name", GGML_TYPES)
+@pytest.mark.parametrize(("name", "k"), KERNEL_SHAPES)
 @pytest.mark.parametrize("m", [1, 3, 6, 40])
-def test_kernel_matches_reference(name: str, m: int) -> None:
+def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     t = GGML_TYPES[name]
-    n, k = 48, 512
+    n = 48
     w = pack_gguf(_random_blocks(t, n, k, seed=t).reshape(-1), t, (n, k))
     torch.manual_seed(m)
     x, bias = torch.randn(m, k), torch.randn(n)
@@ -74,6 +87,47 @@ def test_kernel_matches_reference(name: str, m: int) -> None:
     torch.testing.assert_close(y8, reference_matmul(x, w, bias, True), rtol=0, atol=1e-5 * scale)
     assert (y8 - exact).abs().max() < 0.03 * scale
     assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
+
+
+@pytest.mark.parametrize("k", [64, 192, 640, 96])
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_stored_codes_round_trip(k: int, kind: str) -> None:
+    """Codes go into the kernel's lane order (or stay in element order for rows not in 64s)
+    and come back in element order."""
+    codes = torch.randint(-127 if kind == "q8" else 0, 128 if kind == "q8" else 16, (5, k))
+    stored = pack_codes(codes, kind)
+    assert stored.shape == (5, k if kind == "q8" else k // 2)
+    assert torch.equal(unpack_codes(stored, kind, k), codes.to(torch.int16))
+    order = lane_order(k)
+    if order is not None:  # a permutation; lane 1 of the first vector holds chunk 1's start
+        assert torch.equal(order.sort().values, torch.arange(k))
+        assert order[4:8].tolist() == [32, 33, 34, 35]
+
+
+@needs_kernel
+@pytest.mark.parametrize("act_int8", [True, False])
+def test_a_rows_result_does_not_depend_on_its_batch(act_int8: bool) -> None:
+    """Rows computed alone or among 13 (tiles of 8, 4 and 1 rows) are bit-equal: greedy decoding
+    gives one answer whatever else is batched with a request."""
+    w = pack_gguf(_random_blocks(8, 40, 640, seed=5).reshape(-1), 8, (40, 640))
+    x = torch.randn(13, 640)
+    together = kernels.qgemm(x, w, None, act_int8)
+    for i in (0, 8, 12):
+        assert torch.equal(kernels.qgemm(x[i : i + 1], w, None, act_int8)[0], together[i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 128])
+def test_kernel_matches_reference_for_int4_groups(group: int) -> None:
+    """int4 groups of 128 share one scale across 4 chunks of a block."""
+    torch.manual_seed(group)
+    w = quantize_int4(torch.randn(24, 640), group)
+    x = torch.randn(9, 640)
+    exact = x @ w.dequantize().T
+    scale = exact.abs().max()
+    torch.testing.assert_close(kernels.qgemm(x, w, None, False), exact, rtol=0, atol=1e-5 * scale)
+    y8 = kernels.qgemm(x, w, None, True)
+    torch.testing.assert_close(y8, reference_matmul(x, w, None, True), rtol=0, atol=1e-5 * scale)
 
 
 def test_activation_quantization_rounds_to_nearest() -> None:

@@ -1,25 +1,35 @@
 /*
  * Packed-weight matmul for CPUs with AVX2 + FMA: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias).
  *
- * W stays in a packed form and is expanded 32 elements at a time in registers:
- *   kind 0 ("q8"): int8 codes [N, K]
- *   kind 1 ("q4"): 4-bit codes [N, K/2], per 32-element chunk byte j holds element j (low
- *                  nibble) and element j+16 (high nibble), as ggml's Q4_0/Q4_K do
- * with a scale per group of G elements (G = 16 or a multiple of 32; float32, or float16 where
- * the file's own scales are float16: Q8_0, Q5_0) and optionally a float32 offset per group:
- * w = scale · code - offset. `kind` says both: bit 0 set for "q4" codes, bit 1 for float16 scales.
+ * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
+ * where the file's own scales are float16: Q8_0, Q5_0, Q4_0) and optionally a float32 offset
+ * per group: w = scale · code - offset. `kind` bit 0: 4-bit codes ("q4"), else int8 ("q8");
+ * bit 1: float16 scales.
+ *
+ * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
+ * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
+ * t = 8 chunks (4, then 2, at the tail; K is a multiple of 64). A block is t code vectors of 32
+ * codes; in code vector u, the 4 bytes of lane l (l = 0..7) are elements 4·(u·8/t + l/t) .. +3
+ * of chunk l mod t. One maddubs + madd over a code vector thus adds, in lane l, 4 products of
+ * chunk l mod t alone: a block's integer sums per chunk build up in 8 int32 lanes, and the
+ * chunk scales are applied once per block, 8 chunks at a time (the multiplier ports, which
+ * also run the float work, are what bounds this kernel).
+ *   "q8": code vector u is the 32 bytes at 32·u in the block;
+ *   "q4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the high.
+ * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
  *
  * Two ways to treat the activations, chosen per call:
  *   act_int8 = 1: each 32-element chunk of x is quantized to int8 with its own scale (as
- *                 llama.cpp does); the chunk dot products run in int8 (maddubs) and only the
- *                 per-chunk sums are float. Reads the fewest bytes and does the least work.
- *   act_int8 = 0: x stays float32; codes are widened to float and multiplied with FMA.
- *                 Exact up to float32 rounding.
- * The offsets' share, sum_g offset_g · sum(x over group g), always uses float x.
+ *                 llama.cpp does) and stored in the same lane order; the dot products run in
+ *                 int8 (maddubs) and only the per-chunk sums are float. The fast mode.
+ *   act_int8 = 0: x stays float32; each weight row is expanded to float32 once per call and
+ *                 multiplied with FMA. Exact up to float32 rounding.
+ * The offsets' share, sum_g offset_g · sum(x over group g), always uses float x. A row's
+ * result never depends on the batch it is in (same operations in the same order).
  *
- * Parallel over output rows with OpenMP; torch's CPU build ships the same libgomp soname, so
- * both share one thread pool. Called through ctypes (tokenmill/quant/kernels.py), which also
- * holds the pure-torch reference of every function here.
+ * Parallel over blocks of output rows with OpenMP; torch's CPU build ships the same libgomp
+ * soname, so both share one thread pool. Called through ctypes (tokenmill/kernels.py); the
+ * pure-torch reference of each function is in quant/packed.py.
  */
 #include <Python.h>
 #include <immintrin.h>
@@ -30,14 +40,16 @@
 #include <string.h>
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
-#define MB 8 /* rows of x per pass over a weight row */
+#define TM_INLINE static inline __attribute__((always_inline))
 #ifndef TM_PREFETCH
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
 #endif
+#define RA_MAX 8 /* activation rows per pass over a weight row */
 
 int tm_cpu_supported(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 }
 
 TM_TARGET static inline float hsum(__m256 v) {
@@ -47,27 +59,29 @@ TM_TARGET static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 32 codes of one chunk as bytes in element order (q4: unsigned 0..15). */
-TM_TARGET static inline __m256i load_codes(int kind, const uint8_t *row, int64_t c) {
-    if (kind == 0) return _mm256_loadu_si256((const __m256i *)(row + c * 32));
-    __m128i b = _mm_loadu_si128((const __m128i *)(row + c * 16));
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+/* Chunks in the block that starts at chunk c0 of a row of nc chunks (nc even). */
+static inline int block_chunks(int64_t nc, int64_t c0) {
+    int64_t left = nc - c0;
+    return left >= 8 ? 8 : left >= 4 ? 4 : 2;
+}
+
+static int64_t num_blocks(int64_t nc) {
+    int64_t n = 0;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) n++;
+    return n;
+}
+
+/* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
+TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0, int u) {
+    if (kind == 0) return _mm256_loadu_si256((const __m256i *)(row + c0 * 32 + u * 32));
+    __m256i b = _mm256_loadu_si256((const __m256i *)(row + c0 * 16 + (u >> 1) * 32));
+    if (u & 1) b = _mm256_srli_epi16(b, 4);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
 }
 
 /* Scale i of a row's scales (float16 or float32). */
-TM_TARGET static inline float scale_at(const void *s, int64_t i, int f16) {
+TM_TARGET TM_INLINE float scale_at(const void *s, int64_t i, int f16) {
     return f16 ? _cvtsh_ss(((const uint16_t *)s)[i]) : ((const float *)s)[i];
-}
-
-/* Scale vector of chunk c: one scale for G >= 32 (G / 32 = 2^gshift chunks share it), two
- * halves for G == 16. */
-TM_TARGET static inline __m256 chunk_scale(const void *s, int64_t c, int g16, int gshift,
-                                           int f16) {
-    if (g16)
-        return _mm256_set_m128(_mm_set1_ps(scale_at(s, 2 * c + 1, f16)),
-                               _mm_set1_ps(scale_at(s, 2 * c, f16)));
-    return _mm256_set1_ps(scale_at(s, c >> gshift, f16));
 }
 
 /* Row n's scales. */
@@ -75,36 +89,225 @@ static inline const void *row_scales(const void *scales, int64_t n, int64_t ng, 
     return (const char *)scales + n * ng * (f16 ? 2 : 4);
 }
 
-/* x row -> int8 codes + one scale per 32 elements (round to nearest even, like torch.round). */
-TM_TARGET static void quantize_row(const float *x, int64_t K, int8_t *q, float *d) {
+/* Lane l's scale for the block (c0, t): group (c0 + l mod t) >> gshift (G = 32 << gshift). */
+TM_TARGET TM_INLINE __m256 lane_scales(const void *s, int64_t c0, int t, int f16, int gshift) {
+    if (gshift == 0 && f16) {
+        const uint16_t *h = (const uint16_t *)s + c0;
+        __m128i v = t == 8   ? _mm_loadu_si128((const __m128i *)h)
+                    : t == 4 ? _mm_set1_epi64x(*(const int64_t *)h)
+                             : _mm_set1_epi32(*(const int32_t *)h);
+        return _mm256_cvtph_ps(v);
+    }
+    if (gshift == 0) {
+        const float *f = (const float *)s + c0;
+        if (t == 8) return _mm256_loadu_ps(f);
+        if (t == 4) return _mm256_broadcast_ps((const __m128 *)f);
+        return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)f));
+    }
+    float v[8];
+    for (int l = 0; l < 8; l++) v[l] = scale_at(s, (c0 + l % t) >> gshift, f16);
+    return _mm256_loadu_ps(v);
+}
+
+/* G = 16 (float32 scales): lane l's scales of the first (*a) and second (*b) half of its chunk. */
+TM_TARGET TM_INLINE void lane_scales16(const float *s, int64_t c0, int t, __m256 *a, __m256 *b) {
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+    const float *f = s + 2 * c0;
+    __m256 v0 = t == 2 ? _mm256_castps128_ps256(_mm_loadu_ps(f)) : _mm256_loadu_ps(f);
+    if (t == 2) { /* lanes 0..3 of v0 hold [a0 b0 a1 b1] */
+        *a = _mm256_permutevar8x32_ps(v0, _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2));
+        *b = _mm256_permutevar8x32_ps(v0, _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3));
+        return;
+    }
+    __m256 a0 = _mm256_permutevar8x32_ps(v0, even), b0 = _mm256_permutevar8x32_ps(v0, odd);
+    if (t == 4) {
+        *a = a0;
+        *b = b0;
+        return;
+    }
+    __m256 v1 = _mm256_loadu_ps(f + 8);
+    *a = _mm256_blend_ps(a0, _mm256_permutevar8x32_ps(v1, even), 0xF0);
+    *b = _mm256_blend_ps(b0, _mm256_permutevar8x32_ps(v1, odd), 0xF0);
+}
+
+/* 32 floats -> int8 codes + scale (round to nearest even, like torch.round). */
+TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t c = 0; c < K / 32; c++) {
-        const float *xc = x + c * 32;
-        __m256 v[4], amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xc + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xc + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float mx = _mm_cvtss_f32(m);
+    *d = mx / 127.0f;
+    __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+    __m256i iv[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        iv[i] = _mm256_cvtps_epi32(r);
+    }
+    /* pack 4x8 int32 -> 32 int8, then undo the lane interleave of the packs */
+    __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]);
+    __m256i p16b = _mm256_packs_epi32(iv[2], iv[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p8);
+}
+
+/* An x row -> int8 codes in lane order + each block's chunk scales by lane. Vector v of the row
+ * goes to q + v · vstride, block b's scales to d8 + b · dstride: rows of a tile interleave
+ * (tile_int8 reads each activation row's vectors at one stride from one pointer). */
+TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, int64_t vstride,
+                                         float *d8, int64_t dstride) {
+    const int64_t nc = K / 32;
+    int64_t b = 0;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
+        const int t = block_chunks(nc, c0), per = 8 / t;
+        float d[8];
+        for (int j = 0; j < t; j++) {
+            int8_t chunk[32];
+            quantize_chunk(x + (c0 + j) * 32, chunk, &d[j]);
+            for (int g = 0; g < 8; g++) /* group g's 4 bytes: vector g / per, lane (g % per)·t + j */
+                memcpy(q + (c0 + g / per) * vstride + ((g % per) * t + j) * 4, chunk + 4 * g, 4);
         }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float mx = _mm_cvtss_f32(m);
-        d[c] = mx / 127.0f;
-        __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
-        __m256i iv[4];
-        for (int i = 0; i < 4; i++) {
-            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            iv[i] = _mm256_cvtps_epi32(r);
-        }
-        /* pack 4x8 int32 -> 32 int8, then undo the lane interleave of the packs */
-        __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]);
-        __m256i p16b = _mm256_packs_epi32(iv[2], iv[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + c * 32), p8);
+        for (int l = 0; l < 8; l++) d8[b * dstride + l] = d[l % t];
     }
 }
+
+/* Activation rows go in tiles of `most` rows (8, or 4 for G = 16), then 4, 2, 1: tile_rows gives
+ * the size of the tile that starts at row m. */
+static inline int tile_rows(int64_t M, int64_t m, int most) {
+    int64_t left = M - m;
+    return left >= most ? most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+/* Row of W -> float32 in element order. */
+TM_TARGET static void dequant_row(int kind, int f16, int64_t K, int64_t G, const uint8_t *row,
+                                  const void *s, const float *off, float *out) {
+    const int64_t nc = K / 32;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
+        const int t = block_chunks(nc, c0), per = 8 / t;
+        for (int u = 0; u < t; u++) {
+            uint8_t codes[32];
+            _mm256_storeu_si256((__m256i *)codes, code_vector(kind, row, c0, u));
+            for (int l = 0; l < 8; l++) {
+                const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4, g = e / G;
+                int32_t four;
+                memcpy(&four, codes + 4 * l, 4);
+                __m128i wide = kind == 0 ? _mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))
+                                         : _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
+                __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(wide), _mm_set1_ps(scale_at(s, g, f16)));
+                if (off) v = _mm_sub_ps(v, _mm_set1_ps(off[g]));
+                _mm_storeu_ps(out + e, v);
+            }
+        }
+    }
+}
+
+/*
+ * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
+ * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8. Inlined into one copy per (KIND, G16, F16, RA), so the
+ * inner loops have no branches on them.
+ */
+TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16, const int RA,
+                                   int gshift, int64_t K, const uint8_t *row, const void *s,
+                                   const int8_t *xq, const float *xd8, float *out,
+                                   int64_t ostride) {
+    const int64_t nc = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 facc[RA_MAX];
+    for (int i = 0; i < RA; i++) facc[i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
+        const int t = block_chunks(nc, c0);
+        __m256i ia[RA_MAX], ib[RA_MAX];
+        for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
+        if (KIND == 0) {
+            for (int u = 0; u < t; u++) {
+                if (RA == 1) _mm_prefetch((const char *)(row + c0 * 32 + u * 32 + TM_PREFETCH), _MM_HINT_T0);
+                __m256i w = code_vector(0, row, c0, u), aw = _mm256_sign_epi8(w, w);
+                for (int i = 0; i < RA; i++) {
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+                    if (G16 && u >= t / 2) ib[i] = _mm256_add_epi32(ib[i], p);
+                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                }
+            }
+        } else {
+            const __m256i low = _mm256_set1_epi8(0x0F);
+            for (int v = 0; v < t / 2; v++) {
+                const uint8_t *src = row + c0 * 16 + v * 32;
+                if (RA == 1) _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
+                __m256i lo = _mm256_and_si256(bytes, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                for (int i = 0; i < RA; i++) {
+                    const int8_t *xv = xq + ((c0 + 2 * v) * RA + i) * 32;
+                    /* codes <= 15: two maddubs sums fit int16 (2 · 2 · 15 · 127) */
+                    __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xv)),
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xv + RA * 32))));
+                    ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        if (G16) {
+            __m256 sa, sb;
+            lane_scales16((const float *)s, c0, t, &sa, &sb);
+            for (int i = 0; i < RA; i++) {
+                __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
+                __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sa,
+                                           _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
+                facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
+            }
+        } else {
+            __m256 sw = lane_scales(s, c0, t, F16, gshift);
+            for (int i = 0; i < RA; i++) {
+                __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
+                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), dd, facc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < RA; i++) out[i * ostride] = hsum(facc[i]);
+}
+
+/* Weight rows [n0, n1) against activation rows [0, M) (int8 lanes, in tiles) into
+ * out[m · ostride + n - n0]: a tile of activation rows at a time over all the rows of the block
+ * (its weights stay in L1/L2). A row's result is the same in every tile size. */
+#define TM_TILE_ROWS(KIND, G16, F16, RA)                                                      \
+    for (; m + (RA) <= M && tile_rows(M, m, most) == (RA); m += (RA))                         \
+        for (int64_t n = n0; n < n1; n++)                                                     \
+            tile_int8(KIND, G16, F16, RA, gshift, K, w + n * wrow, row_scales(scales, n, ng, F16), \
+                      xq + m * K, xd8 + m * nblk * 8, out + m * ostride + (n - n0), ostride)
+#define TM_TILES(KIND, G16, F16)                                                              \
+    do {                                                                                      \
+        int64_t m = 0;                                                                        \
+        if (!(G16)) TM_TILE_ROWS(KIND, G16, F16, 8);                                          \
+        TM_TILE_ROWS(KIND, G16, F16, 4);                                                      \
+        TM_TILE_ROWS(KIND, G16, F16, 2);                                                      \
+        TM_TILE_ROWS(KIND, G16, F16, 1);                                                      \
+    } while (0)
+
+TM_TARGET static void block_int8(int kind, int f16, int64_t G, int64_t M, int64_t K,
+                                 const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
+                                 const int8_t *xq, const float *xd8, int64_t nblk, float *out,
+                                 int64_t ostride) {
+    const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
+    const int64_t ng = K / G, wrow = kind == 0 ? K : K / 2;
+    const int most = G == 16 ? 4 : 8;
+    if (kind == 1 && f16) TM_TILES(1, 0, 1);
+    else if (kind == 1) TM_TILES(1, 0, 0);
+    else if (G == 16) TM_TILES(0, 1, 0); /* the k-quants' scales: float32 */
+    else if (f16) TM_TILES(0, 0, 1);
+    else TM_TILES(0, 0, 0);
+}
+#undef TM_TILES
+#undef TM_TILE_ROWS
 
 /* Sums of x over each group of G elements (the offsets' share). */
 static void group_sums(const float *x, int64_t K, int64_t G, float *out) {
@@ -125,144 +328,18 @@ TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng
     return s;
 }
 
-/* One x row (batch-1 decode): bandwidth-bound, so the weight stream is prefetched ahead. The
- * arithmetic and its order are those of the general path: a row's result does not depend on
- * the batch it is in. */
-TM_TARGET static inline __attribute__((always_inline)) void rows_int8_m1_impl(
-    const int kind, const int g16, const int f16, int gshift, int64_t K, int64_t ng,
-    const uint8_t *w, int64_t wrow, const void *scales, const int8_t *xq, const float *xd,
-    int64_t n0, int64_t n1, float *y) {
-    const int64_t nc = K / 32, cbytes = kind == 0 ? 32 : 16;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * wrow;
-        const void *s = row_scales(scales, n, ng, f16);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nc; c++) {
-            _mm_prefetch((const char *)(row + c * cbytes + TM_PREFETCH), _MM_HINT_T0);
-            __m256i codes = load_codes(kind, row, c);
-            __m256i ucodes = kind == 0 ? _mm256_sign_epi8(codes, codes) : codes;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c * 32));
-            if (kind == 0) xv = _mm256_sign_epi8(xv, codes);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, xv), ones);
-            __m256 dd = _mm256_mul_ps(chunk_scale(s, c, g16, gshift, f16), _mm256_set1_ps(xd[c]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc);
-        }
-        y[n] = hsum(acc);
-    }
-}
-
-/* Rows [n0, n1) of y for x rows [m0, m0 + mb), int8 activations. Inlined into one copy per
- * (kind, G == 16) so the inner loop has no branches on them. */
-TM_TARGET static inline __attribute__((always_inline)) void rows_int8_impl(
-    const int kind, const int g16, const int f16, int gshift, int64_t K, int64_t ng,
-    const uint8_t *w, int64_t wrow, const void *scales, int64_t m0, int mb, const int8_t *xq,
-    const float *xd, int64_t n0, int64_t n1, float *y, int64_t N) {
-    const int64_t nc = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * wrow;
-        const void *s = row_scales(scales, n, ng, f16);
-        __m256 acc[MB];
-        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nc; c++) {
-            __m256i codes = load_codes(kind, row, c);
-            __m256i ucodes = kind == 0 ? _mm256_sign_epi8(codes, codes) : codes;
-            __m256 sc = chunk_scale(s, c, g16, gshift, f16);
-            for (int i = 0; i < mb; i++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + c * 32));
-                if (kind == 0) xv = _mm256_sign_epi8(xv, codes);
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(ucodes, xv), ones);
-                __m256 f = _mm256_cvtepi32_ps(p);
-                __m256 dd = _mm256_mul_ps(sc, _mm256_set1_ps(xd[(m0 + i) * nc + c]));
-                acc[i] = _mm256_fmadd_ps(f, dd, acc[i]);
-            }
-        }
-        for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum(acc[i]);
-    }
-}
-
-TM_TARGET static void rows_int8(int kind, int f16, int64_t K, int64_t G, const uint8_t *w,
-                                int64_t wrow, const void *scales, int64_t m0, int mb,
-                                const int8_t *xq, const float *xd, int64_t n0, int64_t n1, float *y,
-                                int64_t N) {
-    const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G;
-#define TM_ROWS(KIND, G16, F16)                                                              \
-    do {                                                                                     \
-        if (mb == 1)                                                                         \
-            rows_int8_m1_impl(KIND, G16, F16, gshift, K, ng, w, wrow, scales, xq + m0 * K,   \
-                              xd + m0 * (K / 32), n0, n1, y + m0 * N);                       \
-        else                                                                                 \
-            rows_int8_impl(KIND, G16, F16, gshift, K, ng, w, wrow, scales, m0, mb, xq, xd,   \
-                           n0, n1, y, N);                                                    \
-    } while (0)
-    if (f16) { /* the file's float16 scales: Q8_0 and Q5_0, 32-element groups */
-        if (kind == 0) TM_ROWS(0, 0, 1);
-        else TM_ROWS(1, 0, 1);
-    } else if (kind == 0 && G == 16) TM_ROWS(0, 1, 0);
-    else if (kind == 0) TM_ROWS(0, 0, 0);
-    else if (G == 16) TM_ROWS(1, 1, 0);
-    else TM_ROWS(1, 0, 0);
-#undef TM_ROWS
-}
-
-/* The same with float activations: codes widened to float32, 8 at a time. */
-TM_TARGET static void rows_float(int kind, int f16, int64_t K, int64_t G, const uint8_t *w,
-                                 int64_t wrow, const void *scales, int64_t m0, int mb,
-                                 const float *x, int64_t n0, int64_t n1, float *y, int64_t N) {
-    const int64_t nc = K / 32, ng = K / G;
-    const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * wrow;
-        const void *s = row_scales(scales, n, ng, f16);
-        __m256 acc[MB];
-        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nc; c++) {
-            __m256i codes = load_codes(kind, row, c);
-            __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            __m256 wf[4];
-            if (kind == 0) {
-                wf[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-                wf[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-                wf[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-                wf[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-            } else {
-                wf[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                wf[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                wf[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                wf[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            }
-            if (G == 16) {
-                __m256 sa = _mm256_set1_ps(scale_at(s, 2 * c, f16));
-                __m256 sb = _mm256_set1_ps(scale_at(s, 2 * c + 1, f16));
-                for (int i = 0; i < mb; i++) {
-                    const float *xc = x + (m0 + i) * K + c * 32;
-                    __m256 ta = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xc));
-                    ta = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xc + 8), ta);
-                    __m256 tb = _mm256_mul_ps(wf[2], _mm256_loadu_ps(xc + 16));
-                    tb = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xc + 24), tb);
-                    acc[i] = _mm256_fmadd_ps(ta, sa, acc[i]);
-                    acc[i] = _mm256_fmadd_ps(tb, sb, acc[i]);
-                }
-            } else {
-                __m256 sc = _mm256_set1_ps(scale_at(s, c >> gshift, f16));
-                for (int i = 0; i < mb; i++) {
-                    const float *xc = x + (m0 + i) * K + c * 32;
-                    __m256 t = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xc));
-                    t = _mm256_fmadd_ps(wf[1], _mm256_loadu_ps(xc + 8), t);
-                    t = _mm256_fmadd_ps(wf[2], _mm256_loadu_ps(xc + 16), t);
-                    t = _mm256_fmadd_ps(wf[3], _mm256_loadu_ps(xc + 24), t);
-                    acc[i] = _mm256_fmadd_ps(t, sc, acc[i]);
-                }
-            }
-        }
-        for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum(acc[i]);
-    }
+/* a · b over n floats (n a multiple of 32), in a fixed order. */
+TM_TARGET static float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 /*
- * y[M, N] = x[M, K] · Wᵀ - offsets' share + bias. K must be a multiple of 32 and of G (or G = 16).
+ * y[M, N] = x[M, K] · Wᵀ - offsets' share + bias. K must be a multiple of 64 and of G.
  * Returns 0, or -1 when a scratch buffer could not be allocated.
  */
 TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind,
@@ -270,82 +347,91 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
                        const float *bias, float *y, int act_int8) {
     const int f16 = kind >> 1 & 1;
     kind &= 1;
-    const int64_t nc = K / 32, ng = K / G;
+    const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
     const int64_t wrow = kind == 0 ? K : K / 2;
     int8_t *xq = NULL;
-    float *xd = NULL, *xs = NULL;
+    float *xd8 = NULL, *xs = NULL;
+    int failed = 0;
     if (act_int8) {
         xq = malloc((size_t)(M * K));
-        xd = malloc(sizeof(float) * (size_t)(M * nc));
-        if (!xq || !xd) goto fail;
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * K, xd + m * nc);
+        xd8 = malloc(sizeof(float) * (size_t)(M * nblk * 8));
+        if (!xq || !xd8) goto fail;
+        const int most = G == 16 ? 4 : 8;
+#pragma omp parallel for schedule(static) if (M >= 16)
+        for (int64_t m = 0; m < M; m++) {
+            int64_t m0 = m - m % most; /* the start of m's tile */
+            if (tile_rows(M, m0, most) != most) /* the remainder: tiles of 4, 2, 1 */
+                for (m0 = M - M % most; tile_rows(M, m0, most) + m0 <= m;) m0 += tile_rows(M, m0, most);
+            const int ra = tile_rows(M, m0, most);
+            quantize_row_lanes(x + m * K, K, xq + m0 * K + (m - m0) * 32, ra * 32,
+                               xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8);
+        }
     }
-    if (offsets) {
+    if (offsets && act_int8) { /* act_int8 = 0 expands rows with their offsets */
         xs = malloc(sizeof(float) * (size_t)(M * ng));
         if (!xs) goto fail;
         for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, G, xs + m * ng);
     }
-    /* Blocks of rows small enough to balance threads, large enough to reuse x from L1. */
-    const int64_t nb = 16, nblocks = (N + nb - 1) / nb;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
-        int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int mb = (int)(M - m0 < MB ? M - m0 : MB);
-            if (act_int8)
-                rows_int8(kind, f16, K, G, w, wrow, scales, m0, mb, xq, xd, n0, n1, y, N);
-            else
-                rows_float(kind, f16, K, G, w, wrow, scales, m0, mb, x, n0, n1, y, N);
+    /* Blocks of output rows: enough to share among the threads, few enough that each writes
+     * whole cache lines of y (results go through a per-thread buffer: writing y a float at a
+     * time, M rows apart, cost 1.4x at 32 rows). */
+    int64_t nb = 64;
+    while (nb > 8 && (N + nb - 1) / nb < 4 * omp_get_max_threads()) nb /= 2;
+    const int64_t nblocks = (N + nb - 1) / nb;
+#pragma omp parallel
+    {
+        float *ybuf = malloc(sizeof(float) * (size_t)(M * nb));
+        float *wf = act_int8 ? NULL : malloc(sizeof(float) * (size_t)K);
+        if (!ybuf || (!act_int8 && !wf)) {
+#pragma omp atomic write
+            failed = 1;
         }
-        if (offsets || bias) {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblocks; b++) {
+            if (!ybuf || (!act_int8 && !wf)) continue;
+            const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
+            if (act_int8)
+                block_int8(kind, f16, G, M, K, w, scales, n0, n1, xq, xd8, nblk, ybuf, nb);
+            else
+                for (int64_t n = n0; n < n1; n++) {
+                    dequant_row(kind, f16, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
+                                offsets ? offsets + n * ng : NULL, wf);
+                    for (int64_t m = 0; m < M; m++) ybuf[m * nb + (n - n0)] = dot(x + m * K, wf, K);
+                }
             for (int64_t m = 0; m < M; m++)
                 for (int64_t n = n0; n < n1; n++) {
-                    float v = y[m * N + n];
-                    if (offsets) v -= offsets_dot(offsets + n * ng, xs + m * ng, ng);
+                    float v = ybuf[m * nb + (n - n0)];
+                    if (xs) v -= offsets_dot(offsets + n * ng, xs + m * ng, ng);
                     if (bias) v += bias[n];
                     y[m * N + n] = v;
                 }
         }
+        free(ybuf);
+        free(wf);
     }
     free(xq);
-    free(xd);
+    free(xd8);
     free(xs);
-    return 0;
+    return failed ? -1 : 0;
 fail:
     free(xq);
-    free(xd);
+    free(xd8);
     free(xs);
     return -1;
 }
 
-/* Float rows [n0, n1) of W into out[(n1 - n0), K]: the tile a float GEMM consumes. */
+/* Float rows [n0, n1) of W into out[(n1 - n0), K] in element order (a float GEMM's tile, or
+ * embedding rows). */
 TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
                                const void *scales, const float *offsets, int64_t G,
                                float *out) {
     const int f16 = kind >> 1 & 1;
     kind &= 1;
-    const int64_t nc = K / 32, ng = K / G;
-    const int64_t wrow = kind == 0 ? K : K / 2;
-    const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * wrow;
-        const void *s = row_scales(scales, n, ng, f16);
-        const float *o = offsets ? offsets + n * ng : NULL;
-        float *dst = out + (n - n0) * K;
-        for (int64_t c = 0; c < nc; c++) {
-            __m256i codes = load_codes(kind, row, c);
-            __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int i = 0; i < 4; i++) {
-                __m256i v = kind == 0 ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
-                int64_t g = g16 ? 2 * c + i / 2 : c >> gshift;
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(scale_at(s, g, f16)));
-                if (o) f = _mm256_sub_ps(f, _mm256_set1_ps(o[g]));
-                _mm256_storeu_ps(dst + c * 32 + 8 * i, f);
-            }
-        }
-    }
+    const int64_t ng = K / G, wrow = kind == 0 ? K : K / 2;
+#pragma omp parallel for schedule(static) if (n1 - n0 > 1)
+    for (int64_t n = n0; n < n1; n++)
+        dequant_row(kind, f16, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
+                    offsets ? offsets + n * ng : NULL, out + (n - n0) * K);
 }
 
 /* A module so setuptools builds this as an extension and Python can find the file. */

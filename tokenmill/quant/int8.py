@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
-from tokenmill.quant.packed import PackedWeight
+from tokenmill.quant.packed import PackedWeight, pack_codes
 
 
 def quantize_per_channel(
@@ -41,6 +41,8 @@ class Int8QuantMethod(PackedQuantMethod):
     def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
         n, k = weight.shape
         q, scales = quantize_per_channel(weight)
+        for start in range(0, n, 8192):  # into the kernel's order, a slice at a time
+            q[start : start + 8192] = pack_codes(q[start : start + 8192], "q8")
         group = 32 if k % 32 == 0 else k  # rows not in 32s: one group (torch reference path)
         packed = PackedWeight(
             "q8", q, scales[:, None].repeat(1, k // group).contiguous(), None, group, (n, k)

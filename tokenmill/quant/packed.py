@@ -4,19 +4,24 @@
 
 One layout serves every packed scheme: GGUF's block formats are repacked into it at load with
 their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0, Q4_0, so
-the output head reads half the scale bytes), and int4 is quantized into it. ``kind`` says how codes are
-stored:
-  "q8": int8 codes [N, K] (GGUF Q8_0, Q5_0, Q5_K, Q6_K);
-  "q4": 4-bit codes 0..15, two per byte [N, K/2]; in each 32-element chunk byte j holds
-        element j in its low nibble and element j + 16 in its high one (ggml's Q4_0 order)
-        (GGUF Q4_0, Q4_K, int4).
-The matmul runs in the C kernel (quant/kernels.py) where it is built; ``reference_matmul`` is
-its pure-torch twin, the fallback elsewhere and the oracle of the tests.
+the output head reads half the scale bytes), and int8 / int4 are quantized into it. ``kind``
+says how codes are stored:
+  "q8": int8 codes [N, K] (GGUF Q8_0, Q5_0, Q5_K, Q6_K; int8);
+  "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4).
+Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
+csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chunks of 32 so
+that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" then packs each pair of
+32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
+element order ("q4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
+Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order.
+The matmul runs in the C kernel (kernels.py) where it is built; ``reference_matmul`` is its
+pure-torch twin, the fallback elsewhere and the oracle of the tests.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -60,16 +65,9 @@ class PackedWeight:
             self.shape,
         )
 
-    def codes_int(self, rows: slice = slice(None)) -> torch.Tensor:
+    def codes_int(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Codes of ``rows`` as int16 [n, K] in element order."""
-        codes = self.codes[rows]
-        if self.kind == "q8":
-            return codes.to(torch.int16)
-        n = codes.shape[0]
-        chunks = codes.reshape(n, -1, 1, 16)
-        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=codes.device).view(1, 1, 2, 1)
-        nibbles = (chunks >> shifts) & 0x0F
-        return nibbles.reshape(n, -1).to(torch.int16)
+        return unpack_codes(self.codes[rows], self.kind, self.shape[1])
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """Float32 rows of W (all of them by default)."""
@@ -104,11 +102,58 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
     )
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int codes 0..15 [N, K] -> uint8 [N, K // 2] in the "q4" order."""
+@lru_cache(maxsize=64)
+def lane_order(k: int) -> torch.Tensor | None:
+    """Element index of each stored code of a K-element row, or None (element order) where K is
+    not a multiple of 64. Blocks of t = 8 chunks (then 4, 2); in code vector u of a block, lane
+    l's 4 codes are elements 4·(u·8/t + l/t) .. +3 of the block's chunk l mod t."""
+    if k % 64:
+        return None
+    nc, c0, parts = k // 32, 0, []
+    while c0 < nc:
+        t = 8 if nc - c0 >= 8 else 4 if nc - c0 >= 4 else 2
+        u = torch.arange(t).view(t, 1, 1)
+        lane = torch.arange(8).view(1, 8, 1)
+        byte = torch.arange(4).view(1, 1, 4)
+        parts.append(((c0 + lane % t) * 32 + (u * (8 // t) + lane // t) * 4 + byte).reshape(-1))
+        c0 += t
+    return torch.cat(parts)
+
+
+@lru_cache(maxsize=64)
+def _element_order(k: int, device: torch.device) -> torch.Tensor | None:
+    order = lane_order(k)
+    return None if order is None else torch.argsort(order).to(device)
+
+
+def pack_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
+    """Integer codes [N, K] in element order -> stored codes ("q8": int8 [N, K]; "q4": codes
+    0..15 as uint8 [N, K/2])."""
     n, k = codes.shape
-    c = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    order = lane_order(k)
+    if order is not None:
+        codes = codes[:, order.to(codes.device)]
+    if kind == "q8":
+        return codes.to(torch.int8)
+    c = codes.to(torch.uint8)
+    # lane order: 32 bytes hold a pair of 32-code vectors; element order: 16 bytes a chunk
+    half = 32 if order is not None else 16
+    c = c.reshape(n, -1, 2, half)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_codes(stored: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+    """``pack_codes`` undone: int16 codes [N, K] in element order."""
+    n = stored.shape[0]
+    if kind == "q8":
+        codes = stored.to(torch.int16)
+    else:
+        half = 32 if k % 64 == 0 else 16
+        pairs = stored.reshape(n, -1, 1, half)
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
+        codes = ((pairs >> shifts) & 0x0F).reshape(n, k).to(torch.int16)
+    inverse = _element_order(k, stored.device)
+    return codes if inverse is None else codes[:, inverse]
 
 
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_K unsigned 0..15): packed two a byte.
@@ -127,13 +172,13 @@ def from_block_codes(
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
     if not four_bit:
         scales = scales.half() if f16_scales else scales
-        return PackedWeight("q8", codes.to(torch.int8), scales, offsets, bc.group, (rows, cols))
+        return PackedWeight("q8", pack_codes(codes, "q8"), scales, offsets, bc.group, (rows, cols))
     if offsets is None:
         # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
         codes, offsets = codes + 8, 8.0 * scales
     if f16_scales:
         scales = scales.half()
-    return PackedWeight("q4", pack_nibbles(codes), scales, offsets, bc.group, (rows, cols))
+    return PackedWeight("q4", pack_codes(codes, "q4"), scales, offsets, bc.group, (rows, cols))
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
@@ -197,7 +242,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
             better = err < best[0]
             best = [torch.where(better, new, old) for new, old in zip((err, q, s, lo), best)]
         _, q, s, lo = best
-        codes[r : r + step] = pack_nibbles(q.reshape(-1, k))
+        codes[r : r + step] = pack_codes(q.reshape(-1, k), "q4")
         scales[r : r + step] = s.squeeze(-1)
         offsets[r : r + step] = -lo.squeeze(-1)
     return PackedWeight("q4", codes, scales, offsets, group, (n, k))
