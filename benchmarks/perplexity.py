@@ -34,8 +34,9 @@ def main() -> None:
     parser.add_argument(
         "--decode-kernel",
         action="store_true",
-        help="score every row with the small-batch packed kernel, as decode computes (prefill "
-        "otherwise expands packed tiles to float32, so --packed-activations would not show)",
+        help="with --packed-activations float32: score every row with the packed kernel's float "
+        "mode, as decode computes (prefill otherwise expands packed tiles for the float GEMM); "
+        "int8 activations run the kernel at every batch size anyway",
     )
     args = parser.parse_args()
     if args.decode_kernel:

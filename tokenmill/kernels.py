@@ -231,14 +231,20 @@ def _kind(w: PackedWeight) -> int:
 
 
 def qgemm(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_int8: bool
+    x: torch.Tensor,
+    w: PackedWeight,
+    bias: torch.Tensor | None,
+    act_int8: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 with the C kernel (callers check available)."""
+    """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 with the C kernel (callers check available),
+    into ``out`` when given (float32, contiguous, [M, N])."""
     lib = _library()
     assert lib is not None  # callers checked available() and supports(w)
     x = x.float().contiguous()
     m, k = x.shape
-    y = torch.empty(m, w.shape[0], dtype=torch.float32)
+    y = out if out is not None else torch.empty(m, w.shape[0], dtype=torch.float32)
+    assert y.shape == (m, w.shape[0]) and y.dtype == torch.float32 and y.is_contiguous()
     rc = _launch(
         _OP_QGEMM,
         lib.tm_qgemm,

@@ -45,6 +45,7 @@
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
 #endif
 #define RA_MAX 8 /* activation rows per pass over a weight row */
+#define MCHUNK 64 /* activation rows per tile of work */
 
 int tm_cpu_supported(void) {
     __builtin_cpu_init();
@@ -276,35 +277,41 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
     for (int i = 0; i < RA; i++) out[i * ostride] = hsum(facc[i]);
 }
 
-/* Weight rows [n0, n1) against activation rows [0, M) (int8 lanes, in tiles) into
- * out[m · ostride + n - n0]: a tile of activation rows at a time over all the rows of the block
- * (its weights stay in L1/L2). A row's result is the same in every tile size. */
-#define TM_TILE_ROWS(KIND, G16, F16, RA)                                                      \
-    for (; m + (RA) <= M && tile_rows(M, m, most) == (RA); m += (RA))                         \
-        for (int64_t n = n0; n < n1; n++)                                                     \
-            tile_int8(KIND, G16, F16, RA, gshift, K, w + n * wrow, row_scales(scales, n, ng, F16), \
-                      xq + m * K, xd8 + m * nblk * 8, out + m * ostride + (n - n0), ostride)
+/* Weight rows [n0, n1) against activation rows [m0, m1) (int8 lanes, in the tiles of all M
+ * rows; m0 starts a tile) into out[(m - m0) · ostride + n - n0]: a tile of activation rows at
+ * a time over all the rows of the block (its weights stay in L1/L2). A row's result is the
+ * same in every tile size. */
 #define TM_TILES(KIND, G16, F16)                                                              \
-    do {                                                                                      \
-        int64_t m = 0;                                                                        \
-        if (!(G16)) TM_TILE_ROWS(KIND, G16, F16, 8);                                          \
-        TM_TILE_ROWS(KIND, G16, F16, 4);                                                      \
-        TM_TILE_ROWS(KIND, G16, F16, 2);                                                      \
-        TM_TILE_ROWS(KIND, G16, F16, 1);                                                      \
-    } while (0)
+    for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
+        ra = tile_rows(M, m, G16 ? 4 : 8);                                                    \
+        const int8_t *xt = xq + m * K;                                                        \
+        const float *dt = xd8 + m * nblk * 8;                                                 \
+        float *o = out + (m - m0) * ostride;                                                  \
+        for (int64_t n = n0; n < n1; n++) {                                                   \
+            const uint8_t *row = w + n * wrow;                                                \
+            const void *s = row_scales(scales, n, ng, F16);                                   \
+            if (ra == 8 && !(G16))                                                            \
+                tile_int8(KIND, G16, F16, 8, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+            else if (ra == 4)                                                                 \
+                tile_int8(KIND, G16, F16, 4, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+            else if (ra == 2)                                                                 \
+                tile_int8(KIND, G16, F16, 2, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+            else                                                                              \
+                tile_int8(KIND, G16, F16, 1, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+        }                                                                                     \
+    }
 
 TM_TARGET static void block_int8(int kind, int f16, int64_t G, int64_t M, int64_t K,
                                  const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
-                                 const int8_t *xq, const float *xd8, int64_t nblk, float *out,
-                                 int64_t ostride) {
+                                 int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,
+                                 int64_t nblk, float *out, int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G, wrow = kind == 0 ? K : K / 2;
-    const int most = G == 16 ? 4 : 8;
-    if (kind == 1 && f16) TM_TILES(1, 0, 1);
-    else if (kind == 1) TM_TILES(1, 0, 0);
-    else if (G == 16) TM_TILES(0, 1, 0); /* the k-quants' scales: float32 */
-    else if (f16) TM_TILES(0, 0, 1);
-    else TM_TILES(0, 0, 0);
+    if (kind == 1 && f16) TM_TILES(1, 0, 1)
+    else if (kind == 1) TM_TILES(1, 0, 0)
+    else if (G == 16) TM_TILES(0, 1, 0) /* the k-quants' scales: float32 */
+    else if (f16) TM_TILES(0, 0, 1)
+    else TM_TILES(0, 0, 0)
 }
 #undef TM_TILES
 #undef TM_TILE_ROWS
@@ -372,39 +379,51 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
         if (!xs) goto fail;
         for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, G, xs + m * ng);
     }
-    /* Blocks of output rows: enough to share among the threads, few enough that each writes
-     * whole cache lines of y (results go through a per-thread buffer: writing y a float at a
-     * time, M rows apart, cost 1.4x at 32 rows). */
+    /* Work in tiles of up to MCHUNK activation rows by nb weight rows: enough to share among
+     * the threads, small enough that each writes whole cache lines of y and few pages at a
+     * time (results go through a per-thread buffer: writing y a float at a time, M rows
+     * apart, cost 1.4x at 32 rows; 64-float row pieces of 1,024 rows, 20% of the time). */
+    const int64_t mchunk = M < MCHUNK ? M : MCHUNK, mchunks = (M + mchunk - 1) / mchunk;
     int64_t nb = 64;
-    while (nb > 8 && (N + nb - 1) / nb < 4 * omp_get_max_threads()) nb /= 2;
+    while (nb > 8 && mchunks * ((N + nb - 1) / nb) < 4 * omp_get_max_threads()) nb /= 2;
     const int64_t nblocks = (N + nb - 1) / nb;
 #pragma omp parallel
     {
-        float *ybuf = malloc(sizeof(float) * (size_t)(M * nb));
+        float *ybuf = malloc(sizeof(float) * (size_t)(mchunk * nb));
         float *wf = act_int8 ? NULL : malloc(sizeof(float) * (size_t)K);
         if (!ybuf || (!act_int8 && !wf)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nblocks; b++) {
+        for (int64_t tile = 0; tile < mchunks * nblocks; tile++) {
             if (!ybuf || (!act_int8 && !wf)) continue;
+            const int64_t b = tile % nblocks, m0 = tile / nblocks * mchunk;
             const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
+            const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
             if (act_int8)
-                block_int8(kind, f16, G, M, K, w, scales, n0, n1, xq, xd8, nblk, ybuf, nb);
+                block_int8(kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, nblk, ybuf, nb);
             else
                 for (int64_t n = n0; n < n1; n++) {
                     dequant_row(kind, f16, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
                                 offsets ? offsets + n * ng : NULL, wf);
-                    for (int64_t m = 0; m < M; m++) ybuf[m * nb + (n - n0)] = dot(x + m * K, wf, K);
+                    for (int64_t m = m0; m < m1; m++)
+                        ybuf[(m - m0) * nb + (n - n0)] = dot(x + m * K, wf, K);
                 }
-            for (int64_t m = 0; m < M; m++)
+            for (int64_t m = m0; m < m1; m++) {
+                const float *src = ybuf + (m - m0) * nb;
+                float *dst = y + m * N + n0;
+                if (!xs && !bias) {
+                    memcpy(dst, src, sizeof(float) * (size_t)(n1 - n0));
+                    continue;
+                }
                 for (int64_t n = n0; n < n1; n++) {
-                    float v = ybuf[m * nb + (n - n0)];
+                    float v = src[n - n0];
                     if (xs) v -= offsets_dot(offsets + n * ng, xs + m * ng, ng);
                     if (bias) v += bias[n];
-                    y[m * N + n] = v;
+                    dst[n - n0] = v;
                 }
+            }
         }
         free(ybuf);
         free(wf);

@@ -51,7 +51,10 @@ class Embedding(nn.Module):
         # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
         return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
 
-    def as_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def as_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits h Eᵀ, written into ``out`` when given (a reused [rows, vocab] buffer)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self.quant_state, hidden)
+            return self.quant_method.apply(self.quant_state, hidden, out=out)
+        if out is not None:
+            return torch.matmul(hidden, self.weight.T, out=out)
         return F.linear(hidden, self.weight)

@@ -49,12 +49,18 @@ class Linear(nn.Module):
             state.bias = self.bias.data.float().contiguous()
             self.bias = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x Wᵀ + b; into ``out`` when given (the output head's reused logits buffer)."""
         if self.quant_method is not None:
-            y = self.quant_method.apply(self.quant_state, x)
-            # A packed GGUF weight keeps its float bias here; quantize_ folded it into the state.
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+            y = self.quant_method.apply(self.quant_state, x, out=out)
+        elif out is None:
+            return F.linear(x, self.weight, self.bias)
+        else:
+            y = torch.matmul(x, self.weight.T, out=out)
+        if self.bias is None:
+            return y
+        # A packed GGUF weight keeps its float bias here; quantize_ folded it into the state.
+        return y.add_(self.bias) if out is not None else y + self.bias
 
 
 def _data(p: nn.Parameter | None) -> torch.Tensor | None:

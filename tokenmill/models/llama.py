@@ -151,7 +151,7 @@ class LlamaForCausalLM(CausalLM):
             h = layer(h, positions, fwd)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_head(hidden)
-        return self.lm_head(hidden)
+            return self.model.embed_tokens.as_head(hidden, out)
+        return self.lm_head(hidden, out)

@@ -21,8 +21,9 @@ class QuantMethod:
         """Pack a float weight [out, in] (and bias) into this method's state."""
         raise NotImplementedError  # each scheme packs its own way
 
-    def apply(self, state: Any, x: torch.Tensor) -> torch.Tensor:
-        """y = x Wᵀ + b for x [..., in] with the packed state; returns x's dtype."""
+    def apply(self, state: Any, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x Wᵀ + b for x [..., in] with the packed state; returns x's dtype. ``out``: a
+        float32 [rows, out] tensor to write y into (the runner reuses one for the logits)."""
         raise NotImplementedError  # each scheme computes its own way
 
     def dequantize(self, state: Any) -> torch.Tensor:

@@ -118,6 +118,9 @@ class ModelRunner:
         self._parked_generators: dict[str, torch.Generator | None] = {}
         # Prompt log-probs already sent for preempted requests: their recompute sends no repeats.
         self._parked_prompt_logprob_idx: dict[str, int] = {}
+        # One logits buffer for every step, grown to the largest batch seen: a fresh [32, 262k]
+        # float32 tensor each step cost ~10 ms of page faults (over 32 MB, malloc maps anew).
+        self._logits_buffer: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs:
             max_len = max_model_len or c.max_position_embeddings
@@ -146,8 +149,20 @@ class ModelRunner:
             out.prompt_logprobs[rows.req_id] = self._prompt_logprobs(hidden, rows)
         if not sample_req_ids:
             return out
-        logits = self.model.compute_logits(hidden.index_select(0, sample_idx))
+        rows = hidden.index_select(0, sample_idx)
+        logits = self.model.compute_logits(rows, self._logits_out(rows))
         return self._sample(sample_req_ids, logits, out)
+
+    def _logits_out(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """A [rows, vocab] view of the reused logits buffer (float32 models), valid until the
+        next step: the sampler consumes the logits within this one."""
+        if rows.dtype != torch.float32:
+            return None
+        vocab = self.model.config.vocab_size
+        buf = self._logits_buffer
+        if buf is None or buf.shape[0] < rows.shape[0] or buf.device != rows.device:
+            buf = self._logits_buffer = torch.empty(rows.shape[0], vocab, device=rows.device)
+        return buf[: rows.shape[0]]
 
     def _sample(
         self, sample_req_ids: list[str], logits: torch.Tensor, out: RunnerOutput
