@@ -29,7 +29,7 @@ from tokenmill.quant.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1}
+_KINDS = {"q8": 0, "q4": 1, "u8": 4}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
 (
@@ -226,8 +226,9 @@ def supports(w: PackedWeight) -> bool:
 
 
 def _kind(w: PackedWeight) -> int:
-    """The kernels' ``kind``: bit 0 for 4-bit codes, bit 1 for float16 scales."""
-    return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0)
+    """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
+    bits 8-15), bit 1 for float16 scales."""
+    return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 
 def qgemm(

@@ -14,6 +14,8 @@ from tokenmill.engine import LLMEngine
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import (
+    PackedWeight,
+    concat_rows,
     lane_order,
     pack_codes,
     pack_gguf,
@@ -48,8 +50,9 @@ def test_repacking_is_exact(name: str) -> None:
     w = pack_gguf(raw.reshape(-1), t, (24, 512))
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
-    # 4-bit formats keep half a byte a weight; the rest an int8 code.
-    assert w.kind == ("q4" if name in ("Q4_0", "Q4_K") else "q8")
+    # 4-bit formats keep half a byte a weight; 5- and 6-bit ones an unsigned byte, Q8_0 int8.
+    kinds = {"Q4_0": "q4", "Q4_K": "q4", "Q8_0": "q8"}
+    assert w.kind == kinds.get(name, "u8")
     # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants.
     f16 = name in ("Q4_0", "Q5_0", "Q8_0")
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
@@ -128,6 +131,34 @@ def test_kernel_matches_reference_for_int4_groups(group: int) -> None:
     torch.testing.assert_close(kernels.qgemm(x, w, None, False), exact, rtol=0, atol=1e-5 * scale)
     y8 = kernels.qgemm(x, w, None, True)
     torch.testing.assert_close(y8, reference_matmul(x, w, None, True), rtol=0, atol=1e-5 * scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [192, 640])
+def test_unsigned_byte_codes_with_16_element_groups(k: int) -> None:
+    """ "u8" codes (code + zero) with Q6_K's 16-element groups in blocks of 4 and 2 chunks (a
+    GGUF row of 256s never has them): the kernel removes the zero point exactly."""
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(-32, 32, (24, k), generator=g)
+    scales = torch.rand(24, k // 16, generator=g) * 0.01
+    w = PackedWeight("u8", pack_codes(codes, "u8", 32), scales, None, 16, (24, k), zero=32)
+    assert torch.equal(w.codes_int(), codes.to(torch.int16))
+    x = torch.randn(5, k, generator=g)
+    exact = x @ w.dequantize().T
+    atol = 1e-5 * exact.abs().max()
+    torch.testing.assert_close(kernels.qgemm(x, w, None, False), exact, rtol=0, atol=atol)
+    for m in (1, 5):
+        y8 = kernels.qgemm(x[:m], w, None, True)
+        torch.testing.assert_close(y8, reference_matmul(x[:m], w, None, True), rtol=0, atol=atol)
+
+
+def test_byte_codes_of_both_kinds_join_as_signed() -> None:
+    """Q5_0 q/k ("u8") beside a Q8_0 v ("q8") fuse into one "q8" weight of the same values."""
+    u8 = pack_gguf(_random_blocks(6, 8, 256, seed=1).reshape(-1), 6, (8, 256))
+    q8 = pack_gguf(_random_blocks(8, 4, 256, seed=2).reshape(-1), 8, (4, 256))
+    joined = concat_rows([u8, q8])
+    assert joined is not None and joined.kind == "q8"
+    assert torch.equal(joined.dequantize(), torch.cat([u8.dequantize(), q8.dequantize()]))
 
 
 def test_activation_quantization_rounds_to_nearest() -> None:

@@ -3,8 +3,9 @@
  *
  * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0) and optionally a float32 offset
- * per group: w = scale · code - offset. `kind` bit 0: 4-bit codes ("q4"), else int8 ("q8");
- * bit 1: float16 scales.
+ * per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit 2: bytes
+ * holding code + z, 0..63 ("u8", z in bits 8-15); else int8 codes ("q8"); bit 1: float16
+ * scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -14,8 +15,13 @@
  * chunk l mod t alone: a block's integer sums per chunk build up in 8 int32 lanes, and the
  * chunk scales are applied once per block, 8 chunks at a time (the multiplier ports, which
  * also run the float work, are what bounds this kernel).
- *   "q8": code vector u is the 32 bytes at 32·u in the block;
+ *   "q8", "u8": code vector u is the 32 bytes at 32·u in the block;
  *   "q4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the high.
+ * maddubs multiplies unsigned by signed bytes: "q8" needs a sign flip per product pair, while
+ * "q4" and "u8" bytes are unsigned already and small enough (<= 63: 2 · 2 · 63 · 127 < 2^15)
+ * that two maddubs sums add in int16 before one madd: 0.85 cycles a pair of 32-byte vectors
+ * against 1.35. For "u8" the codes' zero point comes back exactly: sum (code + z) · x - z ·
+ * sum x, with the integer sums of each lane's x taken when x is quantized.
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
  *
  * Two ways to treat the activations, chosen per call:
@@ -162,21 +168,31 @@ TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d) {
 
 /* An x row -> int8 codes in lane order + each block's chunk scales by lane. Vector v of the row
  * goes to q + v · vstride, block b's scales to d8 + b · dstride: rows of a tile interleave
- * (tile_int8 reads each activation row's vectors at one stride from one pointer). */
+ * (tile_int8 reads each activation row's vectors at one stride from one pointer). With zs
+ * ("u8" weights), zs + b · dstride · 2 gets z times the sum of each lane's codes over the
+ * block's first half of vectors, then over its second half (G = 16 splits there). */
 TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, int64_t vstride,
-                                         float *d8, int64_t dstride) {
+                                         float *d8, int64_t dstride, int32_t *zs, int z) {
     const int64_t nc = K / 32;
     int64_t b = 0;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0), per = 8 / t;
         float d[8];
+        int32_t sums[2][8] = {{0}};
         for (int j = 0; j < t; j++) {
             int8_t chunk[32];
             quantize_chunk(x + (c0 + j) * 32, chunk, &d[j]);
-            for (int g = 0; g < 8; g++) /* group g's 4 bytes: vector g / per, lane (g % per)·t + j */
+            for (int g = 0; g < 8; g++) { /* group g's 4 bytes: vector g / per, lane (g % per)·t + j */
                 memcpy(q + (c0 + g / per) * vstride + ((g % per) * t + j) * 4, chunk + 4 * g, 4);
+                if (zs)
+                    sums[g / per >= t / 2][(g % per) * t + j] +=
+                        chunk[4 * g] + chunk[4 * g + 1] + chunk[4 * g + 2] + chunk[4 * g + 3];
+            }
         }
         for (int l = 0; l < 8; l++) d8[b * dstride + l] = d[l % t];
+        if (zs)
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 8; l++) zs[b * dstride * 2 + h * 8 + l] = z * sums[h][l];
     }
 }
 
@@ -188,20 +204,21 @@ static inline int tile_rows(int64_t M, int64_t m, int most) {
 }
 
 /* Row of W -> float32 in element order. */
-TM_TARGET static void dequant_row(int kind, int f16, int64_t K, int64_t G, const uint8_t *row,
-                                  const void *s, const float *off, float *out) {
+TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G,
+                                  const uint8_t *row, const void *s, const float *off, float *out) {
     const int64_t nc = K / 32;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0), per = 8 / t;
         for (int u = 0; u < t; u++) {
             uint8_t codes[32];
-            _mm256_storeu_si256((__m256i *)codes, code_vector(kind, row, c0, u));
+            _mm256_storeu_si256((__m256i *)codes, code_vector(kind == 1, row, c0, u));
             for (int l = 0; l < 8; l++) {
                 const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4, g = e / G;
                 int32_t four;
                 memcpy(&four, codes + 4 * l, 4);
                 __m128i wide = kind == 0 ? _mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))
                                          : _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
+                if (z) wide = _mm_sub_epi32(wide, _mm_set1_epi32(z));
                 __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(wide), _mm_set1_ps(scale_at(s, g, f16)));
                 if (off) v = _mm_sub_ps(v, _mm_set1_ps(off[g]));
                 _mm_storeu_ps(out + e, v);
@@ -212,13 +229,15 @@ TM_TARGET static void dequant_row(int kind, int f16, int64_t K, int64_t G, const
 
 /*
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
- * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8. Inlined into one copy per (KIND, G16, F16, RA), so the
- * inner loops have no branches on them.
+ * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
+ * and ("u8" with z > 0) its zero-point terms at xz + (b · RA + i) · 16. KIND: 0 "q8", 1 "q4",
+ * 2 "u8". Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches
+ * on them.
  */
 TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16, const int RA,
                                    int gshift, int64_t K, const uint8_t *row, const void *s,
-                                   const int8_t *xq, const float *xd8, float *out,
-                                   int64_t ostride) {
+                                   const int8_t *xq, const float *xd8, const int32_t *xz,
+                                   float *out, int64_t ostride) {
     const int64_t nc = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 facc[RA_MAX];
@@ -228,7 +247,47 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
         const int t = block_chunks(nc, c0);
         __m256i ia[RA_MAX], ib[RA_MAX];
         for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
-        if (KIND == 0) {
+        if (KIND == 2 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
+            for (int i = 0; i < RA; i++) {
+                const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * 16);
+                __m256i za = _mm256_loadu_si256(zi), zb = _mm256_loadu_si256(zi + 1);
+                if (G16) {
+                    ia[i] = _mm256_sub_epi32(ia[i], za);
+                    ib[i] = _mm256_sub_epi32(ib[i], zb);
+                } else {
+                    ia[i] = _mm256_sub_epi32(ia[i], _mm256_add_epi32(za, zb));
+                }
+            }
+        if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
+            for (int u = 0; u < t; u += 2) {
+                const uint8_t *src = row + c0 * 32 + u * 32;
+                if (RA == 1) {
+                    _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(src + 32 + TM_PREFETCH), _MM_HINT_T0);
+                }
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)src);
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+                for (int i = 0; i < RA; i++) {
+                    const int8_t *xv = xq + ((c0 + u) * RA + i) * 32;
+                    __m256i p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)xv)),
+                        _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xv + RA * 32))));
+                    p = _mm256_madd_epi16(p, ones);
+                    if (G16 && u >= t / 2) ib[i] = _mm256_add_epi32(ib[i], p);
+                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                }
+            }
+        } else if (KIND == 2) { /* G = 16 over 2 chunks: one vector a half */
+            for (int u = 0; u < 2; u++) {
+                __m256i w = code_vector(0, row, c0, u);
+                for (int i = 0; i < RA; i++) {
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+                    if (u) ib[i] = _mm256_add_epi32(ib[i], p);
+                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                }
+            }
+        } else if (KIND == 0) {
             for (int u = 0; u < t; u++) {
                 if (RA == 1) _mm_prefetch((const char *)(row + c0 * 32 + u * 32 + TM_PREFETCH), _MM_HINT_T0);
                 __m256i w = code_vector(0, row, c0, u), aw = _mm256_sign_epi8(w, w);
@@ -286,29 +345,33 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
         ra = tile_rows(M, m, G16 ? 4 : 8);                                                    \
         const int8_t *xt = xq + m * K;                                                        \
         const float *dt = xd8 + m * nblk * 8;                                                 \
+        const int32_t *zt = xz ? xz + m * nblk * 16 : NULL;                                   \
         float *o = out + (m - m0) * ostride;                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *row = w + n * wrow;                                                \
             const void *s = row_scales(scales, n, ng, F16);                                   \
             if (ra == 8 && !(G16))                                                            \
-                tile_int8(KIND, G16, F16, 8, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+                tile_int8(KIND, G16, F16, 8, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
             else if (ra == 4)                                                                 \
-                tile_int8(KIND, G16, F16, 4, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+                tile_int8(KIND, G16, F16, 4, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
             else if (ra == 2)                                                                 \
-                tile_int8(KIND, G16, F16, 2, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+                tile_int8(KIND, G16, F16, 2, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
             else                                                                              \
-                tile_int8(KIND, G16, F16, 1, gshift, K, row, s, xt, dt, o + n - n0, ostride); \
+                tile_int8(KIND, G16, F16, 1, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
         }                                                                                     \
     }
 
 TM_TARGET static void block_int8(int kind, int f16, int64_t G, int64_t M, int64_t K,
                                  const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
                                  int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,
-                                 int64_t nblk, float *out, int64_t ostride) {
+                                 const int32_t *xz, int64_t nblk, float *out, int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G, wrow = kind == 0 ? K : K / 2;
+    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
     if (kind == 1 && f16) TM_TILES(1, 0, 1)
     else if (kind == 1) TM_TILES(1, 0, 0)
+    else if (kind == 2 && G == 16) TM_TILES(2, 1, 0)
+    else if (kind == 2 && f16) TM_TILES(2, 0, 1)
+    else if (kind == 2) TM_TILES(2, 0, 0)
     else if (G == 16) TM_TILES(0, 1, 0) /* the k-quants' scales: float32 */
     else if (f16) TM_TILES(0, 0, 1)
     else TM_TILES(0, 0, 0)
@@ -352,17 +415,19 @@ TM_TARGET static float dot(const float *a, const float *b, int64_t n) {
 TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind,
                        const uint8_t *w, const void *scales, const float *offsets, int64_t G,
                        const float *bias, float *y, int act_int8) {
-    const int f16 = kind >> 1 & 1;
-    kind &= 1;
+    const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
+    kind = kind & 1 ? 1 : kind & 4 ? 2 : 0; /* tile_int8's KIND: "q8", "q4", "u8" */
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
-    const int64_t wrow = kind == 0 ? K : K / 2;
+    const int64_t wrow = kind == 1 ? K / 2 : K;
     int8_t *xq = NULL;
     float *xd8 = NULL, *xs = NULL;
+    int32_t *xz = NULL;
     int failed = 0;
     if (act_int8) {
         xq = malloc((size_t)(M * K));
         xd8 = malloc(sizeof(float) * (size_t)(M * nblk * 8));
-        if (!xq || !xd8) goto fail;
+        if (kind == 2 && z) xz = malloc(sizeof(int32_t) * (size_t)(M * nblk * 16));
+        if (!xq || !xd8 || (kind == 2 && z && !xz)) goto fail;
         const int most = G == 16 ? 4 : 8;
 #pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t m = 0; m < M; m++) {
@@ -371,7 +436,8 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
                 for (m0 = M - M % most; tile_rows(M, m0, most) + m0 <= m;) m0 += tile_rows(M, m0, most);
             const int ra = tile_rows(M, m0, most);
             quantize_row_lanes(x + m * K, K, xq + m0 * K + (m - m0) * 32, ra * 32,
-                               xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8);
+                               xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8,
+                               xz ? xz + m0 * nblk * 16 + (m - m0) * 16 : NULL, z);
         }
     }
     if (offsets && act_int8) { /* act_int8 = 0 expands rows with their offsets */
@@ -402,10 +468,10 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
             const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
             if (act_int8)
-                block_int8(kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, nblk, ybuf, nb);
+                block_int8(kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, ybuf, nb);
             else
                 for (int64_t n = n0; n < n1; n++) {
-                    dequant_row(kind, f16, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
+                    dequant_row(kind, f16, z, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
                                 offsets ? offsets + n * ng : NULL, wf);
                     for (int64_t m = m0; m < m1; m++)
                         ybuf[(m - m0) * nb + (n - n0)] = dot(x + m * K, wf, K);
@@ -430,11 +496,13 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     }
     free(xq);
     free(xd8);
+    free(xz);
     free(xs);
     return failed ? -1 : 0;
 fail:
     free(xq);
     free(xd8);
+    free(xz);
     free(xs);
     return -1;
 }
@@ -444,12 +512,12 @@ fail:
 TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
                                const void *scales, const float *offsets, int64_t G,
                                float *out) {
-    const int f16 = kind >> 1 & 1;
-    kind &= 1;
-    const int64_t ng = K / G, wrow = kind == 0 ? K : K / 2;
+    const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
+    kind = kind & 1 ? 1 : kind & 4 ? 2 : 0;
+    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
 #pragma omp parallel for schedule(static) if (n1 - n0 > 1)
     for (int64_t n = n0; n < n1; n++)
-        dequant_row(kind, f16, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
+        dequant_row(kind, f16, z, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
                     offsets ? offsets + n * ng : NULL, out + (n - n0) * K);
 }
 

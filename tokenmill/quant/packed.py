@@ -6,7 +6,9 @@ One layout serves every packed scheme: GGUF's block formats are repacked into it
 their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0, Q4_0, so
 the output head reads half the scale bytes), and int8 / int4 are quantized into it. ``kind``
 says how codes are stored:
-  "q8": int8 codes [N, K] (GGUF Q8_0, Q5_0, Q5_K, Q6_K; int8);
+  "q8": int8 codes [N, K] (GGUF Q8_0; int8);
+  "u8": bytes code + ``zero``, 0..63 [N, K] (GGUF Q5_0: zero 16, Q6_K: 32, Q5_K: 0): the
+        kernel multiplies them unsigned, cheaper than signed codes (csrc/qgemm.c);
   "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4).
 Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
 csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chunks of 32 so
@@ -30,12 +32,13 @@ from tokenmill.quant.gguf_blocks import BLOCK_CODES, BlockCodes
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "q4"
-    codes: torch.Tensor  # int8 [N, K] or uint8 [N, K // 2]
+    kind: str  # "q8" | "u8" | "q4"
+    codes: torch.Tensor  # int8 [N, K], uint8 [N, K] ("u8") or uint8 [N, K // 2] ("q4")
     scales: torch.Tensor  # float32 or float16 [N, K // G]
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
+    zero: int = 0  # "u8": stored byte = code + zero
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +54,7 @@ class PackedWeight:
             offsets,
             self.group,
             self.shape,
+            self.zero,
         )
 
     def select_rows(self, index: torch.Tensor) -> PackedWeight:
@@ -63,11 +67,12 @@ class PackedWeight:
             offsets,
             self.group,
             self.shape,
+            self.zero,
         )
 
     def codes_int(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Codes of ``rows`` as int16 [n, K] in element order."""
-        return unpack_codes(self.codes[rows], self.kind, self.shape[1])
+        return unpack_codes(self.codes[rows], self.kind, self.shape[1], self.zero)
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """Float32 rows of W (all of them by default)."""
@@ -81,10 +86,13 @@ class PackedWeight:
 
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
     """One weight whose rows are those of ``weights`` in order (q/k/v or gate/up computed in one
-    pass over x), or None when their layouts differ."""
+    pass over x), or None when their layouts differ. Byte codes of both kinds ("u8" parts beside
+    a "q8" one, as Q5_0 q/k beside a Q8_0 v) are joined as "q8"."""
+    if {w.kind for w in weights} == {"q8", "u8"}:
+        weights = [as_signed(w) for w in weights]
     first = weights[0]
-    layout = (first.kind, first.group, first.shape[1], first.scales.dtype)
-    if any((w.kind, w.group, w.shape[1], w.scales.dtype) != layout for w in weights):
+    layout = (first.kind, first.zero, first.group, first.shape[1], first.scales.dtype)
+    if any((w.kind, w.zero, w.group, w.shape[1], w.scales.dtype) != layout for w in weights):
         return None
     offsets = None
     if any(w.offsets is not None for w in weights):  # scale·code - 0 where a part has none
@@ -99,7 +107,16 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
         offsets,
         first.group,
         (rows, first.shape[1]),
+        first.zero,
     )
+
+
+def as_signed(w: PackedWeight) -> PackedWeight:
+    """A "u8" weight as "q8" (int8 codes): the same values."""
+    if w.kind != "u8":
+        return w
+    codes = pack_codes(w.codes_int(), "q8")
+    return PackedWeight("q8", codes, w.scales, w.offsets, w.group, w.shape)
 
 
 @lru_cache(maxsize=64)
@@ -126,15 +143,17 @@ def _element_order(k: int, device: torch.device) -> torch.Tensor | None:
     return None if order is None else torch.argsort(order).to(device)
 
 
-def pack_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
-    """Integer codes [N, K] in element order -> stored codes ("q8": int8 [N, K]; "q4": codes
-    0..15 as uint8 [N, K/2])."""
+def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
+    """Integer codes [N, K] in element order -> stored codes ("q8": int8 [N, K]; "u8": code +
+    zero as uint8 [N, K]; "q4": codes 0..15 as uint8 [N, K/2])."""
     n, k = codes.shape
     order = lane_order(k)
     if order is not None:
         codes = codes[:, order.to(codes.device)]
     if kind == "q8":
         return codes.to(torch.int8)
+    if kind == "u8":
+        return (codes.to(torch.int16) + zero).to(torch.uint8)
     c = codes.to(torch.uint8)
     # lane order: 32 bytes hold a pair of 32-code vectors; element order: 16 bytes a chunk
     half = 32 if order is not None else 16
@@ -142,11 +161,11 @@ def pack_codes(codes: torch.Tensor, kind: str) -> torch.Tensor:
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def unpack_codes(stored: torch.Tensor, kind: str, k: int) -> torch.Tensor:
+def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torch.Tensor:
     """``pack_codes`` undone: int16 codes [N, K] in element order."""
     n = stored.shape[0]
-    if kind == "q8":
-        codes = stored.to(torch.int16)
+    if kind != "q4":
+        codes = stored.to(torch.int16) - zero
     else:
         half = 32 if k % 64 == 0 else 16
         pairs = stored.reshape(n, -1, 1, half)
@@ -161,17 +180,29 @@ FOUR_BIT_TYPES = (2, 12)
 # ggml types whose block scale is a float16 (Q4_0, Q5_0, Q8_0): kept float16, exactly. The
 # k-quants' scales are products (super-block scale times a small integer): float32.
 FLOAT16_SCALE_TYPES = (2, 6, 8)
+# ggml types whose codes fit 6 bits: stored as bytes code + zero ("u8"): Q5_0 (-16..15),
+# Q5_K (0..31), Q6_K (-32..31).
+BYTE_ZERO = {6: 16, 13: 0, 14: 32}
 
 
 def from_block_codes(
-    bc: BlockCodes, rows: int, cols: int, four_bit: bool, f16_scales: bool = False
+    bc: BlockCodes,
+    rows: int,
+    cols: int,
+    four_bit: bool,
+    f16_scales: bool = False,
+    zero: int | None = None,
 ) -> PackedWeight:
-    """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order)."""
+    """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order); byte
+    codes as "u8" with ``zero`` where given (6-bit codes), else "q8"."""
     codes = bc.codes.reshape(rows, cols)
     scales = bc.scales.reshape(rows, -1).contiguous()
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
     if not four_bit:
         scales = scales.half() if f16_scales else scales
+        if zero is not None:
+            stored = pack_codes(codes, "u8", zero)
+            return PackedWeight("u8", stored, scales, offsets, bc.group, (rows, cols), zero)
         return PackedWeight("q8", pack_codes(codes, "q8"), scales, offsets, bc.group, (rows, cols))
     if offsets is None:
         # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
@@ -190,8 +221,11 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     blocks = raw.reshape(rows, cols // elems * nbytes)
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
     four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
+    zero = BYTE_ZERO.get(ggml_type)
     parts = [
-        from_block_codes(unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit, f16_scales)
+        from_block_codes(
+            unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit, f16_scales, zero
+        )
         for part in blocks.split(chunk)
     ]
     offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
@@ -202,6 +236,7 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
         offsets,
         parts[0].group,
         (rows, cols),
+        parts[0].zero,
     )
 
 
