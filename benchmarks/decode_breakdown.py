@@ -8,6 +8,7 @@ Decodes 64 tokens after a 128-token prompt, twice:
   of C kernels (worker/decode_graph.py): the graph is then replayed with per-kernel timing.
 
     python benchmarks/decode_breakdown.py [--quantization none|int8|int4] [--batch 1]
+        [--packed-activations int8|float32]
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _timed(owner: object, name: str, key: str, acc: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--packed-activations", default="int8", help="int8 or float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
     args = parser.parse_args()
@@ -57,6 +59,7 @@ def _engine(args: argparse.Namespace, enforce_eager: bool) -> LLM:
         max_model_len=1024,
         kv_cache_memory="512MiB",
         quantization=args.quantization,
+        packed_activations=args.packed_activations,
         enforce_eager=enforce_eager,
     )
 

@@ -143,6 +143,7 @@ def test_unsigned_byte_codes_with_16_element_groups(k: int) -> None:
     scales = torch.rand(24, k // 16, generator=g) * 0.01
     w = PackedWeight("u8", pack_codes(codes, "u8", 32), scales, None, 16, (24, k), zero=32)
     assert torch.equal(w.codes_int(), codes.to(torch.int16))
+    assert torch.equal(kernels.dequantize_rows(w, 0, 24), w.dequantize())
     x = torch.randn(5, k, generator=g)
     exact = x @ w.dequantize().T
     atol = 1e-5 * exact.abs().max()

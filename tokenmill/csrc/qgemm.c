@@ -28,8 +28,9 @@
  *   act_int8 = 1: each 32-element chunk of x is quantized to int8 with its own scale (as
  *                 llama.cpp does) and stored in the same lane order; the dot products run in
  *                 int8 (maddubs) and only the per-chunk sums are float. The fast mode.
- *   act_int8 = 0: x stays float32; each weight row is expanded to float32 once per call and
- *                 multiplied with FMA. Exact up to float32 rounding.
+ *   act_int8 = 0: x stays float32 (copied into lane order once per call); codes are widened
+ *                 to float and multiplied with FMA, each lane's sums scaled once per block.
+ *                 Exact up to float32 rounding.
  * The offsets' share, sum_g offset_g · sum(x over group g), always uses float x. A row's
  * result never depends on the batch it is in (same operations in the same order).
  *
@@ -203,25 +204,46 @@ static inline int tile_rows(int64_t M, int64_t m, int most) {
     return left >= most ? most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-/* Row of W -> float32 in element order. */
+/* Lane offsets of the block (c0, t): offset of each lane's group (G >= 32), as lane_scales. */
+TM_TARGET TM_INLINE __m256 lane_offsets(const float *off, int64_t c0, int t, int gshift) {
+    float v[8];
+    for (int l = 0; l < 8; l++) v[l] = off[(c0 + l % t) >> gshift];
+    return _mm256_loadu_ps(v);
+}
+
+/* Row of W -> float32 in element order: codes widened 8 at a time (lanes 2k, 2k + 1 of a code
+ * vector), scaled by their lanes' scales, each 4 stored where their elements belong. */
 TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G,
                                   const uint8_t *row, const void *s, const float *off, float *out) {
     const int64_t nc = K / 32;
+    const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0), per = 8 / t;
+        __m256 sc[2], of[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        if (g16) {
+            lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
+            if (off) lane_scales16(off, c0, t, &of[0], &of[1]);
+        } else {
+            sc[0] = sc[1] = lane_scales(s, c0, t, f16, gshift);
+            if (off) of[0] = of[1] = lane_offsets(off, c0, t, gshift);
+        }
         for (int u = 0; u < t; u++) {
-            uint8_t codes[32];
-            _mm256_storeu_si256((__m256i *)codes, code_vector(kind == 1, row, c0, u));
-            for (int l = 0; l < 8; l++) {
-                const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4, g = e / G;
-                int32_t four;
-                memcpy(&four, codes + 4 * l, 4);
-                __m128i wide = kind == 0 ? _mm_cvtepi8_epi32(_mm_cvtsi32_si128(four))
-                                         : _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
-                if (z) wide = _mm_sub_epi32(wide, _mm_set1_epi32(z));
-                __m128 v = _mm_mul_ps(_mm_cvtepi32_ps(wide), _mm_set1_ps(scale_at(s, g, f16)));
-                if (off) v = _mm_sub_ps(v, _mm_set1_ps(off[g]));
-                _mm_storeu_ps(out + e, v);
+            const __m256i codes = code_vector(kind == 1, row, c0, u);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            const int h = g16 && u >= t / 2;
+            for (int k = 0; k < 4; k++) {
+                __m256i wi = kind == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
+                if (z) wi = _mm256_sub_epi32(wi, _mm256_set1_epi32(z));
+                const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1,
+                                                      2 * k + 1, 2 * k + 1, 2 * k + 1);
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(wi), _mm256_permutevar8x32_ps(sc[h], idx));
+                if (off) v = _mm256_sub_ps(v, _mm256_permutevar8x32_ps(of[h], idx));
+                for (int j = 0; j < 2; j++) { /* lane l = 2k + j */
+                    const int l = 2 * k + j;
+                    const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4;
+                    _mm_storeu_ps(out + e, j ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v));
+                }
             }
         }
     }
@@ -336,6 +358,78 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
     for (int i = 0; i < RA; i++) out[i * ostride] = hsum(facc[i]);
 }
 
+/* An x row (float32) in lane order: what code vector u's lane l byte b multiplies. */
+static void permute_row_lanes(const float *x, int64_t K, float *out) {
+    const int64_t nc = K / 32;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
+        const int t = block_chunks(nc, c0), per = 8 / t;
+        for (int u = 0; u < t; u++)
+            for (int l = 0; l < 8; l++)
+                memcpy(out + (c0 + u) * 32 + l * 4, x + (c0 + l % t) * 32 + (u * per + l / t) * 4,
+                       4 * sizeof(float));
+    }
+}
+
+/* Float activations: out = row · x for one x row in lane order (xp). Widened codes of vector u
+ * hold lanes 2k, 2k + 1 in float vector k; their products sum per vector k over the block and
+ * are scaled once per block (G = 16: per half). Offsets are the caller's. */
+TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16, int gshift, int z,
+                                   int64_t K, const uint8_t *row, const void *s, const float *xp,
+                                   float *out) {
+    const int64_t nc = K / 32;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
+        const int t = block_chunks(nc, c0);
+        __m256 a[2][4];
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++) a[h][k] = _mm256_setzero_ps();
+        for (int u = 0; u < t; u++) {
+            const __m256i codes = code_vector(KIND == 1, row, c0, u);
+            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            const int h = G16 && u >= t / 2;
+            for (int k = 0; k < 4; k++) {
+                __m256i wi = KIND == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
+                if (KIND == 2) wi = _mm256_sub_epi32(wi, _mm256_set1_epi32(z));
+                a[h][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wi),
+                                          _mm256_loadu_ps(xp + (c0 + u) * 32 + 8 * k), a[h][k]);
+            }
+        }
+        __m256 sc[2];
+        if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
+        else sc[0] = lane_scales(s, c0, t, F16, gshift);
+        for (int h = 0; h < (G16 ? 2 : 1); h++)
+            for (int k = 0; k < 4; k++) { /* float vector k: lanes 2k (4 floats), 2k + 1 */
+                const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1,
+                                                      2 * k + 1, 2 * k + 1, 2 * k + 1);
+                acc = _mm256_fmadd_ps(a[h][k], _mm256_permutevar8x32_ps(sc[h], idx), acc);
+            }
+    }
+    *out = hsum(acc);
+}
+
+TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K,
+                                  const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
+                                  int64_t m0, int64_t m1, const float *xp, float *out,
+                                  int64_t ostride) {
+    const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
+    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
+#define TM_ROWS(KIND, G16, F16)                                                               \
+    for (int64_t m = m0; m < m1; m++)                                                         \
+        for (int64_t n = n0; n < n1; n++)                                                     \
+            row_float(KIND, G16, F16, gshift, z, K, w + n * wrow, row_scales(scales, n, ng, F16), \
+                      xp + m * K, out + (m - m0) * ostride + (n - n0))
+    if (kind == 1 && f16) TM_ROWS(1, 0, 1);
+    else if (kind == 1) TM_ROWS(1, 0, 0);
+    else if (kind == 2 && G == 16) TM_ROWS(2, 1, 0);
+    else if (kind == 2 && f16) TM_ROWS(2, 0, 1);
+    else if (kind == 2) TM_ROWS(2, 0, 0);
+    else if (G == 16) TM_ROWS(0, 1, 0);
+    else if (f16) TM_ROWS(0, 0, 1);
+    else TM_ROWS(0, 0, 0);
+#undef TM_ROWS
+}
+
 /* Weight rows [n0, n1) against activation rows [m0, m1) (int8 lanes, in the tiles of all M
  * rows; m0 starts a tile) into out[(m - m0) · ostride + n - n0]: a tile of activation rows at
  * a time over all the rows of the block (its weights stay in L1/L2). A row's result is the
@@ -398,16 +492,6 @@ TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng
     return s;
 }
 
-/* a · b over n floats (n a multiple of 32), in a fixed order. */
-TM_TARGET static float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i += 32)
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * j), _mm256_loadu_ps(b + i + 8 * j), acc[j]);
-    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
 /*
  * y[M, N] = x[M, K] · Wᵀ - offsets' share + bias. K must be a multiple of 64 and of G.
  * Returns 0, or -1 when a scratch buffer could not be allocated.
@@ -418,9 +502,8 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
     kind = kind & 1 ? 1 : kind & 4 ? 2 : 0; /* tile_int8's KIND: "q8", "q4", "u8" */
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
-    const int64_t wrow = kind == 1 ? K / 2 : K;
     int8_t *xq = NULL;
-    float *xd8 = NULL, *xs = NULL;
+    float *xd8 = NULL, *xs = NULL, *xp = NULL;
     int32_t *xz = NULL;
     int failed = 0;
     if (act_int8) {
@@ -440,7 +523,12 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
                                xz ? xz + m0 * nblk * 16 + (m - m0) * 16 : NULL, z);
         }
     }
-    if (offsets && act_int8) { /* act_int8 = 0 expands rows with their offsets */
+    if (!act_int8) {
+        xp = malloc(sizeof(float) * (size_t)(M * K));
+        if (!xp) goto fail;
+        for (int64_t m = 0; m < M; m++) permute_row_lanes(x + m * K, K, xp + m * K);
+    }
+    if (offsets) {
         xs = malloc(sizeof(float) * (size_t)(M * ng));
         if (!xs) goto fail;
         for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, G, xs + m * ng);
@@ -456,26 +544,20 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
 #pragma omp parallel
     {
         float *ybuf = malloc(sizeof(float) * (size_t)(mchunk * nb));
-        float *wf = act_int8 ? NULL : malloc(sizeof(float) * (size_t)K);
-        if (!ybuf || (!act_int8 && !wf)) {
+        if (!ybuf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < mchunks * nblocks; tile++) {
-            if (!ybuf || (!act_int8 && !wf)) continue;
+            if (!ybuf) continue;
             const int64_t b = tile % nblocks, m0 = tile / nblocks * mchunk;
             const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
             const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
             if (act_int8)
                 block_int8(kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, ybuf, nb);
             else
-                for (int64_t n = n0; n < n1; n++) {
-                    dequant_row(kind, f16, z, K, G, w + n * wrow, row_scales(scales, n, ng, f16),
-                                offsets ? offsets + n * ng : NULL, wf);
-                    for (int64_t m = m0; m < m1; m++)
-                        ybuf[(m - m0) * nb + (n - n0)] = dot(x + m * K, wf, K);
-                }
+                block_float(kind, f16, z, G, K, w, scales, n0, n1, m0, m1, xp, ybuf, nb);
             for (int64_t m = m0; m < m1; m++) {
                 const float *src = ybuf + (m - m0) * nb;
                 float *dst = y + m * N + n0;
@@ -492,17 +574,18 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             }
         }
         free(ybuf);
-        free(wf);
     }
     free(xq);
     free(xd8);
     free(xz);
+    free(xp);
     free(xs);
     return failed ? -1 : 0;
 fail:
     free(xq);
     free(xd8);
     free(xz);
+    free(xp);
     free(xs);
     return -1;
 }
