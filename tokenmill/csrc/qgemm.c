@@ -370,42 +370,44 @@ static void permute_row_lanes(const float *x, int64_t K, float *out) {
     }
 }
 
-/* Float activations: out = row · x for one x row in lane order (xp). Widened codes of vector u
- * hold lanes 2k, 2k + 1 in float vector k; their products sum per vector k over the block and
- * are scaled once per block (G = 16: per half). Offsets are the caller's. */
-TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16, int gshift, int z,
-                                   int64_t K, const uint8_t *row, const void *s, const float *xp,
-                                   float *out) {
+/* Float activations: out[i · ostride] = row · x_i for RA x rows in lane order (xp, stride K).
+ * Codes of vector u are widened 8 at a time (float vector k: lanes 2k, 2k + 1) and scaled by
+ * their lanes' scales, once for all RA rows, then multiplied with FMA. Offsets are the
+ * caller's. */
+TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16, const int RA,
+                                   int gshift, int z, int64_t K, const uint8_t *row, const void *s,
+                                   const float *xp, float *out, int64_t ostride) {
     const int64_t nc = K / 32;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[RA_MAX];
+    for (int i = 0; i < RA; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0);
-        __m256 a[2][4];
-        for (int h = 0; h < 2; h++)
-            for (int k = 0; k < 4; k++) a[h][k] = _mm256_setzero_ps();
+        __m256 sc[2], sk[2][4];
+        if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
+        else sc[0] = lane_scales(s, c0, t, F16, gshift);
+        for (int h = 0; h < (G16 ? 2 : 1); h++)
+            for (int k = 0; k < 4; k++)
+                sk[h][k] = _mm256_permutevar8x32_ps(
+                    sc[h], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
+                                             2 * k + 1, 2 * k + 1));
         for (int u = 0; u < t; u++) {
             const __m256i codes = code_vector(KIND == 1, row, c0, u);
             const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
             const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
             const int h = G16 && u >= t / 2;
+            __m256 wf[4];
             for (int k = 0; k < 4; k++) {
                 __m256i wi = KIND == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
                 if (KIND == 2) wi = _mm256_sub_epi32(wi, _mm256_set1_epi32(z));
-                a[h][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(wi),
-                                          _mm256_loadu_ps(xp + (c0 + u) * 32 + 8 * k), a[h][k]);
+                wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi), sk[h][k]);
             }
+            for (int i = 0; i < RA; i++)
+                for (int k = 0; k < 4; k++)
+                    acc[i] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + i * K + (c0 + u) * 32 + 8 * k),
+                                             acc[i]);
         }
-        __m256 sc[2];
-        if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
-        else sc[0] = lane_scales(s, c0, t, F16, gshift);
-        for (int h = 0; h < (G16 ? 2 : 1); h++)
-            for (int k = 0; k < 4; k++) { /* float vector k: lanes 2k (4 floats), 2k + 1 */
-                const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1,
-                                                      2 * k + 1, 2 * k + 1, 2 * k + 1);
-                acc = _mm256_fmadd_ps(a[h][k], _mm256_permutevar8x32_ps(sc[h], idx), acc);
-            }
     }
-    *out = hsum(acc);
+    for (int i = 0; i < RA; i++) out[i * ostride] = hsum(acc[i]);
 }
 
 TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K,
@@ -414,19 +416,29 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
                                   int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
+    /* x rows RA_MAX at a time (each weight row widened once for all), then 4, 2, 1 */
 #define TM_ROWS(KIND, G16, F16)                                                               \
-    for (int64_t m = m0; m < m1; m++)                                                         \
-        for (int64_t n = n0; n < n1; n++)                                                     \
-            row_float(KIND, G16, F16, gshift, z, K, w + n * wrow, row_scales(scales, n, ng, F16), \
-                      xp + m * K, out + (m - m0) * ostride + (n - n0))
-    if (kind == 1 && f16) TM_ROWS(1, 0, 1);
-    else if (kind == 1) TM_ROWS(1, 0, 0);
-    else if (kind == 2 && G == 16) TM_ROWS(2, 1, 0);
-    else if (kind == 2 && f16) TM_ROWS(2, 0, 1);
-    else if (kind == 2) TM_ROWS(2, 0, 0);
-    else if (G == 16) TM_ROWS(0, 1, 0);
-    else if (f16) TM_ROWS(0, 0, 1);
-    else TM_ROWS(0, 0, 0);
+    for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
+        ra = tile_rows(m1, m, RA_MAX);                                                        \
+        for (int64_t n = n0; n < n1; n++) {                                                   \
+            const uint8_t *r = w + n * wrow;                                                  \
+            const void *sn = row_scales(scales, n, ng, F16);                                  \
+            const float *xm = xp + m * K;                                                     \
+            float *o = out + (m - m0) * ostride + (n - n0);                                   \
+            if (ra == 8) row_float(KIND, G16, F16, 8, gshift, z, K, r, sn, xm, o, ostride);   \
+            else if (ra == 4) row_float(KIND, G16, F16, 4, gshift, z, K, r, sn, xm, o, ostride); \
+            else if (ra == 2) row_float(KIND, G16, F16, 2, gshift, z, K, r, sn, xm, o, ostride); \
+            else row_float(KIND, G16, F16, 1, gshift, z, K, r, sn, xm, o, ostride);           \
+        }                                                                                     \
+    }
+    if (kind == 1 && f16) TM_ROWS(1, 0, 1)
+    else if (kind == 1) TM_ROWS(1, 0, 0)
+    else if (kind == 2 && G == 16) TM_ROWS(2, 1, 0)
+    else if (kind == 2 && f16) TM_ROWS(2, 0, 1)
+    else if (kind == 2) TM_ROWS(2, 0, 0)
+    else if (G == 16) TM_ROWS(0, 1, 0)
+    else if (f16) TM_ROWS(0, 0, 1)
+    else TM_ROWS(0, 0, 0)
 #undef TM_ROWS
 }
 
