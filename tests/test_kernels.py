@@ -96,6 +96,24 @@ def test_decode_attention_reads_a_quantized_cache(dtype) -> None:
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_and_kv_write_on_a_float16_cache() -> None:
+    """--kv-cache-dtype float16: rows go in as torch's .half() gives them and attention equals
+    attending their float32 values."""
+    torch.manual_seed(4)
+    k, v = torch.randn(2, 11, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 6, 4, 2, 16, dtype=torch.float16)
+    slots = torch.tensor([16, 17, 18, 19, 4, 5, 6, 7, 0, 1, 2])  # blocks 4, 1, 0 of 4 slots
+    kernels.kv_write(k, v, slots, (k_cache, v_cache))
+    assert torch.equal(k_cache.view(-1, 2, 16)[slots], k.half())
+    assert torch.equal(v_cache.view(-1, 2, 16)[slots], v.half())
+    table = torch.tensor([[4, 1, 0], [4, 1, 0]])
+    seq_lens = torch.tensor([6, 11])
+    q = torch.randn(2, 4, 16)
+    ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, None, 0.25)
+    ref = kernels.decode_attention(q, k_cache.float(), v_cache.float(), table, seq_lens, None, 0.25)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
 def test_act_and_mul_matches_torch(act) -> None:
     from tokenmill.layers import ActAndMul, get_act_fn

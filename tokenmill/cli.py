@@ -28,8 +28,8 @@ _ENGINE_FLAG_HELP = {
     "max_model_len": "context length (prompt + output); default: the model's",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of free memory",
-    "kv_cache_dtype": "KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), both with a "
-    "float32 scale per token and KV head (about 2x the tokens of bfloat16)",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), float16, int8 or fp8 (e4m3); the "
+    "last two with a float32 scale per token and KV head (about 2x the tokens of bfloat16)",
     "max_num_seqs": "most requests in one step",
     "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",

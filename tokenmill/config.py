@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 # "auto": the model dtype; "int8" / "fp8": quantized, one float32 scale per token per KV head.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
 QUANTIZATION_METHODS = ("gguf", "none", "int8", "int4")
 PACKED_ACTIVATIONS = ("int8", "float32")

@@ -44,7 +44,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     _OP_GATHER,
     _OP_KV_WRITE_Q8,
 ) = range(1, 11)
-_OP_WIDTH = 19
+_OP_WIDTH = 20
 _OP_NAMES = {
     _OP_QGEMM: "matmul",
     _OP_RMSNORM: "rmsnorm",
@@ -91,7 +91,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_rmsnorm.restype = None
     lib.tm_rope_neox.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.tm_rope_neox.restype = None
-    lib.tm_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr]
+    lib.tm_decode_attn.argtypes = (
+        [_ptr, _i64] + [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr, _int]
+    )
     lib.tm_decode_attn.restype = _int
     lib.tm_embed_rows.argtypes = [
         _ptr,
@@ -108,7 +110,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_embed_rows.restype = None
     lib.tm_act_mul.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr]
     lib.tm_act_mul.restype = None
-    lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int]
     lib.tm_kv_write.restype = None
     lib.tm_gather_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]
     lib.tm_gather_rows.restype = None
@@ -357,7 +359,7 @@ def decode_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence (q [nd, heads, head_dim], ``heads_fit``) against its paged K/V
-    (float32, or int8 / fp8 e4m3 with per-token-per-head scales); int64 tables."""
+    (float32 or float16, or int8 / fp8 e4m3 with per-token-per-head scales); int64 tables."""
     lib = _library()
     assert lib is not None
     nd, heads, dim = q.shape
@@ -384,6 +386,7 @@ def decode_attention(
         window or 0,
         float(scale),
         out,
+        int(k_cache.dtype == torch.float16),
     )
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
@@ -436,8 +439,8 @@ def kv_write(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """k, v [tokens, kv_heads, head_dim] (each token's row dense; views into a fused q/k/v
-    projection are) into caches [blocks, block_size, kv_heads, head_dim] at their slots: float32,
-    or int8 / fp8 e4m3fn with a float32 scale per token per KV head (``scales``), quantized as
+    projection are) into caches [blocks, block_size, kv_heads, head_dim] at their slots: float32
+    or float16 (rounded to nearest even), or int8 / fp8 e4m3fn with a float32 scale per token per KV head (``scales``), quantized as
     attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
     lib = _library()
     assert lib is not None
@@ -453,6 +456,7 @@ def kv_write(
             k.shape[0],
             k.shape[1] * k.shape[2],
             *caches,
+            int(caches[0].dtype == torch.float16),
         )
         return
     _launch(

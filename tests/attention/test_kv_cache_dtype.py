@@ -9,7 +9,8 @@ where the greedy tokens first differ (the float cache's logprob gap between the 
     llama  fp8:  0.0068; 2 of 8 from tokens 9, 9 (gaps 0.0003, 0.0019)
     gemma3 int8: 0.036;  all 8 x 16 tokens agree
     gemma3 fp8:  0.17;   2 of 8 from tokens 7, 2 (gaps 0.083, 0.13)
-Asserted (LOGPROB_TOL): llama 0.01 / 0.03, gemma3 0.08 / 0.3 (int8 / fp8); a flip only where
+Asserted (LOGPROB_TOL): llama 0.01 / 0.03, gemma3 0.08 / 0.3 (int8 / fp8), 0.002 / 0.01 for
+float16; a flip only where
 the gap is within 2x that; >= 75% of all greedy tokens agree.
 """
 
@@ -35,6 +36,7 @@ QUANT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Max |logprob difference| to the float cache allowed (see the measurements above).
 LOGPROB_TOL = {("llama", "int8"): 0.01, ("llama", "fp8"): 0.03}
 LOGPROB_TOL |= {("gemma3", "int8"): 0.08, ("gemma3", "fp8"): 0.3}
+LOGPROB_TOL |= {("llama", "float16"): 0.002, ("gemma3", "float16"): 0.01}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
 
 
@@ -199,7 +201,7 @@ def greedy_runs(path, arch: str, kv_dtype: str) -> list:
     return _RUNS[arch, kv_dtype]
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "fp8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_greedy_outputs_track_the_float_cache(tiny_model_dir, arch, kv_dtype) -> None:
     path = tiny_model_dir(arch)
@@ -245,13 +247,14 @@ def test_quantized_cache_holds_more_blocks_for_the_same_budget(tiny_model_dir) -
         kv_dtype: LLMEngine.from_args(
             model=path, max_model_len=128, kv_cache_memory=budget, kv_cache_dtype=kv_dtype
         )
-        for kv_dtype in ("auto", "int8", "fp8")
+        for kv_dtype in ("auto", "float16", "int8", "fp8")
     }
     config = engines["auto"].config.model_config
     for kv_dtype, engine in engines.items():
         caches = engine.runner.kv_caches
-        assert caches[0][0].dtype == QUANT.get(kv_dtype, torch.float32)
-        assert len(caches[0]) == (2 if kv_dtype == "auto" else 4)  # K, V (+ their scales)
+        expected = {"auto": torch.float32, "float16": torch.float16}
+        assert caches[0][0].dtype == QUANT.get(kv_dtype, expected.get(kv_dtype))
+        assert len(caches[0]) == (2 if kv_dtype in expected else 4)  # K, V (+ their scales)
         # The sizing counts the real bytes, scales included, and stays within the budget.
         allocated = sum(t.numel() * t.element_size() for layer in caches for t in layer)
         per_block = kv_bytes_per_block(config, 16, torch.float32, kv_dtype)
@@ -259,6 +262,7 @@ def test_quantized_cache_holds_more_blocks_for_the_same_budget(tiny_model_dir) -
     # head_dim 16 in fp32: 64 bytes per head and token vs 16 + a 4-byte scale, 3.2x (and
     # >= 1.9x, the least a quantized cache must give).
     auto_blocks = engines["auto"].num_total_blocks
+    assert engines["float16"].num_total_blocks >= 1.95 * auto_blocks
     for kv_dtype in ("int8", "fp8"):
         assert engines[kv_dtype].num_total_blocks >= 3.1 * auto_blocks
     # gemma-3-270m's shape (18 layers, 1 KV head, head_dim 256): ~2x bf16, ~3.9x fp32.
@@ -283,7 +287,9 @@ def test_bfloat16_model_with_an_int8_cache(tiny_model_dir) -> None:
 
 def test_bad_kv_cache_dtype_is_a_value_error_naming_the_field(tiny_model_dir) -> None:
     for bad in ("fp16", "float8", "", "INT8"):
-        with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+        with pytest.raises(
+            ValueError, match="kv_cache_dtype must be one of auto, float16, int8, fp8"
+        ):
             EngineArgs(kv_cache_dtype=bad)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_model_dir("llama")), kv_cache_dtype="int4")
@@ -309,7 +315,7 @@ def test_llm_and_cli_take_kv_cache_dtype(tiny_model_dir) -> None:
 # ---- blocks ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "fp8"])
 def test_preemption_and_prefix_caching_return_every_block(tiny_model_dir, kv_dtype) -> None:
     path = str(tiny_model_dir("llama"))
     common = dict(model=path, max_model_len=96, block_size=8, kv_cache_dtype=kv_dtype)

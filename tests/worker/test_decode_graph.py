@@ -53,7 +53,7 @@ def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
     assert eager.runner.decode_graphs is None
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8", "fp8"])
 def test_quantized_kv_cache_replays_too(tiny_model_dir, kv_dtype) -> None:
     path = tiny_model_dir("gemma3")
     graphed, eager = _engines(path, quantization="int8", kv_cache_dtype=kv_dtype)

@@ -1,6 +1,7 @@
 """The KV cache's storage format: its dtype, its size per token, and (de)quantization.
 
-``kv_cache_dtype`` "auto" stores K and V in the model dtype. "int8" and "fp8" (float8_e4m3fn)
+``kv_cache_dtype`` "auto" stores K and V in the model dtype, "float16" in float16 (llama.cpp's
+default cache type: half the bytes of float32, rounded to nearest). "int8" and "fp8" (float8_e4m3fn)
 store them quantized, symmetric, with one float32 scale per token per KV head over head_dim
 (scale = max|x| / qmax) in a separate tensor next to the cache::
 
@@ -34,6 +35,8 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     """The dtype of the K/V payload tensors."""
     if kv_cache_dtype == "auto":
         return model_dtype
+    if kv_cache_dtype == "float16":
+        return torch.float16
     if kv_cache_dtype not in _QUANT_FORMATS:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}"

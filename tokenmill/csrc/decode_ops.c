@@ -19,7 +19,7 @@
 
 #include "simd.h"
 
-#define TM_TARGET __attribute__((target("avx2,fma")))
+#define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 
 TM_TARGET static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -77,8 +77,10 @@ TM_TARGET void tm_rope_neox(float *x, int64_t token_stride, const int64_t *posit
 
 /* 8 cached elements as floats: float32 rows, or one-byte codes (int8, or fp8 e4m3 decoded
  * through a 256-entry table); their per-token scale is applied by the caller. */
+/* 8 cache elements as float: bytes 0 = float32, 2 = float16, 1 = int8 (or fp8 through lut). */
 TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int bytes, const float *lut) {
     if (!bytes) return _mm256_loadu_ps((const float *)base + idx);
+    if (bytes == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx)));
     __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + idx));
     if (lut) return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(b), 4);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -122,7 +124,7 @@ TM_TARGET static inline __attribute__((always_inline)) void attend_span_impl(
             for (int64_t g = 0; g < group; g++)
                 acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, acc[g]);
         }
-        const float ks = scale * (q8 ? k_scales[slot * KVH + kvh] : 1.0f);
+        const float ks = scale * (q8 == 1 ? k_scales[slot * KVH + kvh] : 1.0f);
         for (int64_t g = 0; g < group; g++) {
             float sc = hsum8(acc[g]) * ks;
             scores[g * stride + p - lo] = sc;
@@ -144,7 +146,7 @@ TM_TARGET static inline __attribute__((always_inline)) void attend_span_impl(
         }
         l[g] = hsum8(sum);
     }
-    if (q8)
+    if (q8 == 1)
         TM_FOR_POSITIONS({
             for (int64_t g = 0; g < group; g++) scores[g * stride + p - lo] *= v_scales[slot * KVH + kvh];
         })
@@ -189,7 +191,7 @@ TM_TARGET static void attend_span(int64_t group, TM_SPAN_ARGS) {
 #undef TM_SPAN_ARGS
 
 /*
- * q [nd, H, D] (sequence i's heads dense at q + i * q_stride); k_cache, v_cache [blocks, bs, KVH, D] float32, or int8 / fp8 (fp8_lut: the
+ * q [nd, H, D] (sequence i's heads dense at q + i * q_stride); k_cache, v_cache [blocks, bs, KVH, D] float32 (float16 with kv_f16), or int8 / fp8 (fp8_lut: the
  * 256 e4m3 values) with k_scales, v_scales [blocks, bs, KVH] float32 (NULL for float32);
  * block_table [nd, max_blocks] int64;
  * seq_lens [nd] (the query is the last token); window 0 = none, else keys at positions
@@ -205,8 +207,9 @@ TM_TARGET int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cac
                              const float *k_scales, const float *v_scales, const float *fp8_lut,
                              const int64_t *block_table, const int64_t *seq_lens, int64_t nd,
                              int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
-                             int64_t window, float scale, float *out) {
-    const int q8 = k_scales != NULL; /* one-byte cache: float32 scale per token per KV head */
+                             int64_t window, float scale, float *out, int kv_f16) {
+    /* element bytes code for load8; one-byte caches have a float32 scale per token per KV head */
+    const int q8 = k_scales != NULL ? 1 : kv_f16 ? 2 : 0;
     const int64_t group = H / KVH;
     if (group > TM_MAX_GROUP) return -1;
     int64_t max_len = 1;

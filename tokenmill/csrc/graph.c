@@ -14,7 +14,7 @@
  *   tm_embed_rows:  rows of a packed table (token embeddings) times a multiplier;
  *   tm_gather_rows: the same for a float32 table;
  *   tm_act_mul:     act(gate) * up over a fused [gate | up] projection (GELU-tanh, SiLU);
- *   tm_kv_write:    new K and V rows into a float32 paged cache at their slots;
+ *   tm_kv_write:    new K and V rows into a float32 (or float16) paged cache at their slots;
  *   tm_kv_write_q8: the same into an int8 or fp8 cache, with a scale per token per KV head;
  *   tm_add:         the residual stream's a + b.
  */
@@ -26,8 +26,8 @@
 
 #include "simd.h"
 
-#define TM_TARGET __attribute__((target("avx2,fma")))
-#define TM_OP_WIDTH 19
+#define TM_TARGET __attribute__((target("avx2,fma,f16c")))
+#define TM_OP_WIDTH 20
 
 enum {
     OP_QGEMM = 1,
@@ -58,7 +58,7 @@ int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cache, const 
                    const float *k_scales, const float *v_scales, const float *fp8_lut,
                    const int64_t *block_table, const int64_t *seq_lens, int64_t nd, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t window,
-                   float scale, float *out);
+                   float scale, float *out, int kv_f16);
 
 /* out[i] = table row ids[i] (dequantized) * mult; K-element rows. */
 TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
@@ -118,11 +118,24 @@ TM_TARGET void tm_act_mul(const float *gu, int64_t n, int64_t d, int64_t ld, int
 }
 
 /* Token t's K and V (row elements each, at k + t * k_ld, v + t * v_ld) into slot slots[t]. */
-void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
-                 const int64_t *slots, int64_t n, int64_t row, float *k_cache, float *v_cache) {
+/* f16: the caches hold float16 (rounded to nearest even, as torch's .half()); row a
+ * multiple of 8 then. */
+TM_TARGET void tm_kv_write(const float *k, int64_t k_ld, const float *v, int64_t v_ld,
+                           const int64_t *slots, int64_t n, int64_t row, void *k_cache,
+                           void *v_cache, int f16) {
     for (int64_t t = 0; t < n; t++) {
-        memcpy(k_cache + slots[t] * row, k + t * k_ld, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, v + t * v_ld, sizeof(float) * (size_t)row);
+        if (!f16) {
+            memcpy((float *)k_cache + slots[t] * row, k + t * k_ld, sizeof(float) * (size_t)row);
+            memcpy((float *)v_cache + slots[t] * row, v + t * v_ld, sizeof(float) * (size_t)row);
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)k_cache + slots[t] * row, *vd = (uint16_t *)v_cache + slots[t] * row;
+        for (int64_t i = 0; i < row; i += 8) {
+            _mm_storeu_si128((__m128i *)(kd + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(k + t * k_ld + i), _MM_FROUND_TO_NEAREST_INT));
+            _mm_storeu_si128((__m128i *)(vd + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(v + t * v_ld + i), _MM_FROUND_TO_NEAREST_INT));
+        }
     }
 }
 
@@ -241,7 +254,7 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
             break;
         case OP_ATTN:
             rc = tm_decode_attn(P(0), a[1], P(2), P(3), P(4), P(5), P(6), P(7), P(8), a[9], a[10],
-                                a[11], a[12], a[13], a[14], a[15], f32(a[16]), P(17));
+                                a[11], a[12], a[13], a[14], a[15], f32(a[16]), P(17), (int)a[18]);
             break;
         case OP_EMBED:
             tm_embed_rows(P(0), a[1], a[2], (int)a[3], P(4), P(5), P(6), a[7], f32(a[8]), P(9));
@@ -260,7 +273,7 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
             tm_add(P(0), P(1), P(2), a[3]);
             break;
         case OP_KV_WRITE:
-            tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8));
+            tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8), (int)a[9]);
             break;
         default:
             return -1;

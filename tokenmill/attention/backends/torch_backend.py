@@ -42,8 +42,12 @@ class TorchAttentionBackend:
             write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
             write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
         else:
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+                0, meta.slot_mapping, k.to(k_cache.dtype)
+            )
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+                0, meta.slot_mapping, v.to(v_cache.dtype)
+            )
         dtype = q.dtype
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
@@ -175,10 +179,11 @@ def _kernel_writes(
     slot_mapping: torch.Tensor,
 ) -> bool:
     """Whether the C kernel can store k and v (float32, each token's row dense: they may be
-    views into a fused q/k/v projection) into this cache: float32, or one-byte with its scales."""
+    views into a fused q/k/v projection) into this cache: float32 or float16, or one-byte with
+    its scales."""
     row_dense = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
     if kv_scales is None:
-        cache_ok = kernels.fits(k_cache, v_cache)
+        cache_ok = kernels.fits(k_cache, v_cache) or _float16_caches(k_cache, v_cache)
     else:
         cache_ok = (
             k_cache.dtype == v_cache.dtype
@@ -203,15 +208,27 @@ def _kernel_reads(
     v_cache: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> bool:
-    """Whether the C decode kernel handles this cache: float32, or int8 / fp8 with its scales."""
+    """Whether the C decode kernel handles this cache: float32 or float16, or int8 / fp8 with
+    its scales."""
     if not kernels.heads_fit(q):
         return False
     if kv_scales is None:
-        return kernels.fits(k_cache, v_cache)
+        return kernels.fits(k_cache, v_cache) or _float16_caches(k_cache, v_cache)
     return (
         k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
         and v_cache.dtype == k_cache.dtype
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and kernels.fits(*kv_scales)
+    )
+
+
+def _float16_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """float16 caches (--kv-cache-dtype float16) the C kernels read and write: contiguous, on
+    the CPU, rows of a multiple of 8 elements."""
+    return (
+        kernels.available()
+        and k_cache.dtype == v_cache.dtype == torch.float16
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_cache, v_cache))
+        and k_cache.shape[-1] % 8 == 0
     )
