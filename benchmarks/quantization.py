@@ -24,6 +24,7 @@ MODES = {
     "gguf packed (fp32 act.)": {"packed_activations": "float32"},
     "int8 (from fp32)": {"quantization": "int8"},
     "int4 g32 (from fp32)": {"quantization": "int4"},
+    "gguf packed + KV float16": {"kv_cache_dtype": "float16"},
     "gguf packed + KV int8": {"kv_cache_dtype": "int8"},
     "gguf packed + KV fp8": {"kv_cache_dtype": "fp8"},
 }
