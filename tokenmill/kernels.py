@@ -212,7 +212,7 @@ def supports(w: PackedWeight) -> bool:
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
     # float16 scales come from Q8_0 / Q5_0 / Q4_0 only: 32-element groups; 16-element groups
-    # from Q6_K only (int8 codes).
+    # from Q6_K only (byte codes, "u8").
     scales_ok = w.scales.dtype == torch.float32 or (
         w.scales.dtype == torch.float16 and w.group % 32 == 0
     )
@@ -440,8 +440,9 @@ def kv_write(
 ) -> None:
     """k, v [tokens, kv_heads, head_dim] (each token's row dense; views into a fused q/k/v
     projection are) into caches [blocks, block_size, kv_heads, head_dim] at their slots: float32
-    or float16 (rounded to nearest even), or int8 / fp8 e4m3fn with a float32 scale per token per KV head (``scales``), quantized as
-    attention/kv_cache.py's ``write_kv`` does (the same bytes)."""
+    or float16 (rounded to nearest even), or int8 / fp8 e4m3fn with a float32 scale per token
+    per KV head (``scales``), quantized as attention/kv_cache.py's ``write_kv`` does (the same
+    bytes)."""
     lib = _library()
     assert lib is not None
     if scales is None:

@@ -197,6 +197,20 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
     }
 }
 
+/* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8"; G16 for
+ * 16-element groups (the k-quants: float32 scales); F16 for float16 scales. */
+#define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
+    do {                                                                                      \
+        if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                             \
+        else if ((kind) == 1) EXPAND(1, 0, 0)                                                 \
+        else if ((kind) == 2 && (G) == 16) EXPAND(2, 1, 0)                                    \
+        else if ((kind) == 2 && (f16)) EXPAND(2, 0, 1)                                        \
+        else if ((kind) == 2) EXPAND(2, 0, 0)                                                 \
+        else if ((G) == 16) EXPAND(0, 1, 0)                                                   \
+        else if (f16) EXPAND(0, 0, 1)                                                         \
+        else EXPAND(0, 0, 0)                                                                  \
+    } while (0)
+
 /* Activation rows go in tiles of `most` rows (8, or 4 for G = 16), then 4, 2, 1: tile_rows gives
  * the size of the tile that starts at row m. */
 static inline int tile_rows(int64_t M, int64_t m, int most) {
@@ -204,11 +218,28 @@ static inline int tile_rows(int64_t M, int64_t m, int most) {
     return left >= most ? most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-/* Lane offsets of the block (c0, t): offset of each lane's group (G >= 32), as lane_scales. */
-TM_TARGET TM_INLINE __m256 lane_offsets(const float *off, int64_t c0, int t, int gshift) {
-    float v[8];
-    for (int l = 0; l < 8; l++) v[l] = off[(c0 + l % t) >> gshift];
-    return _mm256_loadu_ps(v);
+/* The first row of the tile that holds row m. */
+static inline int64_t tile_start(int64_t M, int64_t m, int most) {
+    int64_t m0 = M - M % most; /* full tiles of `most` rows before this */
+    if (m < m0) return m - m % most;
+    while (m0 + tile_rows(M, m0, most) <= m) m0 += tile_rows(M, m0, most);
+    return m0;
+}
+
+/* Code vector u's 32 codes as 4 int32 vectors (vector k: lanes 2k, 2k + 1), zero point removed. */
+TM_TARGET TM_INLINE void widen_codes(int kind, int z, __m256i codes, __m256i wi[4]) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int k = 0; k < 4; k++) {
+        wi[k] = kind == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
+        if (z) wi[k] = _mm256_sub_epi32(wi[k], _mm256_set1_epi32(z));
+    }
+}
+
+/* Lanes 2k and 2k + 1 of a per-lane vector, each repeated 4 times: to match widen_codes' k. */
+TM_TARGET TM_INLINE __m256 lane_pair(__m256 v, int k) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1,
+                                                         2 * k + 1, 2 * k + 1, 2 * k + 1));
 }
 
 /* Row of W -> float32 in element order: codes widened 8 at a time (lanes 2k, 2k + 1 of a code
@@ -225,20 +256,15 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
             if (off) lane_scales16(off, c0, t, &of[0], &of[1]);
         } else {
             sc[0] = sc[1] = lane_scales(s, c0, t, f16, gshift);
-            if (off) of[0] = of[1] = lane_offsets(off, c0, t, gshift);
+            if (off) of[0] = of[1] = lane_scales(off, c0, t, 0, gshift); /* float32, per group */
         }
         for (int u = 0; u < t; u++) {
-            const __m256i codes = code_vector(kind == 1, row, c0, u);
-            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            __m256i wi[4];
+            widen_codes(kind, z, code_vector(kind == 1, row, c0, u), wi);
             const int h = g16 && u >= t / 2;
             for (int k = 0; k < 4; k++) {
-                __m256i wi = kind == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
-                if (z) wi = _mm256_sub_epi32(wi, _mm256_set1_epi32(z));
-                const __m256i idx = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1,
-                                                      2 * k + 1, 2 * k + 1, 2 * k + 1);
-                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(wi), _mm256_permutevar8x32_ps(sc[h], idx));
-                if (off) v = _mm256_sub_ps(v, _mm256_permutevar8x32_ps(of[h], idx));
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), lane_pair(sc[h], k));
+                if (off) v = _mm256_sub_ps(v, lane_pair(of[h], k));
                 for (int j = 0; j < 2; j++) { /* lane l = 2k + j */
                     const int l = 2 * k + j;
                     const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4;
@@ -386,21 +412,13 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
         if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
         else sc[0] = lane_scales(s, c0, t, F16, gshift);
         for (int h = 0; h < (G16 ? 2 : 1); h++)
-            for (int k = 0; k < 4; k++)
-                sk[h][k] = _mm256_permutevar8x32_ps(
-                    sc[h], _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1,
-                                             2 * k + 1, 2 * k + 1));
+            for (int k = 0; k < 4; k++) sk[h][k] = lane_pair(sc[h], k);
         for (int u = 0; u < t; u++) {
-            const __m256i codes = code_vector(KIND == 1, row, c0, u);
-            const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-            const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            __m256i wi[4];
+            widen_codes(KIND, KIND == 2 ? z : 0, code_vector(KIND == 1, row, c0, u), wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
-            for (int k = 0; k < 4; k++) {
-                __m256i wi = KIND == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
-                if (KIND == 2) wi = _mm256_sub_epi32(wi, _mm256_set1_epi32(z));
-                wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi), sk[h][k]);
-            }
+            for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
             for (int i = 0; i < RA; i++)
                 for (int k = 0; k < 4; k++)
                     acc[i] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + i * K + (c0 + u) * 32 + 8 * k),
@@ -431,14 +449,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
             else row_float(KIND, G16, F16, 1, gshift, z, K, r, sn, xm, o, ostride);           \
         }                                                                                     \
     }
-    if (kind == 1 && f16) TM_ROWS(1, 0, 1)
-    else if (kind == 1) TM_ROWS(1, 0, 0)
-    else if (kind == 2 && G == 16) TM_ROWS(2, 1, 0)
-    else if (kind == 2 && f16) TM_ROWS(2, 0, 1)
-    else if (kind == 2) TM_ROWS(2, 0, 0)
-    else if (G == 16) TM_ROWS(0, 1, 0)
-    else if (f16) TM_ROWS(0, 0, 1)
-    else TM_ROWS(0, 0, 0)
+    TM_BY_LAYOUT(TM_ROWS, kind, f16, G);
 #undef TM_ROWS
 }
 
@@ -473,14 +484,7 @@ TM_TARGET static void block_int8(int kind, int f16, int64_t G, int64_t M, int64_
                                  const int32_t *xz, int64_t nblk, float *out, int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
-    if (kind == 1 && f16) TM_TILES(1, 0, 1)
-    else if (kind == 1) TM_TILES(1, 0, 0)
-    else if (kind == 2 && G == 16) TM_TILES(2, 1, 0)
-    else if (kind == 2 && f16) TM_TILES(2, 0, 1)
-    else if (kind == 2) TM_TILES(2, 0, 0)
-    else if (G == 16) TM_TILES(0, 1, 0) /* the k-quants' scales: float32 */
-    else if (f16) TM_TILES(0, 0, 1)
-    else TM_TILES(0, 0, 0)
+    TM_BY_LAYOUT(TM_TILES, kind, f16, G);
 }
 #undef TM_TILES
 #undef TM_TILE_ROWS
@@ -526,9 +530,7 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
         const int most = G == 16 ? 4 : 8;
 #pragma omp parallel for schedule(static) if (M >= 16)
         for (int64_t m = 0; m < M; m++) {
-            int64_t m0 = m - m % most; /* the start of m's tile */
-            if (tile_rows(M, m0, most) != most) /* the remainder: tiles of 4, 2, 1 */
-                for (m0 = M - M % most; tile_rows(M, m0, most) + m0 <= m;) m0 += tile_rows(M, m0, most);
+            const int64_t m0 = tile_start(M, m, most);
             const int ra = tile_rows(M, m0, most);
             quantize_row_lanes(x + m * K, K, xq + m0 * K + (m - m0) * 32, ra * 32,
                                xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8,
