@@ -69,3 +69,27 @@ def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> Non
     assert _run(graphed, prompts, together=False) == _run(eager, prompts, together=False)
     graphs = graphed.runner.decode_graphs
     assert graphs.captured_sizes() == [] and not graphs.runs(1)
+
+
+def test_batches_past_eight_share_one_logits_buffer(tiny_model_dir) -> None:
+    # 20 requests ending one after another: decode batches of 20 down to 1, each size its own
+    # graph, all writing logits into the first rows of one buffer.
+    graphed, eager = _engines(tiny_model_dir("llama"), quantization="int8")
+    prompts = _prompts(20, seed=4)
+
+    def run(engine: LLMEngine) -> list:
+        ids = [
+            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4 + i, logprobs=2))
+            for i, p in enumerate(prompts)
+        ]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0]
+        assert_all_blocks_free(engine)
+        return [(outputs[i].token_ids, outputs[i].logprobs) for i in ids]
+
+    assert run(graphed) == run(eager)
+    sizes = graphed.runner.decode_graphs.captured_sizes()
+    assert max(sizes) > 8 and len(sizes) > 8

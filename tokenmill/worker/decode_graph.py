@@ -93,6 +93,9 @@ class DecodeGraphs:
         self.slots = torch.zeros(max_batch, **long)
         self.seq_lens = torch.zeros(max_batch, **long)
         self.block_table = torch.zeros(max_batch, max_blocks_per_seq, **long)
+        # Every graph writes its logits into the first rows of this one buffer: one [B, vocab]
+        # float32 tensor per batch size would hold ~0.5 GB for sizes up to 32 (262k vocab).
+        self.logits = torch.empty(max_batch, model.config.vocab_size)
         # Batch size -> its graph, or None once it proved not capturable.
         self._captured: dict[int, _Captured | None] = {}
 
@@ -151,7 +154,8 @@ class DecodeGraphs:
         watch = _ComputeWatch()
         with kernels.recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)
-            logits = self.model.compute_logits(hidden)
+            out = self.logits[:b] if hidden.dtype == self.logits.dtype else None
+            logits = self.model.compute_logits(hidden, out)
         if watch.computed:
             logger.info(
                 "decode steps of batch size %d run eagerly: %s computes outside the C kernels",

@@ -32,9 +32,8 @@ from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logpro
 
 logger = logging.getLogger(__name__)
 
-# Decode steps of up to this many requests replay a recorded graph (worker/decode_graph.py);
-# past it the kernels' own work dwarfs the per-call cost a graph saves.
-DECODE_GRAPH_MAX_BATCH = 8
+# Decode steps of up to this many requests replay a recorded graph (worker/decode_graph.py).
+DECODE_GRAPH_MAX_BATCH = 32
 
 
 @dataclass(slots=True)
