@@ -4,7 +4,7 @@ Decodes 64 tokens after a 128-token prompt, twice:
 - eagerly (--enforce-eager's path), with the engine's parts wrapped in timers (wall clock, so
   nested parts are included in their parents): Python dispatch shows as the gap between a
   part and the kernels inside it;
-- as the engine runs by default, where decode steps of up to 32 requests replay a recorded graph
+- as the engine runs by default, where decode steps of up to 128 requests replay a recorded graph
   of C kernels (worker/decode_graph.py): the graph is then replayed with per-kernel timing.
 
     python benchmarks/decode_breakdown.py [--quantization none|int8|int4] [--batch 1]

@@ -239,3 +239,18 @@ def test_quantized_kv_write_gives_the_bytes_of_the_torch_quantizer(dtype) -> Non
         write_kv(ref, ref_scales, slots, x.contiguous())
         assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
         assert torch.equal(scales, ref_scales)
+
+
+def test_scratch_plan_shares_bytes_between_intermediates_that_never_live_together() -> None:
+    rec = kernels.Recording()
+    a, b, c = torch.empty(100), torch.empty(100), torch.empty(50)
+    keep = torch.empty(10)  # not allocated during the recording: stays where it is
+    rec.add(1, (a, keep))  # call 0: a
+    rec.add(1, (a, b))  # call 1: a's last use, b's first
+    rec.add(1, (b, c[10:]))  # call 2: a is dead, c may reuse its bytes but not b's
+    allocated = {t.untyped_storage().data_ptr() for t in (a, b, c)}
+    offsets, total = kernels._plan_scratch(rec, allocated)
+    at = {name: offsets[t.data_ptr()] for name, t in (("a", a), ("b", b), ("c", c))}
+    assert keep.data_ptr() not in offsets
+    assert at["a"] != at["b"] and at["c"] == at["a"]  # c takes a's bytes once a is dead
+    assert total == 2 * 448  # 400 bytes each, 64-aligned

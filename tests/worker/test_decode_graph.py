@@ -71,16 +71,17 @@ def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> Non
     assert graphs.captured_sizes() == [] and not graphs.runs(1)
 
 
-def test_batches_past_eight_share_one_logits_buffer(tiny_model_dir) -> None:
-    # 20 requests ending one after another: decode batches of 20 down to 1, each size its own
-    # graph, all writing logits into the first rows of one buffer.
+def test_graphs_of_many_sizes_share_logits_and_scratch(tiny_model_dir) -> None:
+    # One request, then 20 ending one after another (decode batches of 20 down to 1, each size
+    # its own graph), then one again: the scratch buffer grew after the batch-1 graph was
+    # recorded, so that graph must follow it.
     graphed, eager = _engines(tiny_model_dir("llama"), quantization="int8")
-    prompts = _prompts(20, seed=4)
+    prompts = _prompts(21, seed=4)
 
-    def run(engine: LLMEngine) -> list:
+    def run(engine: LLMEngine, batch: list[list[int]]) -> list:
         ids = [
             engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4 + i, logprobs=2))
-            for i, p in enumerate(prompts)
+            for i, p in enumerate(batch)
         ]
         outputs = {}
         while engine.has_unfinished_requests():
@@ -90,6 +91,11 @@ def test_batches_past_eight_share_one_logits_buffer(tiny_model_dir) -> None:
         assert_all_blocks_free(engine)
         return [(outputs[i].token_ids, outputs[i].logprobs) for i in ids]
 
-    assert run(graphed) == run(eager)
-    sizes = graphed.runner.decode_graphs.captured_sizes()
-    assert max(sizes) > 8 and len(sizes) > 8
+    for batch in (prompts[:1], prompts[1:], prompts[:1]):
+        assert run(graphed, batch) == run(eager, batch)
+    graphs = graphed.runner.decode_graphs
+    sizes = graphs.captured_sizes()
+    assert max(sizes) == 20 and len(sizes) > 8
+    # Intermediates live in the shared scratch, not in each graph: the scratch holds about one
+    # step's worth (a [20, hidden] activation is 20 x 64 x 4 bytes for this model).
+    assert graphs.scratch.buffer.numel() < 20 * 1024 * 4 * 8

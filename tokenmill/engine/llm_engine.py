@@ -118,6 +118,7 @@ class LLMEngine:
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max_model_len,
             decode_graphs=decode_graphs,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
             capture_warm_up=capture_warm_up,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)

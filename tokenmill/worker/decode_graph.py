@@ -54,16 +54,21 @@ def warm_up_capture() -> threading.Thread:
 
 
 class _ComputeWatch(TorchDispatchMode):
-    """Notes every torch op that computes (anything but a view or an allocation)."""
+    """Notes every torch op that computes (anything but a view or an allocation), and the
+    storages allocated (the step's intermediates)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.computed: list[str] = []
+        self.allocated: set[int] = set()  # storage base addresses
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not func.is_view and func.overloadpacket not in _ALLOCATIONS:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _ALLOCATIONS:
+            self.allocated.add(out.untyped_storage().data_ptr())
+        elif not func.is_view:
             self.computed.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @dataclass(slots=True)
@@ -96,6 +101,8 @@ class DecodeGraphs:
         # Every graph writes its logits into the first rows of this one buffer: one [B, vocab]
         # float32 tensor per batch size would hold ~0.5 GB for sizes up to 32 (262k vocab).
         self.logits = torch.empty(max_batch, model.config.vocab_size)
+        # The intermediates of every graph: one step runs at a time.
+        self.scratch = kernels.Scratch()
         # Batch size -> its graph, or None once it proved not capturable.
         self._captured: dict[int, _Captured | None] = {}
 
@@ -164,7 +171,9 @@ class DecodeGraphs:
             )
             self._captured[b] = None
             return logits
-        graph = kernels.Graph(rec)
+        watch.allocated.discard(logits.untyped_storage().data_ptr())  # read after each replay
+        graph = kernels.Graph(rec, self.scratch, watch.allocated)
+        del rec, hidden
         expected = logits.clone()
         graph.replay()  # writes the same K/V into the same slots again: harmless
         if not torch.equal(logits, expected):

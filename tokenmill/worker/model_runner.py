@@ -32,8 +32,9 @@ from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logpro
 
 logger = logging.getLogger(__name__)
 
-# Decode steps of up to this many requests replay a recorded graph (worker/decode_graph.py).
-DECODE_GRAPH_MAX_BATCH = 32
+# Decode steps of up to this many requests (and max_num_seqs) replay a recorded graph
+# (worker/decode_graph.py); each size is recorded once, at its first step.
+DECODE_GRAPH_MAX_BATCH = 128
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         max_model_len: int | None = None,
         decode_graphs: bool = False,
+        max_num_seqs: int = DECODE_GRAPH_MAX_BATCH,
         capture_warm_up: threading.Thread | None = None,
     ) -> None:
         c = model.config
@@ -128,7 +130,7 @@ class ModelRunner:
                 self.kv_caches,
                 block_size,
                 -(-max_len // block_size),
-                DECODE_GRAPH_MAX_BATCH,
+                min(DECODE_GRAPH_MAX_BATCH, max_num_seqs),
                 capture_warm_up,
             )
 
