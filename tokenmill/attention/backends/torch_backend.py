@@ -138,24 +138,55 @@ class TorchAttentionBackend:
         else:
             keys = _gather_blocks(k_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
             values = _gather_blocks(v_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
-        needs_mask = seq.num_computed > 0 or (window is not None and window < seq.seq_len)
-        mask = None
-        if needs_mask:
-            q_pos = torch.arange(seq.num_computed, seq.seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, query_len, head_dim]
-            keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            attn_mask=mask,
-            is_causal=not needs_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(0).transpose(0, 1)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if window is None or window >= seq.seq_len:
+            return _attend(q, keys, values, seq.num_computed, 0, scale, window)
+        # A sliding window: queries in blocks of half a window, each against the keys its
+        # window reaches (at most 1.5 windows), not the whole context: for 1,024 tokens and a
+        # window of 512, 56% of the scores.
+        out = torch.empty_like(q)
+        step = max(1, window // 2)
+        for a in range(0, q.shape[0], step):
+            b = min(a + step, q.shape[0])
+            k0 = max(0, seq.num_computed + a - window + 1)
+            k1 = seq.num_computed + b
+            out[a:b] = _attend(
+                q[a:b], keys[k0:k1], values[k0:k1], seq.num_computed + a, k0, scale, window
+            )
+        return out
+
+
+def _attend(
+    q: torch.Tensor,  # [queries, num_heads, head_dim] at positions q0, q0 + 1, ...
+    keys: torch.Tensor,  # [keys, num_kv_heads, head_dim] at positions k0, k0 + 1, ...
+    values: torch.Tensor,
+    q0: int,
+    k0: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal (and windowed) attention of a run of queries to a run of keys that ends at the
+    last query's position."""
+    nq, nk = q.shape[0], keys.shape[0]
+    square = q0 == k0 and nq == nk  # SDPA's is_causal aligns the first query with the first key
+    needs_mask = not square or (window is not None and window < nk)
+    mask = None
+    if needs_mask:
+        q_pos = torch.arange(q0, q0 + nq, device=q.device)[:, None]
+        k_pos = torch.arange(k0, k0 + nk, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, queries, head_dim]
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=not needs_mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _gather_blocks(
