@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -159,7 +159,9 @@ def _iter_gguf(
         data = gguf_file.tensor_bytes(tensor)
         weight: torch.Tensor | PackedWeight
         if keep_packed and tensor.ggml_type in BLOCK_CODES and len(tensor.shape) == 2:
-            raw = torch.from_numpy(np.array(data)).reshape(-1)
+            with warnings.catch_warnings():  # a read-only map: the bytes are only read
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(data).reshape(-1)  # no copy of the file's bytes
             weight = pack_gguf(raw, tensor.ggml_type, tensor.shape)
         else:
             weight = dequantize(data, tensor.ggml_type, tensor.shape)

@@ -222,22 +222,28 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
     four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
     zero = BYTE_ZERO.get(ggml_type)
-    parts = [
-        from_block_codes(
+    out: PackedWeight | None = None
+    for start, part in zip(range(0, rows, chunk), blocks.split(chunk)):
+        p = from_block_codes(
             unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit, f16_scales, zero
         )
-        for part in blocks.split(chunk)
-    ]
-    offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])
-    return PackedWeight(
-        parts[0].kind,
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        offsets,
-        parts[0].group,
-        (rows, cols),
-        parts[0].zero,
-    )
+        if out is None:  # filled in place: a list of parts and a cat held the tensor twice
+            out = PackedWeight(
+                p.kind,
+                p.codes.new_empty((rows, p.codes.shape[1])),
+                p.scales.new_empty((rows, p.scales.shape[1])),
+                None if p.offsets is None else p.offsets.new_empty((rows, p.offsets.shape[1])),
+                p.group,
+                (rows, cols),
+                p.zero,
+            )
+        end = start + len(part)
+        out.codes[start:end] = p.codes
+        out.scales[start:end] = p.scales
+        if p.offsets is not None:
+            out.offsets[start:end] = p.offsets
+    assert out is not None  # rows >= 1
+    return out
 
 
 # Fractions of each group's range tried as its clipping range (llama.cpp's k-quants search
