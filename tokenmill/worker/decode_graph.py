@@ -12,7 +12,10 @@ captured and keeps running eagerly; nothing else changes.
 
 The input buffers are sized for the largest batch: token ids, positions, slots, block tables
 [max_batch, max_blocks_per_seq] and sequence lengths; a graph of batch size B uses their first
-B rows. A replay is checked once, right after its capture, against the eager step it recorded.
+B rows; every graph writes its logits into the first B rows of one buffer. What a step allocates
+while it is recorded (its intermediates) moves into one scratch buffer that all graphs share
+(one step runs at a time): a graph holds no memory of its own beyond its list of calls. A replay
+is checked once, right after its capture, against the eager step it recorded.
 """
 
 from __future__ import annotations
