@@ -17,13 +17,20 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not b
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], together: bool) -> list:
-    """Outputs of ``prompts``, all in one batch or one request at a time."""
+def _run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    together: bool,
+    params: list[SamplingParams] | None = None,
+) -> list:
+    """Outputs of ``prompts``, all in one batch or one request at a time; GREEDY unless
+    ``params`` gives each prompt its own."""
     outputs: dict[str, object] = {}
-    batches = [prompts] if together else [[p] for p in prompts]
+    params = params or [GREEDY] * len(prompts)
+    batches = [list(zip(prompts, params))] if together else [[pp] for pp in zip(prompts, params)]
     ids = []
     for batch in batches:
-        ids += [engine.add_request(p, GREEDY) for p in batch]
+        ids += [engine.add_request(p, sp) for p, sp in batch]
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
@@ -79,17 +86,10 @@ def test_graphs_of_many_sizes_share_logits_and_scratch(tiny_model_dir) -> None:
     prompts = _prompts(21, seed=4)
 
     def run(engine: LLMEngine, batch: list[list[int]]) -> list:
-        ids = [
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=4 + i, logprobs=2))
-            for i, p in enumerate(batch)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=4 + i, logprobs=2) for i in range(len(batch))
         ]
-        outputs = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0]
-        assert_all_blocks_free(engine)
-        return [(outputs[i].token_ids, outputs[i].logprobs) for i in ids]
+        return _run(engine, batch, together=True, params=params)
 
     for batch in (prompts[:1], prompts[1:], prompts[:1]):
         assert run(graphed, batch) == run(eager, batch)
