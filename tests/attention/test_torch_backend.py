@@ -59,3 +59,48 @@ def test_prefill_matches_masked_softmax(window, num_computed, query_len) -> None
     )
     expected = _reference(q, k_all, v_all, num_computed, window, scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 8, 64])
+def test_mixed_prefills_in_one_step_match_each_alone(window) -> None:
+    # Three fresh prompts of one length (attended in one batched call when the window allows),
+    # one of another length, then a chunk on cached context.
+    g = torch.Generator().manual_seed(5)
+    specs = [(0, 12), (0, 12), (0, 12), (0, 7), (9, 6)]  # (num_computed, query_len)
+    scale = HEAD_DIM**-0.5
+    blocks_per_seq = 3  # 24 slots each, enough for every sequence here
+    shape = (1 + blocks_per_seq * len(specs), BS, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    flat_k = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    flat_v = v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    qs, ks, vs, slots, prefills, contexts = [], [], [], [], [], []
+    start = 0
+    for i, (computed, length) in enumerate(specs):
+        blocks = torch.arange(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)
+        base = int(blocks[0]) * BS
+        k_all = torch.randn(computed + length, NUM_KV_HEADS, HEAD_DIM, generator=g)
+        v_all = torch.randn(computed + length, NUM_KV_HEADS, HEAD_DIM, generator=g)
+        flat_k[base : base + computed] = k_all[:computed]
+        flat_v[base : base + computed] = v_all[:computed]
+        qs.append(torch.randn(length, NUM_HEADS, HEAD_DIM, generator=g))
+        ks.append(k_all[computed:])
+        vs.append(v_all[computed:])
+        slots += range(base + computed, base + computed + length)
+        prefills.append(PrefillSeq(start, length, computed, blocks))
+        contexts.append((k_all, v_all))
+        start += length
+    meta = AttentionMetadata(
+        block_size=BS,
+        slot_mapping=torch.tensor(slots),
+        num_decodes=0,
+        decode_block_table=torch.zeros((0, 1), dtype=torch.long),
+        decode_seq_lens=torch.zeros(0, dtype=torch.long),
+        prefills=prefills,
+    )
+    out = TorchAttentionBackend().forward(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, window
+    )
+    for seq, q, (k_all, v_all) in zip(prefills, qs, contexts):
+        got = out[seq.token_start : seq.token_start + seq.query_len]
+        expected = _reference(q, k_all, v_all, seq.num_computed, window, scale)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
