@@ -36,6 +36,7 @@ TM_TARGET void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner,
                           const float *weight, float weight_offset, const float *residual,
                           float *out, int64_t rows, int64_t dim, float eps) {
     const __m256 offset = _mm256_set1_ps(weight_offset);
+#pragma omp parallel for schedule(static) if (rows * dim >= TM_PARALLEL_MIN_FLOATS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + (r / inner) * outer_stride + (r % inner) * dim;
         __m256 acc = _mm256_setzero_ps();
@@ -61,6 +62,7 @@ TM_TARGET void tm_rope_neox(float *x, int64_t token_stride, const int64_t *posit
                             const float *cos_t, const float *sin_t, int64_t tokens, int64_t heads,
                             int64_t dim) {
     const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= TM_PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
         for (int64_t h = 0; h < heads; h++) {

@@ -106,6 +106,7 @@ TM_TARGET static inline __m256 silu8(__m256 x) {
 /* gu [n, ld]: gate in columns [0, d), up in [d, 2d); out [n, d]. d a multiple of 8. */
 TM_TARGET void tm_act_mul(const float *gu, int64_t n, int64_t d, int64_t ld, int act,
                           float *out) {
+#pragma omp parallel for schedule(static) if (n * d >= TM_PARALLEL_MIN_FLOATS / 4) /* exp: 4x the work */
     for (int64_t r = 0; r < n; r++) {
         const float *g = gu + r * ld, *u = g + d;
         float *o = out + r * d;
@@ -214,10 +215,11 @@ TM_TARGET void tm_kv_write_q8(const float *k, int64_t k_ld, const float *v, int6
 
 /* out = a + b over n floats. */
 TM_TARGET void tm_add(const float *a, const float *b, float *out, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
+    const int64_t n8 = n / 8 * 8;
+#pragma omp parallel for schedule(static) if (n >= TM_PARALLEL_MIN_FLOATS)
+    for (int64_t i = 0; i < n8; i += 8)
         _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    for (; i < n; i++) out[i] = a[i] + b[i];
+    for (int64_t i = n8; i < n; i++) out[i] = a[i] + b[i];
 }
 
 static inline float f32(int64_t bits) {

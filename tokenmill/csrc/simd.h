@@ -3,6 +3,12 @@
 #define TM_SIMD_H
 #include <immintrin.h>
 
+/* Elementwise kernels (RMSNorm, RoPE, act * mul, add) split their rows over the threads from
+ * this many floats: a prefill's [2048, 640] RMSNorm took ~1 ms on one thread; below it (a
+ * decode step's few rows) waking the second thread costs more than it saves. Rows are
+ * independent, so results do not depend on the split. */
+#define TM_PARALLEL_MIN_FLOATS (1 << 16)
+
 /* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp. */
 __attribute__((target("avx2,fma"))) static inline __m256 tm_exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
