@@ -137,14 +137,12 @@ class Recording:
 
     def __init__(self) -> None:
         self.ops: list[list[int]] = []
-        self.tensors: list[torch.Tensor] = []
         self.tensor_args: list[tuple[int, int, torch.Tensor]] = []  # (call, column, tensor)
 
     def add(self, op: int, args: tuple[Any, ...]) -> None:
         row = [op]
         for a in args:
             if isinstance(a, torch.Tensor):
-                self.tensors.append(a)
                 self.tensor_args.append((len(self.ops), len(row), a))
                 row.append(a.data_ptr())
             elif a is None:
@@ -242,7 +240,9 @@ class Graph:
                 cols.append(col)
                 rel.append(offsets[base] + t.data_ptr() - base)
         self._moved = (torch.tensor(rows), torch.tensor(cols), torch.tensor(rel))
-        self._tensors = [t for t in rec.tensors if t.untyped_storage().data_ptr() not in offsets]
+        self._tensors = [  # what the calls still point into: kept alive
+            t for _, _, t in rec.tensor_args if t.untyped_storage().data_ptr() not in offsets
+        ]
         if scratch is not None:
             scratch.reserve(nbytes)
 
