@@ -103,7 +103,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros(max_batch, max_blocks_per_seq, **long)
         # Every graph writes its logits into the first rows of this one buffer: one [B, vocab]
         # float32 tensor per batch size would hold ~0.5 GB for sizes up to 32 (262k vocab).
-        self.logits = torch.empty(max_batch, model.config.vocab_size)
+        self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32)
         # The intermediates of every graph: one step runs at a time.
         self.scratch = kernels.Scratch()
         # Batch size -> its graph, or None once it proved not capturable.
