@@ -206,6 +206,23 @@ def test_int4_error_is_bounded(group: int) -> None:
     assert torch.all(plain.abs() <= step[..., None] / 2 + 1e-6)
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_recovers_a_weight_already_on_a_4_bit_grid(group: int) -> None:
+    """A dequantized Q4_K / Q4_1 tensor (each group s·q + lo) comes back exactly, also where a
+    group's codes leave one end of 0..15 unused (Q4_K rounds against its 6-bit scales, so
+    many do): re-quantizing a 4-bit GGUF loses nothing more."""
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (8, 512 // group, group)).float()
+    codes = codes.clamp(1, 15)
+    codes[..., 0], codes[..., 1] = 1, 15  # 15 of 16 levels used
+    codes[::2, :, 0] = 0  # half the rows use all 16
+    s = torch.rand(8, 512 // group, 1) * 0.1 + 1e-3
+    lo = torch.randn(8, 512 // group, 1) * 0.1
+    w = (codes * s + lo).reshape(8, 512)
+    back = quantize_int4(w, group).dequantize()
+    torch.testing.assert_close(back, w, rtol=0, atol=1e-6)
+
+
 def test_int4_rejects_bad_group() -> None:
     with pytest.raises(ValueError, match="group size"):
         Int4QuantMethod(group_size=64)

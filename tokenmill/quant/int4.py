@@ -1,9 +1,9 @@
 """Weight-only int4 for float checkpoints: group-wise asymmetric, applied at load.
 
-Each group of 32 or 128 input elements of a row gets w ≈ s · q + lo with q in 0..15, its range
-clipped where that lowers the squared error (quant/packed.py: quantize_int4); the codes are
-stored two per byte (0.5 bytes a weight plus a float32 scale and offset per group) and computed
-by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor.
+Each group of 32 or 128 input elements of a row gets w ≈ s · q + lo with q in 0..15, its grid
+(s, lo) fit by least squares from several starting grids (quant/packed.py: quantize_int4).
+The codes are stored two per byte (0.5 bytes a weight plus a float32 scale and offset per
+group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor.
 
 The output head (and a tied embedding) stays int8, as llama.cpp's Q4 mixes keep theirs at 6-8
 bits: the logits over a large vocabulary are where 4 bits hurt most.

@@ -246,16 +246,19 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     return out
 
 
-# Fractions of each group's range tried as its clipping range (llama.cpp's k-quants search
-# scales the same way): clipping rare extremes buys finer steps for the bulk of the weights.
-INT4_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+# Starting grids of the int4 search: a group's [min, max] spread over this many steps. 15
+# spans the range exactly; fewer clips its extremes for finer steps, more leaves room for the
+# least-squares refit (llama.cpp's k-quants search the same way, make_qkx2_quants).
+INT4_SPANS = tuple(14.0 + 0.1 * i for i in range(21))
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
     """Group-wise asymmetric int4: w ≈ s · q + lo with q in 0..15 per group of ``group``.
 
-    Each group's range [lo, hi] is its [min, max] shrunk by the ratio of INT4_CLIP_RATIOS with
-    the least squared error. Stored as codes with offset -lo.
+    For each starting grid of INT4_SPANS, codes are rounded, (s, lo) refit by least squares,
+    codes rounded again to the refit grid and (s, lo) refit once more; each group keeps the
+    grid with the least squared error. A group that already lies on a 16-level grid using 15 or
+    16 of its levels (a dequantized Q4_K / Q4_1 weight, nearly always) is recovered exactly.
     """
     n, k = weight.shape
     if k % group or group % 32:
@@ -266,27 +269,58 @@ def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight.device)
     scales = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
     offsets = torch.empty_like(scales)
-    step = max(1, (1 << 20) // k)
+    step = max(1, (1 << 18) // k)  # rows per chunk: its temporaries stay in cache
     for r in range(0, n, step):
-        w = weight[r : r + step].float().reshape(-1, k // group, group)
-        w_min, w_max = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
-        best = None
-        for ratio in INT4_CLIP_RATIOS:
-            lo, hi = w_min * ratio, w_max * ratio
-            s = (hi - lo) / 15.0
-            s = torch.where(s > 0, s, torch.ones_like(s))
-            q = torch.round((w - lo) / s).clamp_(0, 15)
-            err = (q * s + lo - w).square().sum(dim=-1, keepdim=True)
-            if best is None:
-                best = [err, q, s, lo]
-                continue
-            better = err < best[0]
-            best = [torch.where(better, new, old) for new, old in zip((err, q, s, lo), best)]
-        _, q, s, lo = best
+        q, s, lo = _int4_groups(weight[r : r + step].float().reshape(-1, k // group, group))
         codes[r : r + step] = pack_codes(q.reshape(-1, k), "q4")
         scales[r : r + step] = s.squeeze(-1)
         offsets[r : r + step] = -lo.squeeze(-1)
     return PackedWeight("q4", codes, scales, offsets, group, (n, k))
+
+
+def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [..., group], scales and offsets [..., 1] of w [..., group] (quantize_int4)."""
+    n = w.shape[-1]
+    w_min, w_max = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    inv_range = 1.0 / (w_max - w_min).clamp_min(torch.finfo(torch.float32).tiny)
+    sum_w, sum_ww = w.sum(-1, keepdim=True), (w * w).sum(-1, keepdim=True)
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for span in INT4_SPANS:
+        q = torch.round((w - w_min) * (inv_range * span)).clamp_(0, 15)
+        s, lo, *_ = _fit_grid(w, q, sum_w)
+        s, lo, sum_q, sum_qq, sum_qw = _fit_grid(w, _round_to_grid(w, s, lo), sum_w)
+        # Σ (s·q + lo - w)², expanded over the sums at hand (no pass over w).
+        err = (
+            sum_ww - 2 * s * sum_qw - 2 * lo * sum_w + s * s * sum_qq + 2 * s * lo * sum_q
+        ) + n * lo * lo
+        if best is None:
+            best = (err, s, lo)
+            continue
+        better = err < best[0]
+        best = tuple(torch.where(better, new, old) for new, old in zip((err, s, lo), best))
+    _, s, lo = best
+    s = s.clamp_min(0)
+    return _round_to_grid(w, s, lo), s, lo
+
+
+def _fit_grid(w: torch.Tensor, q: torch.Tensor, sum_w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Least-squares (s, lo) of w ≈ s·q + lo for fixed codes q, per group (the last dim); also
+    the sums of q, q² and q·w it took."""
+    n = w.shape[-1]
+    sum_q, sum_qq, sum_qw = q.sum(-1, True), (q * q).sum(-1, True), (q * w).sum(-1, True)
+    det = n * sum_qq - sum_q * sum_q
+    flat = det <= 0  # every code equal: the group is one level, its mean
+    det = torch.where(flat, torch.ones_like(det), det)
+    s = torch.where(flat, torch.zeros_like(det), (n * sum_qw - sum_q * sum_w) / det)
+    lo = torch.where(flat, sum_w / n, (sum_qq * sum_w - sum_q * sum_qw) / det)
+    return s, lo, sum_q, sum_qq, sum_qw
+
+
+def _round_to_grid(w: torch.Tensor, s: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The nearest code 0..15 of each w on the grid s·q + lo (0 where s <= 0: w is lo)."""
+    positive = s > 0
+    q = torch.round((w - lo) / torch.where(positive, s, torch.ones_like(s))).clamp_(0, 15)
+    return q.mul_(positive)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
