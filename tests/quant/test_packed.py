@@ -273,6 +273,21 @@ def test_int4_model_tracks_float(tiny_model_dir, arch: str) -> None:
     assert_all_blocks_free(q4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_keeps_key_and_value_projections_int8(tiny_model_dir, arch: str) -> None:
+    """k_proj and v_proj stay int8 (quant/int4.py), computed in one fused matmul (with Qwen2's
+    biases); q/o and the MLP are int4; the model still answers."""
+    tokens, engine = _greedy(tiny_model_dir(arch), quantization="int4")
+    for layer in engine.runner.model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.qkv_proj is None and attn.kv_proj is not None
+        assert attn.kv_proj.quant_state.weight.kind == "q8"
+        for linear in (attn.q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            assert linear.quant_state.weight.kind == "q4"
+    assert all(len(t) == 8 for t in tokens)
+    assert_all_blocks_free(engine)
+
+
 def _outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list:
     rid = engine.add_request(prompt, params)
     outs = []

@@ -51,6 +51,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
         self.qkv_proj: Linear | None = None  # set by fuse_projections_ after loading
+        self.kv_proj: Linear | None = None  # or this, where only k and v share a layout
         kv_size = self.num_kv_heads * c.head_dim
         self.qkv_sizes = [self.num_heads * c.head_dim, kv_size, kv_size]
         if qk_norm is None and c.architecture == "qwen3":
@@ -70,13 +71,19 @@ class LlamaAttention(nn.Module):
         )
 
     def fuse_projections_(self) -> None:
-        """After loading: q/k/v in one packed matmul where their layouts allow."""
+        """After loading: q/k/v in one packed matmul where their layouts allow, else k/v (int4
+        keeps them int8, quant/int4.py)."""
         self.qkv_proj = fuse_packed([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is None:
+            self.kv_proj = fuse_packed([self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        elif self.kv_proj is not None:
+            q = self.q_proj(x)
+            k, v = self.kv_proj(x).split(self.qkv_sizes[1:], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)

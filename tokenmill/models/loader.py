@@ -129,7 +129,7 @@ class _StreamingQuantizer:
         module, names = entry
         if not any(n in self.pending for n in names):
             is_head = isinstance(module, Embedding) or name.startswith("lm_head.")
-            module.quantize_(self.method.head_method() if is_head else self.method)
+            module.quantize_(self.method.method_for(name.rpartition(".")[0], is_head))
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,8 +30,9 @@ class QuantMethod:
         """The float weight the state stands for (reference path and tests)."""
         raise NotImplementedError  # each scheme unpacks its own way
 
-    def head_method(self) -> QuantMethod:
-        """The method for the output head and a tied embedding (a scheme may keep them wider)."""
+    def method_for(self, module_name: str, is_head: bool) -> QuantMethod:
+        """The method for one layer, named as in the model (``model.layers.3.self_attn.v_proj``;
+        ``is_head``: the output head or a tied embedding). A scheme may keep some layers wider."""
         return self
 
     def nbytes(self, state: Any) -> int:
