@@ -1,7 +1,8 @@
 """4-bit accuracy beside llama.cpp's: perplexity of gemma-3-270m re-quantized to 4 bits by each.
 
 tokenmill: the GGUF dequantized (``--quantization none``, the float model) and
-``--quantization int4`` at group sizes 32 and 128. llama.cpp (llama-cpp-python, built from
+``--quantization int4`` at group sizes 32 and 128, and at 32 calibrated (``--int4-calibration``)
+on --calibration, by default the GPL-3 text Debian ships (a text other than the one scored). llama.cpp (llama-cpp-python, built from
 source): the GGUF as it is, and the same file re-quantized by llama.cpp's own quantizer
 (llama_model_quantize, allow_requantize) to Q4_0 (symmetric, blocks of 32) and Q4_1 (scale and
 minimum per block of 32); both keep the tied embedding / output head at llama.cpp's default
@@ -89,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens-total", type=int, default=4096)
     parser.add_argument("--window", type=int, default=1024, help="tokens per window, BOS included")
+    parser.add_argument("--calibration", default="/usr/share/common-licenses/GPL-3")
     args = parser.parse_args()
 
     import llama_cpp as lc
@@ -101,6 +103,10 @@ def main() -> None:
         ("dequantized to float32 (the float model)", {"quantization": "none"}),
         ("int4, groups of 32", {"quantization": "int4", "int4_group_size": 32}),
         ("int4, groups of 128", {"quantization": "int4", "int4_group_size": 128}),
+        (
+            f"int4, groups of 32, calibrated on {Path(args.calibration).name}",
+            {"quantization": "int4", "int4_calibration": args.calibration},
+        ),
     ):
         ppl, token_ids, bos = tokenmill_perplexity(args, **engine_args)
         rows.append(("tokenmill", label, ppl))

@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--packed-activations", default=None, help="int8 (default) or float32")
     parser.add_argument("--int4-group-size", type=int, default=None, help="32 (default) or 128")
+    parser.add_argument("--int4-calibration", default=None, help="text file for int4's imatrix")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
         "--decode-kernel",
@@ -52,6 +53,7 @@ def main() -> None:
             "max_num_batched_tokens",
             "packed_activations",
             "int4_group_size",
+            "int4_calibration",
         )
         if getattr(args, name) is not None
     }

@@ -41,6 +41,9 @@ _ENGINE_FLAG_HELP = {
     "packed_activations": "activations of packed-weight matmuls at small batch: int8 per 32 "
     "elements (fast, as llama.cpp) or float32 (exact)",
     "int4_group_size": "input elements per int4 scale: 32 or 128",
+    "int4_calibration": "a UTF-8 text file: int4 weights each layer's rounding error by its "
+    "inputs' mean squares over this text, run through the float model at load (llama.cpp's "
+    "imatrix; a few thousand tokens of text like the expected prompts, not the text you score)",
     "enforce_eager": "run every step op by op (no replayed decode-step graphs on CPU)",
 }
 
@@ -69,6 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, choices=PACKED_ACTIVATIONS, default=default, help=help_text)
         elif f.name == "int4_group_size":
             parser.add_argument(flag, type=int, choices=(32, 128), default=default, help=help_text)
+        elif f.name == "int4_calibration":
+            parser.add_argument(flag, default=None, metavar="FILE", help=help_text)
         else:
             kind = type(default) if default is not None else int
             parser.add_argument(flag, type=kind, default=default, help=help_text)

@@ -376,6 +376,8 @@ class EngineArgs:
     # Activations of packed-weight matmuls at small batch: int8 per 32 elements (fast) or float32.
     packed_activations: str = "int8"
     int4_group_size: int = 32
+    # A text file whose activations weight int4's rounding (llama.cpp's importance matrix).
+    int4_calibration: str | None = None
     # Run every step eagerly (no decode-step graphs on CPU; vLLM's flag for CUDA graphs).
     enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -411,6 +413,16 @@ class EngineArgs:
             )
         if self.int4_group_size not in (32, 128):
             raise ValueError(f"int4_group_size must be 32 or 128; got {self.int4_group_size}")
+        if self.int4_calibration is not None:
+            if self.quantization != "int4":
+                raise ValueError(
+                    "int4_calibration needs quantization='int4'; "
+                    f"got quantization={self.quantization!r}"
+                )
+            if not Path(self.int4_calibration).is_file():
+                raise ValueError(
+                    f"int4_calibration must be a text file; {self.int4_calibration!r} is not one"
+                )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
 

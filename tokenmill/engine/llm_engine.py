@@ -29,6 +29,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.quant import create_quant_method
+from tokenmill.quant.calibration import input_importance
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
@@ -78,7 +79,10 @@ class LLMEngine:
             if quantization
             else None
         )
-        model = load_model(model_config, dtype, device, max_model_len, quant_method)
+        importance = (
+            input_importance(args, args.int4_calibration) if args.int4_calibration else None
+        )
+        model = load_model(model_config, dtype, device, max_model_len, quant_method, importance)
         num_blocks = _num_kv_blocks(args, model_config, dtype, device)
         tokens_that_fit = (num_blocks - 1) * args.block_size
         if tokens_that_fit < max_model_len:

@@ -26,9 +26,9 @@ class Embedding(nn.Module):
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
 
-    def quantize_(self, method: PackedQuantMethod) -> None:
+    def quantize_(self, method: PackedQuantMethod, importance: torch.Tensor | None = None) -> None:
         self.dtype = self.weight.dtype
-        self.quant_state = method.quantize(self.weight.data, None)
+        self.quant_state = method.quantize(self.weight.data, None, importance)
         self.quant_method = method
         self.weight = None  # type: ignore[assignment]
 

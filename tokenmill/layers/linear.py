@@ -29,8 +29,9 @@ class Linear(nn.Module):
         self.quant_method: QuantMethod | None = None
         self.quant_state: Any = None
 
-    def quantize_(self, method: QuantMethod) -> None:
-        self.quant_state = method.quantize(self.weight.data, _data(self.bias))
+    def quantize_(self, method: QuantMethod, importance: torch.Tensor | None = None) -> None:
+        """Pack the weight (``importance``: see QuantMethod.quantize)."""
+        self.quant_state = method.quantize(self.weight.data, _data(self.bias), importance)
         self.quant_method = method
         self.weight = None  # type: ignore[assignment]
         self.bias = None

@@ -60,10 +60,12 @@ def load_model(
     device: torch.device,
     max_position: int,
     quant_method: QuantMethod | None = None,
+    importance: dict[str, torch.Tensor] | None = None,
 ) -> CausalLM:
     """Instantiate the architecture with uninitialized parameters, then stream weights in.
 
-    With a ``quant_method``, every Linear (and a tied output head) is packed after loading.
+    With a ``quant_method``, every Linear (and a tied output head) is packed after loading;
+    ``importance`` (quant/calibration.py) maps layer names to their inputs' mean squares.
     """
     assert config.source is not None
     model_cls = get_model_class(config.architecture)
@@ -78,7 +80,11 @@ def load_model(
         # The file's quantized tensors go straight into their layers, never as floats.
         model.load_weights(_iter_gguf(config, keep_packed=True), packed_method=quant_method)
     else:
-        on_loaded = _StreamingQuantizer(model, quant_method) if quant_method is not None else None
+        on_loaded = (
+            _StreamingQuantizer(model, quant_method, importance or {})
+            if quant_method is not None
+            else None
+        )
         if config.source.format == "hf":
             model.load_weights(_iter_safetensors(config.source.path), on_loaded)
         else:
@@ -109,8 +115,11 @@ class _StreamingQuantizer:
     its parameters are loaded, so at most one layer's float weights are resident beyond the
     packed model."""
 
-    def __init__(self, model: CausalLM, method: QuantMethod) -> None:
+    def __init__(
+        self, model: CausalLM, method: QuantMethod, importance: dict[str, torch.Tensor]
+    ) -> None:
         self.method = method
+        self.importance = importance
         self.pending: dict[str, tuple[nn.Module, set[str]]] = {}
         for module_name, module in model.named_modules():
             quantizable = isinstance(module, Linear) or (
@@ -129,7 +138,10 @@ class _StreamingQuantizer:
         module, names = entry
         if not any(n in self.pending for n in names):
             is_head = isinstance(module, Embedding) or name.startswith("lm_head.")
-            module.quantize_(self.method.method_for(name.rpartition(".")[0], is_head))
+            module_name = name.rpartition(".")[0]
+            module.quantize_(
+                self.method.method_for(module_name, is_head), self.importance.get(module_name)
+            )
 
 
 def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,8 +17,15 @@ class QuantMethod:
 
     name: str = ""
 
-    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-        """Pack a float weight [out, in] (and bias) into this method's state."""
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        importance: torch.Tensor | None = None,
+    ) -> Any:
+        """Pack a float weight [out, in] (and bias) into this method's state. ``importance``
+        [in]: the mean square of each input over a calibration text, for schemes whose
+        rounding can use it (int4); the others ignore it."""
         raise NotImplementedError  # each scheme packs its own way
 
     def apply(self, state: Any, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

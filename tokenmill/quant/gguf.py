@@ -45,7 +45,12 @@ class PackedQuantMethod(QuantMethod):
     def wrap(self, weight: PackedWeight) -> PackedState:
         return PackedState(weight)
 
-    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        importance: torch.Tensor | None = None,
+    ) -> PackedState:
         raise ValueError("GGUF weights are packed when the file is read, not from floats")
 
     def apply(

@@ -3,7 +3,9 @@
 Each group of 32 or 128 input elements of a row gets w ≈ s · q + lo with q in 0..15, its grid
 (s, lo) fit by least squares from several starting grids (quant/packed.py: quantize_int4).
 The codes are stored two per byte (0.5 bytes a weight plus a float32 scale and offset per
-group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor.
+group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor. Given a
+calibration text (EngineArgs.int4_calibration, quant/calibration.py), each input's squared
+errors count by its activations' mean square, as llama.cpp's imatrix does.
 
 Two kinds of layer stay int8 (per-channel, quant/int8.py), as llama.cpp's Q4 mixes keep them
 at 6-8 bits:
@@ -39,9 +41,14 @@ class Int4QuantMethod(PackedQuantMethod):
         # One instance for every int8 layer, so k_proj and v_proj can fuse (layers.linear).
         self.wide = Int8QuantMethod(act_int8)
 
-    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        importance: torch.Tensor | None = None,
+    ) -> PackedState:
         bias = None if bias is None else bias.float().contiguous()
-        return PackedState(quantize_int4(weight, self.group_size), bias)
+        return PackedState(quantize_int4(weight, self.group_size, importance), bias)
 
     def method_for(self, module_name: str, is_head: bool) -> QuantMethod:
         if is_head or module_name.rpartition(".")[2] in INT8_PROJECTIONS:

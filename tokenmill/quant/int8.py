@@ -38,7 +38,14 @@ def quantize_per_channel(
 class Int8QuantMethod(PackedQuantMethod):
     name = "int8"
 
-    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedState:
+    def quantize(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        importance: torch.Tensor | None = None,
+    ) -> PackedState:
+        # The scale is the row's max and each weight rounds to its nearest level: nothing for an
+        # importance weighting to choose.
         n, k = weight.shape
         q, scales = quantize_per_channel(weight)
         for start in range(0, n, 8192):  # into the kernel's order, a slice at a time

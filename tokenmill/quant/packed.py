@@ -252,13 +252,18 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
 INT4_SPANS = tuple(14.0 + 0.1 * i for i in range(21))
 
 
-def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
+def quantize_int4(
+    weight: torch.Tensor, group: int, importance: torch.Tensor | None = None
+) -> PackedWeight:
     """Group-wise asymmetric int4: w ≈ s · q + lo with q in 0..15 per group of ``group``.
 
     For each starting grid of INT4_SPANS, codes are rounded, (s, lo) refit by least squares,
     codes rounded again to the refit grid and (s, lo) refit once more; each group keeps the
     grid with the least squared error. A group that already lies on a 16-level grid using 15 or
     16 of its levels (a dequantized Q4_K / Q4_1 weight, nearly always) is recovered exactly.
+    ``importance`` [in]: a weight per input element (the mean square of its activations) for
+    the squared errors, so the grid fits best where the inputs are large: an error in w_j
+    reaches the output times x_j.
     """
     n, k = weight.shape
     if k % group or group % 32:
@@ -266,33 +271,36 @@ def quantize_int4(weight: torch.Tensor, group: int) -> PackedWeight:
             f"int4_group_size {group} must be a multiple of 32 dividing every weight row; "
             f"this model has rows of {k} elements (try 32)"
         )
+    if importance is None:
+        importance = torch.ones(k, device=weight.device)
+    # A floor keeps never-active inputs (importance 0) from leaving a group's grid unfit.
+    importance = importance.float() + 1e-6 * importance.float().mean().clamp_min(1e-30)
+    importance = importance.reshape(1, k // group, group)
     codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight.device)
     scales = torch.empty((n, k // group), dtype=torch.float32, device=weight.device)
     offsets = torch.empty_like(scales)
-    step = max(1, (1 << 18) // k)  # rows per chunk: its temporaries stay in cache
+    step = max(1, (1 << 16) // k)  # rows per chunk: its temporaries stay in cache
     for r in range(0, n, step):
-        q, s, lo = _int4_groups(weight[r : r + step].float().reshape(-1, k // group, group))
+        w = weight[r : r + step].float().reshape(-1, k // group, group)
+        q, s, lo = _int4_groups(w, importance)
         codes[r : r + step] = pack_codes(q.reshape(-1, k), "q4")
         scales[r : r + step] = s.squeeze(-1)
         offsets[r : r + step] = -lo.squeeze(-1)
     return PackedWeight("q4", codes, scales, offsets, group, (n, k))
 
 
-def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [..., group], scales and offsets [..., 1] of w [..., group] (quantize_int4)."""
-    n = w.shape[-1]
+def _int4_groups(w: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Codes [..., group], scales and offsets [..., 1] of w [..., group] whose squared errors
+    count a times each (quantize_int4)."""
     w_min, w_max = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     inv_range = 1.0 / (w_max - w_min).clamp_min(torch.finfo(torch.float32).tiny)
-    sum_w, sum_ww = w.sum(-1, keepdim=True), (w * w).sum(-1, keepdim=True)
+    aw = a * w
+    sums = (a.sum(-1, keepdim=True), aw.sum(-1, keepdim=True), (aw * w).sum(-1, keepdim=True))
     best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for span in INT4_SPANS:
         q = torch.round((w - w_min) * (inv_range * span)).clamp_(0, 15)
-        s, lo, *_ = _fit_grid(w, q, sum_w)
-        s, lo, sum_q, sum_qq, sum_qw = _fit_grid(w, _round_to_grid(w, s, lo), sum_w)
-        # Σ (s·q + lo - w)², expanded over the sums at hand (no pass over w).
-        err = (
-            sum_ww - 2 * s * sum_qw - 2 * lo * sum_w + s * s * sum_qq + 2 * s * lo * sum_q
-        ) + n * lo * lo
+        s, lo, _ = _fit_grid(q, a, aw, sums)
+        s, lo, err = _fit_grid(_round_to_grid(w, s, lo), a, aw, sums)
         if best is None:
             best = (err, s, lo)
             continue
@@ -303,17 +311,28 @@ def _int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return _round_to_grid(w, s, lo), s, lo
 
 
-def _fit_grid(w: torch.Tensor, q: torch.Tensor, sum_w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Least-squares (s, lo) of w ≈ s·q + lo for fixed codes q, per group (the last dim); also
-    the sums of q, q² and q·w it took."""
-    n = w.shape[-1]
-    sum_q, sum_qq, sum_qw = q.sum(-1, True), (q * q).sum(-1, True), (q * w).sum(-1, True)
-    det = n * sum_qq - sum_q * sum_q
-    flat = det <= 0  # every code equal: the group is one level, its mean
+def _fit_grid(
+    q: torch.Tensor, a: torch.Tensor, aw: torch.Tensor, sums: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted least-squares (s, lo) of w ≈ s·q + lo for fixed codes q, per group (the last
+    dim), and its error Σ a (s·q + lo - w)², from sums (no pass over w)."""
+    sum_a, sum_aw, sum_aww = sums
+    aq = a * q
+    sum_aq, sum_aqq, sum_aqw = aq.sum(-1, True), (aq * q).sum(-1, True), (q * aw).sum(-1, True)
+    det = sum_a * sum_aqq - sum_aq * sum_aq
+    flat = det <= 0  # every code equal: the group is one level, its (weighted) mean
     det = torch.where(flat, torch.ones_like(det), det)
-    s = torch.where(flat, torch.zeros_like(det), (n * sum_qw - sum_q * sum_w) / det)
-    lo = torch.where(flat, sum_w / n, (sum_qq * sum_w - sum_q * sum_qw) / det)
-    return s, lo, sum_q, sum_qq, sum_qw
+    s = torch.where(flat, torch.zeros_like(det), (sum_a * sum_aqw - sum_aq * sum_aw) / det)
+    lo = torch.where(flat, sum_aw / sum_a, (sum_aqq * sum_aw - sum_aq * sum_aqw) / det)
+    err = (
+        sum_aww
+        - 2 * s * sum_aqw
+        - 2 * lo * sum_aw
+        + s * s * sum_aqq
+        + 2 * s * lo * sum_aq
+        + lo * lo * sum_a
+    )
+    return s, lo, err
 
 
 def _round_to_grid(w: torch.Tensor, s: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
