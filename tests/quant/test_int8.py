@@ -82,3 +82,16 @@ def test_int8_model_greedy_tracks_float(tiny_model_dir, arch) -> None:
     assert agree_first >= 7
     assert_all_blocks_free(fp)
     assert_all_blocks_free(q8)
+
+
+def test_group_scales_recover_a_q8_0_tensor_exactly() -> None:
+    """int4 keeps some layers int8 with a scale per 32 inputs (GGUF Q8_0's layout): a dequantized
+    Q8_0 tensor comes back exactly, where one scale a row would round it again."""
+    torch.manual_seed(4)
+    codes = torch.randint(-127, 128, (16, 8, 32)).float()
+    codes[..., 0] = 127  # Q8_0 scales each block to its max
+    w = (codes * (torch.rand(16, 8, 1) * 0.01 + 1e-4)).reshape(16, 256)
+    grouped = Int8QuantMethod(act_int8=False, group=32).quantize(w, None)
+    torch.testing.assert_close(grouped.weight.dequantize(), w, rtol=1e-6, atol=0)
+    per_row = Int8QuantMethod(act_int8=False).quantize(w, None)
+    assert (per_row.weight.dequantize() - w).abs().max() > 1e-6

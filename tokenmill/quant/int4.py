@@ -7,7 +7,7 @@ group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor.
 calibration text (EngineArgs.int4_calibration, quant/calibration.py), each input's squared
 errors count by its activations' mean square, as llama.cpp's imatrix does.
 
-Two kinds of layer stay int8 (per-channel, quant/int8.py), as llama.cpp's Q4 mixes keep them
+Two kinds of layer stay int8 (a scale per 32 inputs, quant/int8.py), as llama.cpp's Q4 mixes keep them
 at 6-8 bits:
 - the output head (and a tied embedding): the logits over a large vocabulary are where 4 bits
   hurt most;
@@ -38,8 +38,9 @@ class Int4QuantMethod(PackedQuantMethod):
             raise ValueError(f"int4 group size must be 32 or 128; got {group_size}")
         super().__init__(act_int8)
         self.group_size = group_size
-        # One instance for every int8 layer, so k_proj and v_proj can fuse (layers.linear).
-        self.wide = Int8QuantMethod(act_int8)
+        # One instance for every int8 layer, so k_proj and v_proj can fuse (layers.linear);
+        # a scale per 32 inputs: finer than per channel at no cost, exact for a Q8_0 source.
+        self.wide = Int8QuantMethod(act_int8, group=32)
 
     def quantize(
         self,
