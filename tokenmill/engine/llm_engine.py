@@ -25,11 +25,11 @@ from tokenmill.config import (
     resolve_model,
 )
 from tokenmill.core import RunnerOutput, Scheduler
+from tokenmill.engine.calibration import input_importance
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.quant import create_quant_method
-from tokenmill.quant.calibration import input_importance
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer

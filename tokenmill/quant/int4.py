@@ -4,7 +4,7 @@ Each group of 32 or 128 input elements of a row gets w ≈ s · q + lo with q in
 (s, lo) fit by least squares from several starting grids (quant/packed.py: quantize_int4).
 The codes are stored two per byte (0.5 bytes a weight plus a float32 scale and offset per
 group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor. Given a
-calibration text (EngineArgs.int4_calibration, quant/calibration.py), each input's squared
+calibration text (EngineArgs.int4_calibration, engine/calibration.py), each input's squared
 errors count by its activations' mean square, as llama.cpp's imatrix does.
 
 Two kinds of layer stay int8 (a scale per 32 inputs, quant/int8.py), as llama.cpp's Q4 mixes keep them

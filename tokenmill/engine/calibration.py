@@ -40,7 +40,7 @@ CALIBRATION_MAX_TOKENS = 4096
 def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     """Layer name -> mean square of each of its inputs [in_features] over the text at ``path``,
     computed by the float model that ``args`` describe."""
-    from tokenmill.engine.llm_engine import LLMEngine  # the engine imports this module
+    from tokenmill.engine.llm_engine import LLMEngine  # which imports this module
 
     try:
         text = Path(path).read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""int4 calibrated by a text (quant/calibration.py): the float model's input statistics weight
+"""int4 calibrated by a text (engine/calibration.py): the float model's input statistics weight
 int4's rounding; bad arguments are refused before anything loads."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from conftest import assert_all_blocks_free
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
+from tokenmill.engine.calibration import input_importance
 from tokenmill.layers import Linear
-from tokenmill.quant.calibration import input_importance
 from tokenmill.sampling_params import SamplingParams
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
