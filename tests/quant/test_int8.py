@@ -91,7 +91,7 @@ def test_group_scales_recover_a_q8_0_tensor_exactly() -> None:
     codes = torch.randint(-127, 128, (16, 8, 32)).float()
     codes[..., 0] = 127  # Q8_0 scales each block to its max
     w = (codes * (torch.rand(16, 8, 1) * 0.01 + 1e-4)).reshape(16, 256)
-    grouped = Int8QuantMethod(act_int8=False, group=32).quantize(w, None)
+    grouped = Int8QuantMethod(act_int8=False, group_scales=True).quantize(w, None)
     torch.testing.assert_close(grouped.weight.dequantize(), w, rtol=1e-6, atol=0)
     per_row = Int8QuantMethod(act_int8=False).quantize(w, None)
     assert (per_row.weight.dequantize() - w).abs().max() > 1e-6

@@ -62,10 +62,7 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
 
     def add(name: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        if name in sums:
-            sums[name] += x.square().sum(0)
-        else:
-            sums[name] = x.square().sum(0)
+        sums[name] = x.square().sum(0) + sums.get(name, 0.0)
         counts[name] = counts.get(name, 0) + x.shape[0]
 
     hooks = [

@@ -7,8 +7,8 @@ group) and computed by the packed-weight kernel, like a GGUF Q4_1 / Q4_K tensor.
 calibration text (EngineArgs.int4_calibration, engine/calibration.py), each input's squared
 errors count by its activations' mean square, as llama.cpp's imatrix does.
 
-Two kinds of layer stay int8 (a scale per 32 inputs, quant/int8.py), as llama.cpp's Q4 mixes keep them
-at 6-8 bits:
+Two kinds of layer stay int8 (a scale per 32 inputs, quant/int8.py), as llama.cpp's Q4
+mixes keep them at 6-8 bits:
 - the output head (and a tied embedding): the logits over a large vocabulary are where 4 bits
   hurt most;
 - the key and value projections: under grouped-query attention each feeds every query head of
@@ -40,7 +40,7 @@ class Int4QuantMethod(PackedQuantMethod):
         self.group_size = group_size
         # One instance for every int8 layer, so k_proj and v_proj can fuse (layers.linear);
         # a scale per 32 inputs: finer than per channel at no cost, exact for a Q8_0 source.
-        self.wide = Int8QuantMethod(act_int8, group=32)
+        self.wide = Int8QuantMethod(act_int8, group_scales=True)
 
     def quantize(
         self,

@@ -41,15 +41,15 @@ def quantize_per_channel(
 
 
 class Int8QuantMethod(PackedQuantMethod):
-    """``group=None``: one scale per output channel (``--quantization int8``); 32: one per 32
-    inputs, GGUF Q8_0's layout, which the kernel reads at the same cost (it reads a scale per
+    """One scale per output channel (``--quantization int8``), or with ``group_scales`` one per
+    32 inputs, GGUF Q8_0's layout, which the kernel reads at the same cost (it reads a scale per
     group either way) and which recovers a Q8_0 tensor exactly (int4's int8 layers)."""
 
     name = "int8"
 
-    def __init__(self, act_int8: bool = True, group: int | None = None) -> None:
+    def __init__(self, act_int8: bool = True, group_scales: bool = False) -> None:
         super().__init__(act_int8)
-        self.group = group
+        self.group_scales = group_scales
 
     def quantize(
         self,
@@ -61,7 +61,7 @@ class Int8QuantMethod(PackedQuantMethod):
         # importance weighting to choose.
         n, k = weight.shape
         group = 32 if k % 32 == 0 else k  # rows not in 32s: one group (torch reference path)
-        q, scales = quantize_per_channel(weight, group=group if self.group else None)
+        q, scales = quantize_per_channel(weight, group=group if self.group_scales else None)
         for start in range(0, n, 8192):  # into the kernel's order, a slice at a time
             q[start : start + 8192] = pack_codes(q[start : start + 8192], "q8")
         if scales.dim() == 1:  # one scale a row, stored once per group
