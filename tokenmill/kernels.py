@@ -310,9 +310,12 @@ def qgemm(
     bias: torch.Tensor | None,
     act_int8: bool,
     out: torch.Tensor | None = None,
+    q8_unsigned: bool = False,
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 with the C kernel (callers check available),
-    into ``out`` when given (float32, contiguous, [M, N])."""
+    into ``out`` when given (float32, contiguous, [M, N]). ``q8_unsigned`` (with int8
+    activations): "q8" codes run as unsigned bytes against 7-bit activations, faster
+    (packed.activation_levels)."""
     lib = _library()
     assert lib is not None  # callers checked available() and supports(w)
     x = x.float().contiguous()
@@ -333,7 +336,7 @@ def qgemm(
         w.group,
         bias,
         y,
-        int(act_int8),
+        (2 if q8_unsigned else 1) if act_int8 else 0,
     )
     if rc != 0:
         raise MemoryError("packed matmul could not allocate its activation buffer")

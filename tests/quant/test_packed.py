@@ -15,6 +15,7 @@ from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import (
     PackedWeight,
+    activation_levels,
     concat_rows,
     lane_order,
     pack_codes,
@@ -117,6 +118,23 @@ def test_a_rows_result_does_not_depend_on_its_batch(act_int8: bool) -> None:
     together = kernels.qgemm(x, w, None, act_int8)
     for i in (0, 8, 12):
         assert torch.equal(kernels.qgemm(x[i : i + 1], w, None, act_int8)[0], together[i])
+
+
+@needs_kernel
+@pytest.mark.parametrize("code", [127, -128])
+def test_int8_codes_at_their_extremes_sum_exactly(code: int) -> None:
+    """The kernel multiplies "q8" codes as bytes code + 128 with maddubs, whose pair sums
+    saturate at 2^15: against activations quantized to [-64, 64] (activation_levels) even the
+    largest codes times the largest activations, 2 · 255 · 64, stay exact."""
+    k = 640
+    codes = torch.full((3, k), code)
+    w = PackedWeight("q8", pack_codes(codes, "q8"), torch.ones(3, k // 32), None, 32, (3, k))
+    x = torch.full((2, k), 1.0)
+    x[1] = -1.0
+    y = kernels.qgemm(x, w, None, act_int8=True, q8_unsigned=True)
+    torch.testing.assert_close(y, x @ w.dequantize().T, rtol=0, atol=0)
+    _, d = quantize_activations(x, activation_levels(w, q8_unsigned=True))
+    assert torch.equal(d, torch.full_like(d, 1 / 64))
 
 
 @needs_kernel
@@ -299,6 +317,20 @@ def test_int4_keeps_key_and_value_projections_int8(tiny_model_dir, arch: str) ->
         for linear in (attn.q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             assert linear.quant_state.weight.kind == "q4"
     assert all(len(t) == 8 for t in tokens)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
+def test_only_the_output_head_runs_int8_codes_unsigned(tiny_model_dir, arch, tied) -> None:
+    """The head's int8 matmul takes 7-bit activations (PackedState.q8_unsigned), tied or not;
+    the layers keep 8 bits."""
+    _, engine = _greedy(tiny_model_dir(arch), quantization="int8")
+    model = engine.runner.model
+    head = model.output_head()
+    assert head is (model.model.embed_tokens if tied else model.lm_head)
+    assert head.quant_state.q8_unsigned
+    for layer in model.model.layers:
+        assert not layer.mlp.down_proj.quant_state.q8_unsigned
     assert_all_blocks_free(engine)
 
 

@@ -33,6 +33,10 @@ class CausalLM(nn.Module):
         page faults a step)."""
         raise NotImplementedError  # each architecture defines its head
 
+    def output_head(self) -> nn.Module:
+        """The module whose weight compute_logits multiplies: lm_head, or the tied embedding."""
+        return getattr(self, "lm_head", None) or self.model.embed_tokens
+
     def weight_nbytes(self) -> int:
         """Resident bytes of the weights: float parameters plus packed quantized states."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())

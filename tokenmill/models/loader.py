@@ -23,7 +23,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
 from tokenmill.quant.base import QuantMethod
-from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import PackedWeight, pack_gguf
 
@@ -95,6 +95,9 @@ def load_model(
     for module in model.modules():
         if hasattr(module, "fuse_projections_"):
             module.fuse_projections_()
+    head_state = getattr(model.output_head(), "quant_state", None)
+    if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
+        head_state.q8_unsigned = True
     _release_freed_memory()
     return model.eval()
 

@@ -32,6 +32,10 @@ TILE_ELEMENTS = 1 << 22
 class PackedState:
     weight: PackedWeight
     bias: torch.Tensor | None = None
+    # With int8 activations, "q8" codes run as unsigned bytes against 7-bit activations
+    # (packed.activation_levels): 1.2-1.3x faster at many rows. Set for the output head (the
+    # loader), the cost of batched decode, where it measured +0.07% perplexity; layers keep 8 bits.
+    q8_unsigned: bool = False
 
 
 class PackedQuantMethod(QuantMethod):
@@ -62,7 +66,7 @@ class PackedQuantMethod(QuantMethod):
         if not kernels.available() or not kernels.supports(w):
             y = reference_matmul(x2, w, state.bias, act_int8=False)
         elif self.act_int8 or x2.shape[0] < FLOAT_GEMM_MIN_ROWS:
-            y = kernels.qgemm(x2, w, state.bias, self.act_int8, out=out)
+            y = kernels.qgemm(x2, w, state.bias, self.act_int8, out, state.q8_unsigned)
         else:
             y = _tiled_float_gemm(x2.float(), w, state.bias)
         if out is not None:

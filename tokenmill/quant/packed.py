@@ -342,18 +342,29 @@ def _round_to_grid(w: torch.Tensor, s: torch.Tensor, lo: torch.Tensor) -> torch.
     return q.mul_(positive)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each 32-element chunk of x [M, K] -> int8 codes and a scale (the kernel's int8 mode)."""
+def activation_levels(w: PackedWeight, q8_unsigned: bool) -> int:
+    """The largest int8 activation code the kernel's int8 mode uses against ``w``: 64 for "q8"
+    weights run unsigned (codes + 128, no sign flip per product; csrc/qgemm.c), else 127."""
+    return 64 if q8_unsigned and w.kind == "q8" else 127
+
+
+def quantize_activations(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each 32-element chunk of x [M, K] -> int8 codes in [-levels, levels] and a scale (the
+    kernel's int8 mode)."""
     m, k = x.shape
     chunks = x.float().reshape(m, k // 32, 32)
     amax = chunks.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     q = torch.round(chunks * inv[:, :, None])
-    return q.reshape(m, k), amax / 127.0
+    return q.reshape(m, k), amax / levels
 
 
 def reference_matmul(
-    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_int8: bool
+    x: torch.Tensor,
+    w: PackedWeight,
+    bias: torch.Tensor | None,
+    act_int8: bool,
+    q8_unsigned: bool = False,
 ) -> torch.Tensor:
     """y = x Wᵀ + b in float32, as the kernel computes it (incl. its int8 activations).
 
@@ -365,7 +376,7 @@ def reference_matmul(
     tile = max(1, (1 << 24) // k)  # bound the float weight tile (~16M elements)
     out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
     if act_int8:
-        xq, xd = quantize_activations(x)
+        xq, xd = quantize_activations(x, activation_levels(w, q8_unsigned))
         xq = xq.reshape(m, k // 32, 32)
         sums = x.reshape(m, -1, w.group).sum(-1)
     for r in range(0, w.shape[0], tile):
