@@ -64,7 +64,7 @@ def matmul_floor(engine: LLMEngine, num_prompts: int, prompt_len: int, output_le
     own layers: prefill in steps of max_num_batched_tokens rows, then output_len - 1 decode
     steps of num_prompts rows; the head runs once per generated token."""
     model = engine.runner.model
-    head = getattr(model, "lm_head", None)  # tied heads (gemma) are the embedding, not a Linear
+    head = model.output_head()  # a Linear, or the tied embedding (gemma)
     layers = [  # the matmuls that run: projections fused into qkv / gate_up hold no weight
         m
         for m in model.modules()
