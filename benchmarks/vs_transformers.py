@@ -73,31 +73,25 @@ def matmul_floor(engine: LLMEngine, num_prompts: int, prompt_len: int, output_le
         and (m.quant_method is not None or m.weight is not None)
     ]
 
-    def timed(rows: int) -> float:
+    def best_of_3(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            with torch.no_grad():
+                fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def layers_time(rows: int) -> float:
         xs = [torch.randn(rows, m.in_features) for m in layers]
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            with torch.no_grad():
-                for m, x in zip(layers, xs):
-                    m(x)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_of_3(lambda: [m(x) for m, x in zip(layers, xs)])
 
-    def head_time(rows: int) -> float:
-        x = torch.randn(rows, engine.config.model_config.hidden_size)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            with torch.no_grad():
-                model.compute_logits(x)
-            best = min(best, time.perf_counter() - start)
-        return best
-
+    hidden = torch.randn(num_prompts, engine.config.model_config.hidden_size)
+    head = best_of_3(lambda: model.compute_logits(hidden))
     step = engine.config.scheduler_config.max_num_batched_tokens
-    prefill = num_prompts * prompt_len / step * timed(step)
-    decode = (output_len - 1) * timed(num_prompts)
-    return prefill + decode + output_len * head_time(num_prompts)
+    prefill = num_prompts * prompt_len / step * layers_time(step)
+    decode = (output_len - 1) * layers_time(num_prompts)
+    return prefill + decode + output_len * head
 
 
 def transformers_runs(args: argparse.Namespace, vocab: int) -> dict:

@@ -90,6 +90,11 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     y8 = kernels.qgemm(x, w, bias, act_int8=True)
     torch.testing.assert_close(y8, reference_matmul(x, w, bias, True), rtol=0, atol=1e-5 * scale)
     assert (y8 - exact).abs().max() < 0.03 * scale
+    # "q8" codes run unsigned against 7-bit activations (the output head): the same check.
+    y7 = kernels.qgemm(x, w, bias, act_int8=True, q8_unsigned=True)
+    ref7 = reference_matmul(x, w, bias, True, q8_unsigned=True)
+    torch.testing.assert_close(y7, ref7, rtol=0, atol=1e-5 * scale)
+    assert (y7 - exact).abs().max() < 0.03 * scale
     assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
 
 

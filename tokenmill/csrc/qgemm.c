@@ -32,7 +32,7 @@
  *                 int8 (maddubs) and only the per-chunk sums are float. The fast mode.
  *   act_int8 = 2: as 1, but against "q8" weights x is quantized to [-64, 64] (7 bits), so
  *                 that the codes can run unsigned: one maddubs sum of two products, at most
- *                 2 · 255 · 64, fits int16. 1.2-1.3x faster on "q8" at many rows.
+ *                 2 · 255 · 64, fits int16. 1.1-1.3x faster on "q8" at many rows.
  *   act_int8 = 0: x stays float32 (copied into lane order once per call); codes are widened
  *                 to float and multiplied with FMA, each lane's sums scaled once per block.
  *                 Exact up to float32 rounding.

@@ -33,7 +33,7 @@ class PackedState:
     weight: PackedWeight
     bias: torch.Tensor | None = None
     # With int8 activations, "q8" codes run as unsigned bytes against 7-bit activations
-    # (packed.activation_levels): 1.2-1.3x faster at many rows. Set for the output head (the
+    # (packed.activation_levels): 1.1-1.3x faster at many rows. Set for the output head (the
     # loader), the cost of batched decode, where it measured +0.07% perplexity; layers keep 8 bits.
     q8_unsigned: bool = False
 
