@@ -298,7 +298,7 @@ def supports(w: PackedWeight) -> bool:
     )
 
 
-def _kind(w: PackedWeight) -> int:
+def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
     bits 8-15), bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
@@ -329,7 +329,7 @@ def qgemm(
         w.shape[0],
         k,
         x,
-        _kind(w),
+        kind_code(w),
         w.codes,
         w.scales,
         w.offsets,
@@ -352,7 +352,7 @@ def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:
         start,
         end,
         w.shape[1],
-        _kind(w),
+        kind_code(w),
         w.codes.data_ptr(),
         w.scales.data_ptr(),
         None if w.offsets is None else w.offsets.data_ptr(),
@@ -484,7 +484,7 @@ def embed_rows(w: PackedWeight, ids: torch.Tensor, scale: float = 1.0) -> torch.
         ids,
         ids.numel(),
         w.shape[1],
-        _kind(w),
+        kind_code(w),
         w.codes,
         w.scales,
         w.offsets,

@@ -1,0 +1,120 @@
+"""A change to the packed matmul (tokenmill/csrc/qgemm.c) against a baseline, in one process.
+
+This machine's speed drifts by 10-50% from minute to minute (a shared VM), so two runs a minute
+apart cannot tell a 5% kernel change from noise. Here both versions of the kernel are built
+side by side (the baseline from a git revision, the candidate from the working tree), loaded
+into one process, and called alternately on the same inputs: every timing pair sees the same
+machine. For each of gemma-3-270m's packed weight layouts (and its output head, run as the
+engine runs it) and each row count, it prints the median time of each and their ratio, and
+the largest difference between their outputs, relative to the largest output (0 when the
+change keeps the arithmetic). With the same code on both sides (an A/A run, 5 repetitions) the
+ratios ranged 0.85-1.1: a change smaller than that needs more --reps, or several runs.
+
+    python benchmarks/qgemm_ab.py [--base HEAD] [--rows 1,64,2048] [--reps 9]  (repo root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.config import EngineArgs
+from tokenmill.engine import LLMEngine
+from tokenmill.layers.linear import Linear
+from tokenmill.quant.packed import PackedWeight
+
+SOURCE = Path("tokenmill/csrc/qgemm.c")
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
+    """qgemm.c alone as a shared library, with setup.py's flags."""
+    src, lib = out_dir / f"{name}.c", out_dir / f"{name}.so"
+    src.write_text(source)
+    include = sysconfig.get_paths()["include"]
+    cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", str(src), "-o", str(lib)]
+    subprocess.run(cmd, check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.tm_qgemm.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
+    dll.tm_qgemm.restype = _int
+    return dll
+
+
+def call(lib: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, act: int, y: torch.Tensor) -> None:
+    """The engine's call (kernels.qgemm) into a given build of the kernel."""
+    offsets = w.offsets.data_ptr() if w.offsets is not None else None
+    rc = lib.tm_qgemm(
+        x.shape[0], w.shape[0], w.shape[1], x.data_ptr(), kernels.kind_code(w), w.codes.data_ptr(),
+        w.scales.data_ptr(), offsets, w.group, None, y.data_ptr(), act,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("tm_qgemm could not allocate")
+
+
+def layouts(engine: LLMEngine) -> dict[str, tuple[PackedWeight, int]]:
+    """One weight per packed layout of the model, and the head: name -> (weight, act_int8)."""
+    model = engine.runner.model
+    head = model.output_head()
+    found: dict[str, tuple[PackedWeight, int]] = {}
+    for name, m in model.named_modules():
+        state = getattr(m, "quant_state", None)
+        if not isinstance(m, Linear) or state is None or m is head:
+            continue
+        w = state.weight
+        key = f"{name.split('.')[-1]} {w.kind} G{w.group} {tuple(w.shape)}"
+        found.setdefault(key, (w, 1))
+    state = head.quant_state
+    found[f"output head {state.weight.kind} {tuple(state.weight.shape)}"] = (
+        state.weight,
+        2 if state.q8_unsigned else 1,
+    )
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base", default="HEAD", help="git revision of the baseline kernel")
+    parser.add_argument("--rows", default="1,64,2048")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--model", default="gemma-3-270m")
+    args = parser.parse_args()
+    base_src = subprocess.run(
+        ["git", "show", f"{args.base}:{SOURCE}"], check=True, capture_output=True, text=True
+    ).stdout
+    engine = LLMEngine(EngineArgs(model=args.model, max_model_len=256, kv_cache_memory="64MiB"))
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build(base_src, Path(tmp), "base")
+        new = build(SOURCE.read_text(), Path(tmp), "new")
+        print(
+            f"{'weight':44s} {'rows':>5s} {'base ms':>9s} {'new ms':>9s} {'base/new':>8s}  max diff"
+        )
+        for name, (w, act) in layouts(engine).items():
+            for rows in (int(r) for r in args.rows.split(",")):
+                if name.startswith("output head") and rows > 64:
+                    continue  # the head sees one row per sampling request: decode batches
+                x = torch.randn(rows, w.shape[1])
+                y_base, y_new = (torch.empty(rows, w.shape[0]) for _ in range(2))
+                times: dict[str, list[float]] = {"base": [], "new": []}
+                for _ in range(args.reps):
+                    for label, lib, y in (("base", base, y_base), ("new", new, y_new)):
+                        start = time.perf_counter()
+                        call(lib, x, w, act, y)
+                        times[label].append(time.perf_counter() - start)
+                tb, tn = (statistics.median(times[k]) * 1e3 for k in ("base", "new"))
+                diff = (y_base - y_new).abs().max().item() / max(y_base.abs().max().item(), 1e-30)
+                print(f"{name:44s} {rows:5d} {tb:9.3f} {tn:9.3f} {tb / tn:8.3f}  {diff:.1e}")
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
