@@ -34,7 +34,6 @@ from tokenmill.layers.linear import Linear
 from tokenmill.quant.packed import PackedWeight
 
 SOURCE = Path("tokenmill/csrc/qgemm.c")
-_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
@@ -45,8 +44,8 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", str(src), "-o", str(lib)]
     subprocess.run(cmd, check=True)
     dll = ctypes.CDLL(str(lib))
-    dll.tm_qgemm.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
-    dll.tm_qgemm.restype = _int
+    dll.tm_qgemm.argtypes = kernels.QGEMM_ARGTYPES
+    dll.tm_qgemm.restype = ctypes.c_int
     return dll
 
 
@@ -67,17 +66,16 @@ def layouts(engine: LLMEngine) -> dict[str, tuple[PackedWeight, int]]:
     head = model.output_head()
     found: dict[str, tuple[PackedWeight, int]] = {}
     for name, m in model.named_modules():
-        state = getattr(m, "quant_state", None)
-        if not isinstance(m, Linear) or state is None or m is head:
-            continue
-        w = state.weight
-        key = f"{name.split('.')[-1]} {w.kind} G{w.group} {tuple(w.shape)}"
-        found.setdefault(key, (w, 1))
-    state = head.quant_state
-    found[f"output head {state.weight.kind} {tuple(state.weight.shape)}"] = (
-        state.weight,
-        2 if state.q8_unsigned else 1,
-    )
+        w = getattr(getattr(m, "quant_state", None), "weight", None)
+        if isinstance(m, Linear) and m is not head and isinstance(w, PackedWeight):
+            key = f"{name.split('.')[-1]} {w.kind} G{w.group} {tuple(w.shape)}"
+            found.setdefault(key, (w, 1))
+    state = getattr(head, "quant_state", None)
+    if isinstance(getattr(state, "weight", None), PackedWeight):
+        name = f"output head {state.weight.kind} {tuple(state.weight.shape)}"
+        found[name] = (state.weight, 2 if state.q8_unsigned else 1)
+    if not found:
+        raise SystemExit("the model holds no packed (GGUF) weights: nothing to compare")
     return found
 
 

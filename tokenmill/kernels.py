@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 _KINDS = {"q8": 0, "q4": 1, "u8": 4}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
+QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
 # Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
 (
     _OP_QGEMM,
@@ -72,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
     if not lib.tm_cpu_supported():
         logger.info("CPU lacks AVX2/FMA; packed weights use the torch reference")
         return None
-    lib.tm_qgemm.argtypes = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
+    lib.tm_qgemm.argtypes = QGEMM_ARGTYPES
     lib.tm_qgemm.restype = _int
     lib.tm_dequant_rows.argtypes = [_i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr]
     lib.tm_dequant_rows.restype = None
