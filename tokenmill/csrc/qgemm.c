@@ -288,8 +288,8 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
 /*
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
- * and ("u8" with z > 0) its zero-point terms at xz + (b · RA + i) · 16. KIND: 0 "q8", 1 "q4",
- * 2 "u8". Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches
+ * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16. KIND: 0 "q8", 1 "q4",
+ * 2 "u8", 3 "q8" run unsigned (z = 128). Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches
  * on them.
  */
 TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16, const int RA,

@@ -31,11 +31,13 @@ class CausalLM(nn.Module):
         """Logits [rows, vocab] of hidden states [rows, hidden]; written into ``out`` when given
         (the runner reuses one float32 buffer: at 32 rows a fresh 33 MB tensor cost ~10 ms of
         page faults a step)."""
-        raise NotImplementedError  # each architecture defines its head
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.as_head(hidden, out)
+        return self.lm_head(hidden, out)
 
     def output_head(self) -> nn.Module:
         """The module whose weight compute_logits multiplies: lm_head, or the tied embedding."""
-        return getattr(self, "lm_head", None) or self.model.embed_tokens
+        return self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
 
     def weight_nbytes(self) -> int:
         """Resident bytes of the weights: float parameters plus packed quantized states."""

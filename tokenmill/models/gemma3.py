@@ -77,10 +77,7 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_head(hidden, out)
-        else:
-            logits = self.lm_head(hidden, out)
+        logits = super().compute_logits(hidden, out)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

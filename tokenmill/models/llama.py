@@ -157,8 +157,3 @@ class LlamaForCausalLM(CausalLM):
         for layer in self.model.layers:
             h = layer(h, positions, fwd)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_head(hidden, out)
-        return self.lm_head(hidden, out)
