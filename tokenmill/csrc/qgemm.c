@@ -175,11 +175,13 @@ TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d, float
 /* An x row -> int8 codes in lane order + each block's chunk scales by lane. Vector v of the row
  * goes to q + v · vstride, block b's scales to d8 + b · dstride: rows of a tile interleave
  * (tile_int8 reads each activation row's vectors at one stride from one pointer). With zs
- * ("u8" weights), zs + b · dstride · 2 gets z times the sum of each lane's codes over the
- * block's first half of vectors, then over its second half (G = 16 splits there). */
+ * ("u8" weights), zs + b · dstride · 2 gets -z times the sum of each lane's codes over the
+ * block's first half of vectors, then over its second half (split: G = 16 splits there), or,
+ * not split, over the whole block: the tile's integer sums start from these as they are (one
+ * load a row and block; adding the halves there cost ~9% of the output head's time). */
 TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, int64_t vstride,
                                          float *d8, int64_t dstride, int32_t *zs, int z,
-                                         float qmax) {
+                                         int split, float qmax) {
     const int64_t nc = K / 32;
     int64_t b = 0;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
@@ -198,8 +200,15 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
         }
         for (int l = 0; l < 8; l++) d8[b * dstride + l] = d[l % t];
         if (zs)
-            for (int h = 0; h < 2; h++)
-                for (int l = 0; l < 8; l++) zs[b * dstride * 2 + h * 8 + l] = z * sums[h][l];
+            for (int l = 0; l < 8; l++) {
+                int32_t *zb = zs + b * dstride * 2;
+                if (split) {
+                    zb[l] = -z * sums[0][l];
+                    zb[8 + l] = -z * sums[1][l];
+                } else {
+                    zb[l] = -z * (sums[0][l] + sums[1][l]);
+                }
+            }
     }
 }
 
@@ -304,18 +313,14 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0);
         __m256i ia[RA_MAX], ib[RA_MAX];
-        for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
         if (KIND != 1 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
             for (int i = 0; i < RA; i++) {
                 const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * 16);
-                __m256i za = _mm256_loadu_si256(zi), zb = _mm256_loadu_si256(zi + 1);
-                if (G16) {
-                    ia[i] = _mm256_sub_epi32(ia[i], za);
-                    ib[i] = _mm256_sub_epi32(ib[i], zb);
-                } else {
-                    ia[i] = _mm256_sub_epi32(ia[i], _mm256_add_epi32(za, zb));
-                }
+                ia[i] = _mm256_loadu_si256(zi);
+                ib[i] = G16 ? _mm256_loadu_si256(zi + 1) : _mm256_setzero_si256();
             }
+        else
+            for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
         if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
             for (int u = 0; u < t; u += 2) {
                 const uint8_t *src = row + c0 * 32 + u * 32;
@@ -557,7 +562,7 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             const int ra = tile_rows(M, m0, most);
             quantize_row_lanes(x + m * K, K, xq + m0 * K + (m - m0) * 32, ra * 32,
                                xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8,
-                               xz ? xz + m0 * nblk * 16 + (m - m0) * 16 : NULL, zx, qmax);
+                               xz ? xz + m0 * nblk * 16 + (m - m0) * 16 : NULL, zx, G == 16, qmax);
         }
     }
     if (!act_int8) {
