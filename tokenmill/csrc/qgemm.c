@@ -200,15 +200,10 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
         }
         for (int l = 0; l < 8; l++) d8[b * dstride + l] = d[l % t];
         int32_t *zb = zs ? zs + b * dstride * 2 : NULL;
-        if (zb)
-            for (int l = 0; l < 8; l++) {
-                if (split) {
-                    zb[l] = -z * sums[0][l];
-                    zb[8 + l] = -z * sums[1][l];
-                } else {
-                    zb[l] = -z * (sums[0][l] + sums[1][l]);
-                }
-            }
+        for (int l = 0; zb && l < 8; l++) {
+            zb[l] = -z * (split ? sums[0][l] : sums[0][l] + sums[1][l]);
+            if (split) zb[8 + l] = -z * sums[1][l];
+        }
     }
 }
 
@@ -297,9 +292,9 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
 /*
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
- * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16. KIND: 0 "q8", 1 "q4",
- * 2 "u8", 3 "q8" run unsigned (z = 128). Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches
- * on them.
+ * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
+ * 8; else the first 8 only). KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128).
+ * Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches on them.
  */
 TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16, const int RA,
                                    int gshift, int64_t K, const uint8_t *row, const void *s,
