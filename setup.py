@@ -3,9 +3,11 @@ decode-step graphs);
 metadata is in pyproject.
 
 The extension is optional: where it cannot be built (no C compiler), tokenmill installs anyway
-and computes with its pure-torch reference.
+and computes with its pure-torch reference. CI sets TOKENMILL_REQUIRE_EXTENSION=1, so there a
+broken build fails the install instead of passing on the slow path.
 """
 
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -25,7 +27,7 @@ setup(
             depends=["tokenmill/csrc/simd.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
-            optional=True,
+            optional=os.environ.get("TOKENMILL_REQUIRE_EXTENSION") != "1",
         )
     ]
 )

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Where the C kernels are required (CI: TOKENMILL_REQUIRE_EXTENSION=1), a missing or
+    unloadable extension fails the run: its tests would otherwise skip and pass silently."""
+    if os.environ.get("TOKENMILL_REQUIRE_EXTENSION") != "1":
+        return
+    from tokenmill import kernels
+
+    if not kernels.available():
+        raise pytest.UsageError(
+            "TOKENMILL_REQUIRE_EXTENSION=1 but the C kernels (tokenmill._qgemm) did not load: "
+            "reinstall with a C compiler (pip install -e .) and see the build log"
+        )
+
 
 TINY_COMMON = dict(
     vocab_size=384,
