@@ -87,10 +87,10 @@ def _decode(llm: LLM, args: argparse.Namespace, before_decode: Callable[[], None
 def run_eager(args: argparse.Namespace) -> float:
     llm = _engine(args, enforce_eager=True)
     engine, acc = llm.engine, collections.defaultdict(float)
-    model = engine.runner.model
+    model = engine.executor.worker.model
     parts = [
         (engine.scheduler, "schedule", "scheduler"),
-        (engine.runner, "_prepare", "prepare inputs"),
+        (engine.executor.worker.runner, "prepare_step", "prepare inputs"),
         (type(model), "forward", "model forward (layers)"),
         (norm.RMSNorm, "forward", "  RMSNorms"),
         (linear.Linear, "forward", "  linear layers (matmuls)"),
@@ -98,7 +98,7 @@ def run_eager(args: argparse.Namespace) -> float:
         (attention_layer.Attention, "forward", "  paged attention"),
         (llama.LlamaMLP, "forward", "  MLP block (incl. its matmuls)"),
         (model, "compute_logits", "output head (logits)"),
-        (engine.runner, "sampler", "sampler"),
+        (engine.executor.worker.runner, "sampler", "sampler"),
         (engine.output_processor, "process", "detokenize + outputs"),
     ]
     for owner, name, key in parts:
@@ -122,7 +122,7 @@ def run_eager(args: argparse.Namespace) -> float:
 
 def run_graphed(args: argparse.Namespace) -> float:
     llm = _engine(args, enforce_eager=False)
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.worker.runner.decode_graphs
     total = _decode(llm, args, lambda: None)
     print(f"graphed: batch {args.batch}: {total * 1e3:.2f} ms/step, {args.batch / total:.1f} tok/s")
     if graphs is None or args.batch not in graphs.captured_sizes():

@@ -62,7 +62,7 @@ def call(lib: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, act: int, y: torch.
 
 def layouts(engine: LLMEngine) -> dict[str, tuple[PackedWeight, int]]:
     """One weight per packed layout of the model, and the head: name -> (weight, act_int8)."""
-    model = engine.runner.model
+    model = engine.executor.worker.model
     head = model.output_head()
     found: dict[str, tuple[PackedWeight, int]] = {}
     for name, m in model.named_modules():

@@ -63,7 +63,7 @@ def matmul_floor(engine: LLMEngine, num_prompts: int, prompt_len: int, output_le
     """Seconds the workload's matmuls take alone, each shape timed (best of 3) with the engine's
     own layers: prefill in steps of max_num_batched_tokens rows, then output_len - 1 decode
     steps of num_prompts rows; the head runs once per generated token."""
-    model = engine.runner.model
+    model = engine.executor.worker.model
     head = model.output_head()  # a Linear, or the tied embedding (gemma)
     layers = [  # the matmuls that run: projections fused into qkv / gate_up hold no weight
         m

@@ -331,8 +331,9 @@ class CacheConfig:
     # Bytes (int) or a fraction (float in (0, 1)) of the memory available at startup.
     kv_cache_memory: int | float = 0.15
     enable_prefix_caching: bool = True
-    # Set once the model runner has sized the cache from the budget.
+    # Set once the worker has sized the cache from the budget (WorkerInfo.num_kv_blocks).
     num_blocks: int = 0
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +341,23 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker reports once its model is loaded; the engine sizes the scheduler from it.
+
+    Plain values only: the engine reads them without importing torch.
+    """
+
+    model_config: ModelConfig
+    max_model_len: int
+    device: str
+    dtype: str
+    quantization: str | None
+    weight_nbytes: int
+    kv_bytes_per_block: int  # all layers: K and V (and their scales)
+    num_kv_blocks: int  # blocks that fit the kv_cache_memory budget, the null block included
 
 
 @dataclass(frozen=True, slots=True)

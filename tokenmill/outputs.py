@@ -96,3 +96,40 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
     # has no context); entry i is prompt token i's log-prob given tokens < i, plus alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine serves, fixed once it is built: for the server, benchmarks and logs."""
+
+    model: str  # as the user named it (alias, path)
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    device: str
+    dtype: str
+    quantization: str | None  # None: float weights in ``dtype``
+    weight_nbytes: int
+    kv_cache_dtype: str  # "auto" stores K/V in ``dtype``
+    block_size: int
+    num_kv_blocks: int  # usable blocks (the null block excluded)
+    kv_cache_nbytes: int
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load, for metrics and health checks."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0

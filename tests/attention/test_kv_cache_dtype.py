@@ -251,7 +251,7 @@ def test_quantized_cache_holds_more_blocks_for_the_same_budget(tiny_model_dir) -
     }
     config = engines["auto"].config.model_config
     for kv_dtype, engine in engines.items():
-        caches = engine.runner.kv_caches
+        caches = engine.executor.worker.runner.kv_caches
         expected = {"auto": torch.float32, "float16": torch.float16}
         assert caches[0][0].dtype == QUANT.get(kv_dtype, expected.get(kv_dtype))
         assert len(caches[0]) == (2 if kv_dtype in expected else 4)  # K, V (+ their scales)
@@ -298,7 +298,7 @@ def test_bad_kv_cache_dtype_is_a_value_error_naming_the_field(tiny_model_dir) ->
 def test_llm_and_cli_take_kv_cache_dtype(tiny_model_dir) -> None:
     path = str(tiny_model_dir("llama"))
     llm = LLM(path, kv_cache_dtype="fp8", max_model_len=64, kv_cache_memory="1MiB")
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert llm.engine.executor.worker.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     (out,) = llm.generate([[1, 40, 41, 42]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3
     assert_all_blocks_free(llm.engine)

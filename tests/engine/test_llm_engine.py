@@ -257,7 +257,7 @@ def test_abort_waiting_and_n2_requests(engine):
     assert out.outputs[0].token_ids == []
     assert_all_blocks_free(engine)
     engine.step()  # the worker forgets it
-    assert engine.runner.requests == {}
+    assert engine.executor.worker.runner.requests == {}
 
 
 def test_request_ids(engine):

@@ -135,7 +135,7 @@ def test_failure_mid_run_aborts_every_request(llm, monkeypatch):
         llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False)
     monkeypatch.undo()
     engine.step()  # the worker forgets the aborted requests
-    assert engine.runner.requests == {}
+    assert engine.executor.worker.runner.requests == {}
     assert_untouched(llm)
 
 

@@ -293,7 +293,7 @@ def test_int4_model_tracks_float(tiny_model_dir, arch: str) -> None:
     # float32 activations: this measures the int4 weights alone.
     q4 = LLMEngine(EngineArgs(**common, quantization="int4", packed_activations="float32"))
     # (embedding and head stay int8: they dominate a tiny model)
-    assert q4.runner.model.weight_nbytes() < fp.runner.model.weight_nbytes() / 2
+    assert q4.executor.worker.model.weight_nbytes() < fp.executor.worker.model.weight_nbytes() / 2
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(3, 259) for _ in range(20)] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
@@ -315,7 +315,7 @@ def test_int4_keeps_key_and_value_projections_int8(tiny_model_dir, arch: str) ->
     """k_proj and v_proj stay int8 (quant/int4.py), computed in one fused matmul (with Qwen2's
     biases); q/o and the MLP are int4; the model still answers."""
     tokens, engine = _greedy(tiny_model_dir(arch), quantization="int4")
-    for layer in engine.runner.model.model.layers:
+    for layer in engine.executor.worker.model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.qkv_proj is None and attn.kv_proj is not None
         assert attn.kv_proj.quant_state.weight.kind == "q8"
@@ -330,7 +330,7 @@ def test_only_the_output_head_runs_int8_codes_unsigned(tiny_model_dir, arch, tie
     """The head's int8 matmul takes 7-bit activations (PackedState.q8_unsigned), tied or not;
     the layers keep 8 bits."""
     _, engine = _greedy(tiny_model_dir(arch), quantization="int8")
-    model = engine.runner.model
+    model = engine.executor.worker.model
     head = model.output_head()
     assert head is (model.model.embed_tokens if tied else model.lm_head)
     assert head.quant_state.q8_unsigned

@@ -1,4 +1,4 @@
-"""int4 calibrated by a text (engine/calibration.py): the float model's input statistics weight
+"""int4 calibrated by a text (worker/calibration.py): the float model's input statistics weight
 int4's rounding; bad arguments are refused before anything loads."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from conftest import assert_all_blocks_free
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
-from tokenmill.engine.calibration import input_importance
 from tokenmill.layers import Linear
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.calibration import input_importance
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -34,7 +34,9 @@ def test_importance_covers_every_linear_layer(tiny_model_dir, tmp_path) -> None:
     importance = input_importance(_args(path, tmp_path), str(tmp_path / "calibration.txt"))
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
     linears = {
-        name: m for name, m in float_engine.runner.model.named_modules() if isinstance(m, Linear)
+        name: m
+        for name, m in float_engine.executor.worker.model.named_modules()
+        if isinstance(m, Linear)
     }
     assert set(importance) == set(linears)
     for name, mean_square in importance.items():
@@ -49,7 +51,7 @@ def test_calibrated_int4_model_tracks_float(tiny_model_dir, tmp_path) -> None:
     path = tiny_model_dir("llama")
     engine = LLMEngine(_args(path, tmp_path, packed_activations="float32"))
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
-    mlp = engine.runner.model.model.layers[0].mlp
+    mlp = engine.executor.worker.model.model.layers[0].mlp
     assert mlp.gate_up_proj.quant_state.weight.kind == "q4"
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompts = [[1, *range(5 + i, 25 + i)] for i in range(8)]

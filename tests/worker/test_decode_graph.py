@@ -56,8 +56,8 @@ def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
     prompts = _prompts(4, seed=1)
     for together in (False, True):
         assert _run(graphed, prompts, together) == _run(eager, prompts, together)
-    assert graphed.runner.decode_graphs.captured_sizes() == [1, 4]
-    assert eager.runner.decode_graphs is None
+    assert graphed.executor.worker.runner.decode_graphs.captured_sizes() == [1, 4]
+    assert eager.executor.worker.runner.decode_graphs is None
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "int8", "fp8"])
@@ -66,7 +66,7 @@ def test_quantized_kv_cache_replays_too(tiny_model_dir, kv_dtype) -> None:
     graphed, eager = _engines(path, quantization="int8", kv_cache_dtype=kv_dtype)
     prompts = _prompts(3, seed=3)
     assert _run(graphed, prompts, together=True) == _run(eager, prompts, together=True)
-    assert graphed.runner.decode_graphs.captured_sizes() == [3]
+    assert graphed.executor.worker.runner.decode_graphs.captured_sizes() == [3]
 
 
 def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> None:
@@ -74,7 +74,7 @@ def test_model_computing_outside_the_kernels_runs_eagerly(tiny_model_dir) -> Non
     graphed, eager = _engines(tiny_model_dir("gemma3"))
     prompts = _prompts(2, seed=2)
     assert _run(graphed, prompts, together=False) == _run(eager, prompts, together=False)
-    graphs = graphed.runner.decode_graphs
+    graphs = graphed.executor.worker.runner.decode_graphs
     assert graphs.captured_sizes() == [] and not graphs.runs(1)
 
 
@@ -93,7 +93,7 @@ def test_graphs_of_many_sizes_share_logits_and_scratch(tiny_model_dir) -> None:
 
     for batch in (prompts[:1], prompts[1:], prompts[:1]):
         assert run(graphed, batch) == run(eager, batch)
-    graphs = graphed.runner.decode_graphs
+    graphs = graphed.executor.worker.runner.decode_graphs
     sizes = graphs.captured_sizes()
     assert max(sizes) == 20 and len(sizes) > 8
     # Intermediates live in the shared scratch, not in each graph: the scratch holds about one

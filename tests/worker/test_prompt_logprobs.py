@@ -145,7 +145,7 @@ def test_preempted_requests_send_each_position_once(tiny_model_dir):
     engine.scheduler._preempt = spy
     # The worker itself sends no position twice (recompute after preemption skips them).
     sent: dict[str, list[int]] = {}
-    execute = engine.runner.execute
+    execute = engine.executor.worker.runner.execute
 
     def record(sched):
         out = execute(sched)
@@ -153,7 +153,7 @@ def test_preempted_requests_send_each_position_once(tiny_model_dir):
             sent.setdefault(rid, []).extend(range(lps.first_pos, lps.first_pos + len(lps.sampled)))
         return out
 
-    engine.runner.execute = record
+    engine.executor.worker.runner.execute = record
     rng = random.Random(2)
     prompts = [random_prompt(rng.randrange(20, 58), seed=100 + i) for i in range(6)]
     outs = run(engine, [(p, params(1, max_tokens=16)) for p in prompts])

@@ -108,5 +108,5 @@ def throughput(engine, ns: argparse.Namespace) -> dict:
         "total_tokens_per_s": (num_out + ns.num_prompts * ns.input_len) / elapsed,
         "requests_per_s": len(finished) / elapsed,
         "ttft_s_median": statistics.median(ttfts),
-        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_preemptions": engine.stats().num_preemptions,
     }

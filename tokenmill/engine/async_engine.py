@@ -16,11 +16,10 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,20 +31,6 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its limit (``max_queue``)."""
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot for metrics and health checks, refreshed by the engine thread every step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
 
 
 class _Stream:
@@ -83,6 +68,10 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
 
     @property
     def num_unfinished(self) -> int:
@@ -237,14 +226,4 @@ class AsyncEngine:
             self._refresh_stats()
 
     def _refresh_stats(self) -> None:
-        sched = self.engine.scheduler
-        self.stats = EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=sched.kv.usage,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=sched.kv.num_queried_tokens,
-            prefix_cache_hits=sched.kv.num_hit_tokens,
-            num_free_blocks=sched.kv.num_free_blocks,
-            num_total_blocks=self.engine.num_total_blocks,
-        )
+        self.stats = self.engine.stats()

@@ -1,8 +1,12 @@
 """LLMEngine: the synchronous engine. A step is schedule -> execute -> update -> outputs.
 
 add_request -> Scheduler.add_request                          (validated, tokenized here)
-step():  Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output()
+step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
+
+The engine holds no tensors and imports no torch: the model side (device, weights, KV cache,
+decode graphs) sits behind the executor (tokenmill/executor), which it reaches only through
+SchedulerOutput / RunnerOutput, plain data.
 """
 
 from __future__ import annotations
@@ -10,31 +14,24 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
-
-import torch
 
 from tokenmill.config import (
     CacheConfig,
     EngineArgs,
     EngineConfig,
     SchedulerConfig,
+    WorkerInfo,
     parse_memory,
-    resolve_model,
 )
 from tokenmill.core import RunnerOutput, Scheduler
-from tokenmill.engine.calibration import input_importance
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.models.loader import load_model, load_model_config
-from tokenmill.outputs import RequestOutput
-from tokenmill.quant import create_quant_method
+from tokenmill.executor import Executor, create_executor
+from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
-from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -48,103 +45,39 @@ class PreparedRequest:
     params: SamplingParams
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.monotonic()
-        device = _pick_device(args.device)
-        # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
-        decode_graphs = not args.enforce_eager and graphs_supported(device)
-        capture_warm_up = warm_up_capture() if decode_graphs else None
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        dtype_name = args.dtype if args.dtype != "auto" else "float32"
-        if device.type == "cuda" and args.dtype == "auto":
-            dtype_name = "bfloat16"
-        dtype = _DTYPES[dtype_name]
-        source = resolve_model(args.model)
-        model_config = load_model_config(source)
-        self.tokenizer: Tokenizer = load_tokenizer(source.path, model_config.architecture)
-        max_model_len = args.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's context length "
-                f"({model_config.max_position_embeddings})"
-            )
-        quantization = _pick_quantization(args.quantization, source.format, device)
-        quant_method = (
-            create_quant_method(quantization, args.packed_activations, args.int4_group_size)
-            if quantization
-            else None
+        self.executor: Executor = create_executor(args)
+        worker = self.executor.info
+        model_config = worker.model_config
+        assert model_config.source is not None
+        self.tokenizer: Tokenizer = load_tokenizer(
+            model_config.source.path, model_config.architecture
         )
-        importance = (
-            input_importance(args, args.int4_calibration) if args.int4_calibration else None
-        )
-        model = load_model(model_config, dtype, device, max_model_len, quant_method, importance)
-        num_blocks = _num_kv_blocks(args, model_config, dtype, device)
-        tokens_that_fit = (num_blocks - 1) * args.block_size
-        if tokens_that_fit < max_model_len:
-            raise ValueError(
-                f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
-                f"({max_model_len}); raise kv_cache_memory or lower max_model_len"
-            )
-        self.config = EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=args.block_size,
-                kv_cache_memory=parse_memory(args.kv_cache_memory),
-                enable_prefix_caching=args.enable_prefix_caching,
-                num_blocks=num_blocks,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-            device=str(device),
-            dtype=dtype_name,
-            seed=args.seed,
-            quantization=quantization,
-        )
+        self.config = _engine_config(args, worker)
+        self.executor.initialize(self.config.cache_config)
         self.eos_token_ids = tuple(
             dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
-        )
-        self.runner = ModelRunner(
-            model,
-            num_blocks,
-            args.block_size,
-            device,
-            dtype,
-            self.eos_token_ids,
-            args.seed,
-            kv_cache_dtype=args.kv_cache_dtype,
-            max_model_len=max_model_len,
-            decode_graphs=decode_graphs,
-            max_num_seqs=self.config.scheduler_config.max_num_seqs,
-            capture_warm_up=capture_warm_up,
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        kv_bytes = num_blocks * kv_bytes_per_block(
-            model_config, args.block_size, dtype, args.kv_cache_dtype
-        )
+        self.info = _engine_info(args, worker, self.config)
         logger.info(
             "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d = %d tokens "
             "(%.2f GiB)",
             args.model,
             model_config.architecture,
-            dtype_name,
-            f", {quantization} weights" if quantization else "",
-            device,
+            worker.dtype,
+            f", {worker.quantization} weights" if worker.quantization else "",
+            worker.device,
             time.monotonic() - started,
-            _kv_cache_dtype_name(args.kv_cache_dtype, dtype_name),
-            num_blocks - 1,
+            _kv_cache_dtype_name(args.kv_cache_dtype, worker.dtype),
+            self.info.num_kv_blocks,
             args.block_size,
-            tokens_that_fit,
-            kv_bytes / 2**30,
+            self.info.num_kv_tokens,
+            self.info.kv_cache_nbytes / 2**30,
         )
 
     @classmethod
@@ -259,7 +192,7 @@ class LLMEngine:
         if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
             runner_out = RunnerOutput(sampled_token_ids={})
         else:
-            runner_out = self.runner.execute(sched_out)
+            runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         for seq_id in self.output_processor.process(updates):
             self.scheduler.finish_request(seq_id, FinishReason.STOP)
@@ -276,6 +209,24 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.scheduler.kv.pool.num_usable_blocks
 
+    def stats(self) -> EngineStats:
+        """The engine's load now (call from the thread that steps it)."""
+        sched, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.num_queried_tokens,
+            prefix_cache_hits=kv.num_hit_tokens,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=self.num_total_blocks,
+        )
+
+    def shutdown(self) -> None:
+        """Release the model and the KV cache; the engine takes no more steps."""
+        self.executor.shutdown()
+
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Siblings of an n > 1 request sample independently; seeded ones get distinct seeds."""
@@ -283,14 +234,53 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N]; got {name!r}")
-    return torch.device(name)
+def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
+    """The engine's frozen config from the arguments and what the worker loaded; refuses a KV
+    cache too small for one request of max_model_len."""
+    tokens_that_fit = (worker.num_kv_blocks - 1) * args.block_size
+    if tokens_that_fit < worker.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
+            f"({worker.max_model_len}); raise kv_cache_memory or lower max_model_len"
+        )
+    return EngineConfig(
+        model_config=worker.model_config,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=parse_memory(args.kv_cache_memory),
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_blocks=worker.num_kv_blocks,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=worker.max_model_len,
+        ),
+        device=worker.device,
+        dtype=worker.dtype,
+        seed=args.seed,
+        quantization=worker.quantization,
+    )
+
+
+def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> EngineInfo:
+    cache = config.cache_config
+    return EngineInfo(
+        model=args.model,
+        architecture=worker.model_config.architecture,
+        vocab_size=worker.model_config.vocab_size,
+        max_model_len=worker.max_model_len,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        device=worker.device,
+        dtype=worker.dtype,
+        quantization=worker.quantization,
+        weight_nbytes=worker.weight_nbytes,
+        kv_cache_dtype=cache.kv_cache_dtype,
+        block_size=cache.block_size,
+        num_kv_blocks=cache.num_blocks - 1,  # block 0 is the null block
+        kv_cache_nbytes=cache.num_blocks * worker.kv_bytes_per_block,
+    )
 
 
 def _kv_cache_dtype_name(kv_cache_dtype: str, dtype_name: str) -> str:
@@ -298,32 +288,3 @@ def _kv_cache_dtype_name(kv_cache_dtype: str, dtype_name: str) -> str:
     if kv_cache_dtype == "auto":
         return f"auto: {dtype_name}"
     return f"{kv_cache_dtype} + fp32 scales"
-
-
-def _num_kv_blocks(args: EngineArgs, config, dtype: torch.dtype, device: torch.device) -> int:
-    budget = parse_memory(args.kv_cache_memory)
-    if isinstance(budget, float):
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = int(free * budget)
-    per_block = kv_bytes_per_block(config, args.block_size, dtype, args.kv_cache_dtype)
-    num_blocks = budget // per_block
-    if num_blocks < 2:
-        raise ValueError(
-            f"kv_cache_memory ({budget} bytes) holds fewer than 2 KV blocks of {per_block} bytes"
-        )
-    return int(num_blocks)
-
-
-def _pick_quantization(
-    requested: str | None, source_format: str, device: torch.device
-) -> str | None:
-    """The weight scheme to load with (None: float weights in the model dtype)."""
-    if requested is None:
-        # A GGUF's quantized tensors stay packed on CPUs (the packed kernel is a CPU kernel).
-        requested = "gguf" if source_format == "gguf" and device.type == "cpu" else "none"
-    if requested == "gguf" and source_format != "gguf":
-        raise ValueError("quantization 'gguf' needs a .gguf model; use int8, int4 or none")
-    return None if requested == "none" else requested

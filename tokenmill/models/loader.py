@@ -65,7 +65,7 @@ def load_model(
     """Instantiate the architecture with uninitialized parameters, then stream weights in.
 
     With a ``quant_method``, every Linear (and a tied output head) is packed after loading;
-    ``importance`` (engine/calibration.py) maps layer names to their inputs' mean squares.
+    ``importance`` (worker/calibration.py) maps layer names to their inputs' mean squares.
     """
     assert config.source is not None
     model_cls = get_model_class(config.architecture)

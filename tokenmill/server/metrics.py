@@ -27,8 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.async_engine import EngineStats
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EngineStats, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -117,9 +117,7 @@ class OpenAIServing:
         return self._model_card(engine)
 
     def _model_card(self, engine: AsyncEngine) -> ModelCard:
-        return ModelCard(
-            id=self.config.served_model_name, max_model_len=engine.engine.max_model_len
-        )
+        return ModelCard(id=self.config.served_model_name, max_model_len=engine.info.max_model_len)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -145,9 +143,7 @@ class OpenAIServing:
                 ids = tokenizer.encode_chat(messages, body.add_generation_prompt)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
-        return TokenizeResponse(
-            tokens=ids, count=len(ids), max_model_len=engine.engine.max_model_len
-        )
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.info.max_model_len)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         engine = self.state.require_engine()
@@ -165,7 +161,7 @@ class OpenAIServing:
         engine = self.state.require_engine()
         self._check_model(body.model)
         body.check(self.config)
-        params = body.to_sampling_params(self.config, engine.engine.max_model_len)
+        params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
         prepared = await asyncio.to_thread(_prepare_all, engine, prompts, params, {}, "prompt")
         run = self._start(engine, "cmpl", prepared, body.cache_salt)
@@ -186,7 +182,7 @@ class OpenAIServing:
         engine = self.state.require_engine()
         self._check_model(body.model)
         body.check()
-        params = body.to_sampling_params(self.config, engine.engine.max_model_len)
+        params = body.to_sampling_params(self.config, engine.info.max_model_len)
         messages = body.message_dicts()
 
         def prepare() -> list[PreparedRequest]:

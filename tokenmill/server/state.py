@@ -14,7 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineStats
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.outputs import EngineStats
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError
 
@@ -109,7 +110,7 @@ class ServerState:
         """Most engine requests in flight: max_num_seqs running plus max_queue waiting."""
         if self.config.max_queue is None or self.engine is None:
             return None
-        return self.engine.engine.config.scheduler_config.max_num_seqs + self.config.max_queue
+        return self.engine.info.max_num_seqs + self.config.max_queue
 
     @property
     def num_admitted(self) -> int:
@@ -156,20 +157,14 @@ class ServerState:
 
 def describe_memory_plan(engine: AsyncEngine) -> str:
     """Weights, KV blocks and the tokens that fit, for the startup log."""
-    llm = engine.engine
-    runner = llm.runner
-    weight_bytes = runner.model.weight_nbytes()
-    kv_bytes = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
-    cache = llm.config.cache_config
-    sched = llm.config.scheduler_config
+    info = engine.info
+    quantization = f", {info.quantization}" if info.quantization else ""
     return (
-        f"weights {_format_bytes(weight_bytes)} ({llm.config.dtype}"
-        f"{', ' + llm.config.quantization if llm.config.quantization else ''} "
-        f"on {llm.config.device}); "
-        f"KV cache {_format_bytes(kv_bytes)} ({llm.runner.kv_cache_dtype}) = "
-        f"{llm.num_total_blocks} blocks x "
-        f"{cache.block_size} tokens = {llm.num_total_blocks * cache.block_size} tokens; "
-        f"max_model_len {sched.max_model_len}, max_num_seqs {sched.max_num_seqs}"
+        f"weights {_format_bytes(info.weight_nbytes)} ({info.dtype}{quantization} "
+        f"on {info.device}); "
+        f"KV cache {_format_bytes(info.kv_cache_nbytes)} ({info.kv_cache_dtype}) = "
+        f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_tokens} tokens; "
+        f"max_model_len {info.max_model_len}, max_num_seqs {info.max_num_seqs}"
     )
 
 

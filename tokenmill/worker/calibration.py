@@ -6,9 +6,9 @@ w_j reaches the layer's output as e_j · x_j, so a layer's expected output error
 (quant/packed.py: quantize_int4).
 
 The text runs once through the float model, before the quantized model loads: a throwaway
-engine (``quantization="none"``) prefills it in windows, and forward pre-hooks on its Linear
-layers add up the squares of their inputs. Layer names are the model's own, so they match the
-layers of the model that is loaded next.
+worker (``quantization="none"``) prefills it in windows, one request a step, and forward
+pre-hooks on its Linear layers add up the squares of their inputs. Layer names are the model's
+own, so they match the layers of the model that is loaded next.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.config import CacheConfig, resolve_model
+from tokenmill.core.sched_output import NewRequestData, SchedulerOutput
 from tokenmill.layers.linear import Linear
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
-    from tokenmill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -40,23 +42,29 @@ CALIBRATION_MAX_TOKENS = 4096
 def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     """Layer name -> mean square of each of its inputs [in_features] over the text at ``path``,
     computed by the float model that ``args`` describe."""
-    from tokenmill.engine.llm_engine import LLMEngine  # which imports this module
+    from tokenmill.worker.worker import Worker  # which imports this module
 
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"int4_calibration: cannot read {path} as UTF-8 text ({e})") from e
     started = time.monotonic()
-    engine = LLMEngine(
-        dataclasses.replace(
-            args,
-            quantization="none",
-            int4_calibration=None,
+    float_args = dataclasses.replace(
+        args, quantization="none", int4_calibration=None, enforce_eager=True
+    )
+    worker = Worker(float_args)
+    config = worker.info.model_config
+    tokenizer = load_tokenizer(resolve_model(args.model).path, config.architecture)
+    prompts = _windows(tokenizer, text, worker.info.max_model_len)
+    num_blocks = -(-max(len(p) for p in prompts) // args.block_size)
+    worker.initialize(
+        CacheConfig(
+            block_size=args.block_size,
             enable_prefix_caching=False,
-            enforce_eager=True,
+            num_blocks=num_blocks + 1,  # block 0 is the null block
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
-    prompts = _windows(engine, text)
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -67,19 +75,27 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
 
     hooks = [
         module.register_forward_pre_hook(lambda _m, inputs, name=name: add(name, inputs[0]))
-        for name, module in engine.runner.model.named_modules()
+        for name, module in worker.model.named_modules()
         if isinstance(module, Linear)
     ]
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
+        for i, prompt in enumerate(prompts):
+            req = NewRequestData(
+                str(i), prompt, len(prompt), params, list(range(1, num_blocks + 1)), 0
+            )
+            worker.execute(
+                SchedulerOutput(
+                    new_reqs=[req],
+                    cached_reqs=[],
+                    num_scheduled_tokens={req.req_id: len(prompt)},
+                    finished_req_ids={str(i - 1)} if i else set(),
+                )
+            )
     finally:
         for hook in hooks:
             hook.remove()
-    del engine
+    del worker
     gc.collect()
     logger.info(
         "int4 calibration: %d tokens of %s through the float model in %.1fs",
@@ -90,14 +106,13 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     return {name: (s / counts[name]).cpu() for name, s in sums.items()}
 
 
-def _windows(engine: LLMEngine, text: str) -> list[list[int]]:
+def _windows(tokenizer: Tokenizer, text: str, max_model_len: int) -> list[list[int]]:
     """The text's first CALIBRATION_MAX_TOKENS tokens in requests of CALIBRATION_WINDOW (each
     starting with BOS where the model has one)."""
-    tokenizer = engine.tokenizer
     token_ids = tokenizer.encode(text, add_special_tokens=False)[:CALIBRATION_MAX_TOKENS]
     if not token_ids:
         raise ValueError("int4_calibration: the text holds no tokens; give a few thousand words")
     prefix = [tokenizer.bos_token_id] if tokenizer.add_bos else []
     # One position stays free: a request must have room for the token it is asked for.
-    span = min(CALIBRATION_WINDOW, engine.max_model_len - 1) - len(prefix)
+    span = min(CALIBRATION_WINDOW, max_model_len - 1) - len(prefix)
     return [prefix + token_ids[i : i + span] for i in range(0, len(token_ids), span)]

@@ -1,0 +1,25 @@
+"""Executors: how the engine reaches its workers (executor/base.py says what they promise).
+
+Implementations are imported when created, so ``import tokenmill.executor`` pulls in no torch.
+"""
+
+from __future__ import annotations
+
+from tokenmill.config import EngineArgs
+from tokenmill.executor.base import Executor
+
+__all__ = ["EXECUTORS", "Executor", "create_executor"]
+
+# name -> "module:class", imported on first use. A multiprocess or Ray executor is one more line.
+EXECUTORS = {"uniproc": "tokenmill.executor.uniproc:UniProcExecutor"}
+
+
+def create_executor(args: EngineArgs, name: str = "uniproc") -> Executor:
+    """The executor ``name`` with its workers loaded from ``args``."""
+    import importlib
+
+    if name not in EXECUTORS:
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}; got {name!r}")
+    module_name, _, cls_name = EXECUTORS[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(args)

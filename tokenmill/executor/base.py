@@ -1,0 +1,43 @@
+"""Executor: the one interface between the engine and the model side.
+
+The engine never touches torch, a model or a KV cache tensor. It builds an executor, reads what
+the loaded model offers (``info``), sizes the scheduler from it, hands back the KV plan
+(``initialize``), and then only sends steps (``execute``). Behind the interface sit one
+in-process worker today; a multiprocess executor (a worker per tensor-parallel rank, the driver
+gathering rank 0's output) or one that also drives a draft model fit beside it unchanged.
+
+    engine                       executor                      worker(s)
+    create_executor(args)  --->  load on each worker      --->  device, dtype, weights, quant
+    info                   <---  WorkerInfo (rank 0)
+    initialize(cache)      --->  allocate KV caches       --->  ModelRunner (+ decode graphs)
+    execute(sched_out)     --->  run the step             --->  RunnerOutput
+    shutdown()             --->  release
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tokenmill.config import CacheConfig, WorkerInfo
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Runs scheduler steps on one or more workers and returns one RunnerOutput a step."""
+
+    @property
+    @abstractmethod
+    def info(self) -> WorkerInfo:
+        """The loaded model and the KV blocks its memory budget allows."""
+
+    @abstractmethod
+    def initialize(self, cache_config: CacheConfig) -> None:
+        """Allocate the KV cache the engine settled on (``cache_config.num_blocks``)."""
+
+    @abstractmethod
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: forward pass, logits, sampling."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers (their model and KV cache); the executor is unusable after."""

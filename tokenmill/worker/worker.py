@@ -1,0 +1,152 @@
+"""Worker: everything on the model side of one engine, behind the executor.
+
+It picks the device and dtype, loads the model (quantizing or calibrating it as asked), sizes
+the KV cache from the memory budget (``info``), and once the engine has settled the KV plan
+(``initialize``) runs steps through its ModelRunner. A tensor-parallel worker per rank, or a
+second worker for a draft model, is another instance of this class with its own arguments.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.config import (
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    WorkerInfo,
+    parse_memory,
+    resolve_model,
+)
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.models.base import CausalLM
+from tokenmill.models.loader import load_model, load_model_config
+from tokenmill.quant import create_quant_method
+from tokenmill.worker.calibration import input_importance
+from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
+from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Worker:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = pick_device(args.device)
+        # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
+        self._decode_graphs = not args.enforce_eager and graphs_supported(self.device)
+        self._capture_warm_up = warm_up_capture() if self._decode_graphs else None
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        dtype_name = pick_dtype(args.dtype, self.device)
+        self.dtype = _DTYPES[dtype_name]
+        model_config = load_model_config(resolve_model(args.model))
+        max_model_len = _max_model_len(args, model_config)
+        quantization = pick_quantization(args.quantization, model_config, self.device)
+        self.model = self._load(model_config, max_model_len, quantization)
+        per_block = kv_bytes_per_block(
+            model_config, args.block_size, self.dtype, args.kv_cache_dtype
+        )
+        self.info = WorkerInfo(
+            model_config=model_config,
+            max_model_len=max_model_len,
+            device=str(self.device),
+            dtype=dtype_name,
+            quantization=quantization,
+            weight_nbytes=self.model.weight_nbytes(),
+            kv_bytes_per_block=per_block,
+            num_kv_blocks=self._num_kv_blocks(per_block),
+        )
+        self.runner: ModelRunner | None = None
+
+    def initialize(self, cache: CacheConfig) -> None:
+        """Allocate the KV cache of ``cache.num_blocks`` blocks and the runner that uses it."""
+        self.runner = ModelRunner(
+            self.model,
+            cache,
+            self.device,
+            self.dtype,
+            max_model_len=self.info.max_model_len,
+            seed=self.args.seed,
+            decode_graphs=self._decode_graphs,
+            max_num_seqs=self.args.max_num_seqs,
+            capture_warm_up=self._capture_warm_up,
+        )
+
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        if self.runner is None:
+            raise RuntimeError("Worker.initialize must run before the first step")
+        return self.runner.execute(sched_out)
+
+    def _load(self, config: ModelConfig, max_model_len: int, quantization: str | None) -> CausalLM:
+        args = self.args
+        quant_method = None
+        if quantization:
+            quant_method = create_quant_method(
+                quantization, args.packed_activations, args.int4_group_size
+            )
+        importance = None
+        if args.int4_calibration:
+            importance = input_importance(args, args.int4_calibration)
+        return load_model(config, self.dtype, self.device, max_model_len, quant_method, importance)
+
+    def _num_kv_blocks(self, per_block: int) -> int:
+        """Blocks of the KV cache that fit ``kv_cache_memory`` (bytes, or a fraction of the
+        memory free now, after the weights loaded)."""
+        budget = parse_memory(self.args.kv_cache_memory)
+        if isinstance(budget, float):
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+            else:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = int(free * budget)
+        num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory ({budget} bytes) holds fewer than 2 KV blocks of {per_block} "
+                "bytes; raise kv_cache_memory"
+            )
+        return int(num_blocks)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N]; got {name!r}")
+    return torch.device(name)
+
+
+def pick_dtype(requested: str, device: torch.device) -> str:
+    """The model dtype's name: as asked, or for "auto" float32 on CPU and bfloat16 on CUDA."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def pick_quantization(
+    requested: str | None, config: ModelConfig, device: torch.device
+) -> str | None:
+    """The weight scheme to load with (None: float weights in the model dtype)."""
+    assert config.source is not None
+    source_format = config.source.format
+    if requested is None:
+        # A GGUF's quantized tensors stay packed on CPUs (the packed kernel is a CPU kernel).
+        requested = "gguf" if source_format == "gguf" and device.type == "cpu" else "none"
+    if requested == "gguf" and source_format != "gguf":
+        raise ValueError("quantization 'gguf' needs a .gguf model; use int8, int4 or none")
+    return None if requested == "none" else requested
+
+
+def _max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the model's context length "
+            f"({config.max_position_embeddings})"
+        )
+    return max_model_len
