@@ -42,6 +42,8 @@ class Request:
     # they find its full blocks in the prefix cache instead of computing them again.
     wait_for_req_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Proposed next tokens (speculative decoding), verified in the request's next decode step.
+    draft_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -606,3 +606,44 @@ def test_random_workload_keeps_every_invariant(seed):
         if rid not in aborted:
             assert d.tokens[rid] == expected_tokens(rid, max_tokens), rid
     assert_all_blocks_free(sched)
+
+
+def _draft_scheduler(max_model_len: int = 64, budget: int = 64) -> tuple[Scheduler, Request]:
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len),
+        CacheConfig(block_size=4, num_blocks=16),
+    )
+    req = Request("a", list(range(10, 20)), SamplingParams(max_tokens=20), eos_token_ids=(EOS,))
+    sched.add_request(req)
+    req.draft_token_ids = [1, 2]  # mid-prefill: not a decode, so the drafts are dropped
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 10} and out.draft_token_ids == {}
+    sched.update_from_output(out, RunnerOutput({"a": [50]}))
+    return sched, req
+
+
+def test_drafts_run_with_a_decode_and_rejected_ones_are_taken_back() -> None:
+    sched, req = _draft_scheduler()
+    req.draft_token_ids = [51, 52, 53]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 4} and out.draft_token_ids == {"a": [51, 52, 53]}
+    assert req.draft_token_ids == []  # a proposal runs once
+    assert len(sched.kv.block_ids("a")) == 4  # room for 10 + 1 + 3 tokens
+    # 51 accepted, 52 rejected: the model's 60 instead; 53 never counted.
+    sched.update_from_output(out, RunnerOutput({"a": [51, 60]}))
+    assert req.output_token_ids == [50, 51, 60]
+    assert req.num_computed_tokens == 12  # the prompt, 50 and 51; 60 runs next
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.cached_reqs[0].num_computed_tokens == 12
+
+
+def test_drafts_are_cut_to_the_context_and_the_budget() -> None:
+    sched, req = _draft_scheduler(max_model_len=13)
+    req.draft_token_ids = [51, 52, 53, 54]
+    out = sched.schedule()  # 11 tokens known: room for 2 more positions
+    assert out.draft_token_ids == {"a": [51, 52]}
+    sched, req = _draft_scheduler(budget=10)
+    req.draft_token_ids = [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 10} and len(out.draft_token_ids["a"]) == 9

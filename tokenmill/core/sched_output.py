@@ -20,6 +20,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
+    eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's: min_tokens bans them
 
 
 @dataclass(slots=True)
@@ -34,12 +35,22 @@ class SchedulerOutput:
     new_reqs: list[NewRequestData]
     cached_reqs: list[CachedRequestData]
     # Batch order: new requests first, then running ones; one entry per scheduled request.
+    # Draft tokens count: a request with K drafts runs its next known token and the K drafts.
     num_scheduled_tokens: dict[str, int]
     # Requests the worker should forget (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted since the last step: the worker drops their tokens and blocks but keeps
     # their random generator, so a seeded request samples the same after it is resumed.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Proposed tokens to verify, per request: they follow its known tokens in this step, and
+    # the runner returns the sampled tokens up to the first draft the model disagrees with.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def num_computed_tokens(self) -> dict[str, int]:
+        """Tokens already in the cache before this step, per scheduled request."""
+        num_computed = {r.req_id: r.num_computed_tokens for r in self.new_reqs}
+        num_computed |= {r.req_id: r.num_computed_tokens for r in self.cached_reqs}
+        return num_computed
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -73,8 +84,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    # Only requests that reached the end of their known tokens get a sampled token; a prefill
-    # chunk that stops mid-prompt samples nothing.
+    # Only requests that reached the end of their known tokens get new tokens; a prefill chunk
+    # that stops mid-prompt samples nothing. With K drafts: 1 to K + 1 tokens (accepted drafts
+    # and the sample after the last of them).
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
     # Requests with SamplingParams.prompt_logprobs whose prompt positions ran this step.

@@ -6,6 +6,11 @@ as many of the missing tokens as the budget allows. A long prompt is thereby chu
 cache hit just starts a request with computed tokens, and a decode is a request missing one token.
 When blocks run out, the newest running request is preempted: its blocks are freed and it is
 recomputed later from its tokens.
+
+Draft tokens (``Request.draft_token_ids``, set by a proposer) ride along with a decode: the
+request is scheduled for its next token plus its drafts, and the drafts the model rejected are
+taken back from ``num_computed_tokens`` once the step's output is in (their K/V slots are
+simply written again later).
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = self._schedule_running(num_scheduled, cached_reqs, budget)
         budget -= sum(num_scheduled.values())
+        drafts = self._take_drafts(num_scheduled)
         new_reqs: list[NewRequestData] = []
         if not preempted:  # memory is tight: let running requests finish before new ones join
             self._schedule_waiting(num_scheduled, new_reqs, budget)
@@ -91,6 +97,7 @@ class Scheduler:
             num_scheduled_tokens={rid: num_scheduled[rid] for rid in order},
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
+            draft_token_ids=drafts,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -109,6 +116,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 1 and req.draft_token_ids:  # a decode: its drafts run with it
+                room = self.config.max_model_len - req.num_tokens
+                del req.draft_token_ids[min(room, budget - 1) :]
+                num_new += len(req.draft_token_ids)
+            else:
+                req.draft_token_ids.clear()
             new_block_ids = self.kv.allocate_slots(
                 req, num_new, cache_salt=self.cache_salts.get(req.req_id)
             )
@@ -130,6 +143,14 @@ class Scheduler:
             budget -= num_new
             i += 1
         return preempted
+
+    def _take_drafts(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """The drafts of the running requests scheduled this step (each proposal runs once)."""
+        drafts: dict[str, list[int]] = {}
+        for req in self.running:
+            if req.draft_token_ids and req.req_id in num_scheduled:
+                drafts[req.req_id], req.draft_token_ids = req.draft_token_ids, []
+        return drafts
 
     def _schedule_waiting(
         self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], budget: int
@@ -165,6 +186,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=block_ids,
                     num_computed_tokens=num_cached,
+                    eos_token_ids=req.eos_token_ids,
                 )
             )
             budget -= num_new
@@ -183,6 +205,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_token_ids.clear()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_req_ids.add(req.req_id)  # the worker drops its state; resent whole later
@@ -203,6 +226,10 @@ class Scheduler:
                 continue
             if token_ids and req.first_token_time is None:
                 req.first_token_time = now
+            # Rejected drafts: K drafts give 1 + (accepted) tokens; the rest is not computed.
+            num_drafts = len(sched_out.draft_token_ids.get(req_id, ()))
+            if token_ids and num_drafts:
+                req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
             update = RequestUpdate(
                 req_id,
                 [],

@@ -1,0 +1,181 @@
+"""A step's flat batch: which tokens run, where their K/V go, and which rows give logits.
+
+Every request scheduled in a step contributes ``query_len`` consecutive rows::
+
+    | req A: 1 row | req B: 1 row | req C: prefill chunk ... | req D: 1 + K rows (verify) |
+      query_len 1 (decodes, first)  query_len > 1 (one attention call each, on top of the cache)
+
+A request's rows run positions ``num_computed .. num_computed + query_len - 1``: first its known
+tokens (prompt and outputs), then the draft tokens scheduled for it, if any. When the rows reach
+its last known token, that row and every draft row predict a next token: ``1 + K`` logits rows
+(``logits_indices``), each sampled; a prefill chunk that stops mid-prompt predicts nothing.
+
+    positions:  | computed (in the cache) | known, run now | drafts |
+                                             last known ^   ^ ^ ^  <- rows with logits
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention import AttentionMetadata, PrefillSeq
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the worker keeps of a request between steps."""
+
+    token_ids: list[int]  # prompt + outputs known to the worker
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]
+    # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
+    next_prompt_logprob_idx: int = 1
+
+    def slot(self, position: int, block_size: int) -> int:
+        """Where the K/V of the token at ``position`` goes in the paged cache."""
+        return self.block_ids[position // block_size] * block_size + position % block_size
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's rows in the step."""
+
+    req_id: str
+    token_start: int  # its first row in the flat batch
+    num_computed: int  # the position of that row: tokens already in the cache
+    query_len: int  # rows this step, drafts included
+    draft_token_ids: list[int]  # the last len(draft_token_ids) rows run these
+    logits_start: int  # its first entry in StepInputs.logits_indices
+    num_logits: int  # 1 + len(draft_token_ids) if the rows reach the last known token, else 0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobRows:
+    """Rows of the flat batch whose logits give one request's prompt log-probs: row
+    ``row_idx + i`` runs position ``first_pos - 1 + i`` and so predicts prompt token
+    ``first_pos + i``."""
+
+    req_id: str
+    row_idx: int
+    first_pos: int
+    num_rows: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    attn: AttentionMetadata
+    reqs: list[ScheduledRequest]  # in batch order
+    logits_indices: torch.Tensor  # [num_logits] long: rows whose hidden states give logits
+    prompt_logprob_rows: list[PromptLogprobRows]
+
+    @property
+    def sampling_reqs(self) -> list[ScheduledRequest]:
+        """The requests that get new tokens this step, in the order of their logits rows."""
+        return [r for r in self.reqs if r.num_logits]
+
+
+def build_step_inputs(
+    requests: dict[str, RequestState],
+    num_scheduled_tokens: dict[str, int],
+    num_computed: dict[str, int],
+    draft_token_ids: dict[str, list[int]],
+    block_size: int,
+    device: torch.device,
+    gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
+) -> StepInputs:
+    """Lay the scheduled tokens out flat: one-row requests first, then the others.
+    ``gather_workspace(num_blocks)``: reused buffers for the decode attention's block gather."""
+    order = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
+    order += [rid for rid, n in num_scheduled_tokens.items() if n > 1]
+    ids: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    reqs: list[ScheduledRequest] = []
+    logits_indices: list[int] = []
+    prompt_rows: list[PromptLogprobRows] = []
+    for rid in order:
+        state, start, n = requests[rid], num_computed[rid], num_scheduled_tokens[rid]
+        drafts = draft_token_ids.get(rid, [])
+        row = len(ids)
+        ids.extend(state.token_ids[start : start + n - len(drafts)])
+        ids.extend(drafts)
+        positions.extend(range(start, start + n))
+        slots.extend(state.slot(p, block_size) for p in range(start, start + n))
+        last_known = len(state.token_ids) - 1  # its row predicts the first new token
+        num_logits = 1 + len(drafts) if start + n > last_known else 0
+        first_logit_row = row + last_known - start
+        reqs.append(ScheduledRequest(rid, row, start, n, drafts, len(logits_indices), num_logits))
+        logits_indices.extend(range(first_logit_row, first_logit_row + num_logits))
+        rows = prompt_logprob_rows(state, rid, row, start, n)
+        if rows is not None:
+            prompt_rows.append(rows)
+    dev = device
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        attn=_attention_metadata(requests, reqs, slots, block_size, device, gather_workspace),
+        reqs=reqs,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+        prompt_logprob_rows=prompt_rows,
+    )
+
+
+def _attention_metadata(
+    requests: dict[str, RequestState],
+    reqs: list[ScheduledRequest],
+    slots: list[int],
+    block_size: int,
+    device: torch.device,
+    gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
+) -> AttentionMetadata:
+    """One-row requests as one batched decode (a padded block table); each longer query as a
+    chunk on top of its computed context."""
+    decodes = [r for r in reqs if r.query_len == 1]
+    max_blocks = max((r.num_computed // block_size + 1 for r in decodes), default=1)
+    table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+    for i, r in enumerate(decodes):
+        blocks = requests[r.req_id].block_ids[: r.num_computed // block_size + 1]
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    seq_lens = torch.tensor([r.num_computed + 1 for r in decodes], dtype=torch.long)
+    chunks = []
+    for r in reqs[len(decodes) :]:
+        seq_len = r.num_computed + r.query_len
+        blocks = requests[r.req_id].block_ids[: -(-seq_len // block_size)]
+        block_ids = torch.tensor(blocks, dtype=torch.long, device=device)
+        chunks.append(PrefillSeq(r.token_start, r.query_len, r.num_computed, block_ids))
+    return AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decodes=len(decodes),
+        decode_block_table=table.to(device),
+        decode_seq_lens=seq_lens.to(device),
+        prefills=chunks,
+        gather_buffers=gather_workspace(len(decodes) * max_blocks),
+    )
+
+
+def prompt_logprob_rows(
+    state: RequestState, req_id: str, row_idx: int, start: int, num_tokens: int
+) -> PromptLogprobRows | None:
+    """The rows of a request's chunk (positions ``start ..``, flat rows ``row_idx ..``) whose
+    next token is a prompt token still owed a log-prob; None if there are none.
+
+    chunk positions:  | sent before a preemption | lo .. hi - 1: ours | P - 1 |
+    Position P - 1 (the last prompt token) predicts the first output token: the sampler's row.
+    """
+    if state.sampling_params.prompt_logprobs is None:
+        return None
+    lo = max(start, state.next_prompt_logprob_idx - 1)
+    hi = min(start + num_tokens, state.num_prompt_tokens - 1)
+    if hi <= lo:
+        return None
+    return PromptLogprobRows(req_id, row_idx + lo - start, lo + 1, hi - lo)
