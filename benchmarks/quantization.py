@@ -49,7 +49,7 @@ def run_mode(kwargs: dict) -> dict:
         EngineArgs(max_model_len=2048, kv_cache_memory=KV_BUDGET, max_num_seqs=32, **kwargs)
     )
     out = {
-        "weights_mib": engine.executor.worker.model.weight_nbytes() / 2**20,
+        "weights_mib": engine.info.weight_nbytes / 2**20,
         "rss_after_load_mib": _rss_mib(),
     }
     blocks_per_request = math.ceil(REQUEST_TOKENS / engine.config.cache_config.block_size)

@@ -74,7 +74,7 @@ def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
     )
     out["concurrent_tok_s"] = CONCURRENT * CONCURRENT_TOKENS / (time.perf_counter() - start)
     out["peak_rss_mib"] = _peak_rss_mib()
-    out["weights_mib"] = engine.executor.worker.model.weight_nbytes() / 2**20
+    out["weights_mib"] = engine.info.weight_nbytes / 2**20
     cfg = engine.config
     kv_per_token = (
         kv_bytes_per_block(
@@ -82,9 +82,7 @@ def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
         )
         / cfg.cache_config.block_size
     )
-    out["bytes_per_token"] = (
-        engine.executor.worker.model.weight_nbytes() + MEAN_CONTEXT * kv_per_token
-    )
+    out["bytes_per_token"] = engine.info.weight_nbytes + MEAN_CONTEXT * kv_per_token
     return out
 
 

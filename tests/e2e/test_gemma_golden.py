@@ -103,7 +103,7 @@ def test_greedy_alone_equals_greedy_in_batch_of_16(llm: LLM) -> None:
 def test_packed_weights_stay_near_the_file_size(llm: LLM) -> None:
     """The quantization issue's bound: packed weights at most 1.5x the GGUF file."""
     file_bytes = llm.engine.config.model_config.source.path.stat().st_size
-    weight_bytes = llm.engine.executor.worker.model.weight_nbytes()
+    weight_bytes = llm.engine.info.weight_nbytes
     if llm.engine.config.quantization == "gguf":
         assert weight_bytes <= 1.5 * file_bytes
     else:  # dequantized to float32: about 4x the Q4_K_M file

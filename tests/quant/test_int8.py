@@ -63,7 +63,7 @@ def test_int8_model_greedy_tracks_float(tiny_model_dir, arch) -> None:
     common = dict(model=path, max_model_len=256, kv_cache_memory="8MiB", num_threads=1)
     fp = LLMEngine.from_args(**common)
     q8 = LLMEngine.from_args(**common, quantization="int8")
-    assert q8.executor.worker.model.weight_nbytes() < fp.executor.worker.model.weight_nbytes() / 2
+    assert q8.info.weight_nbytes < fp.info.weight_nbytes / 2
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(3, 259) for _ in range(20)] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)

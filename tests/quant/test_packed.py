@@ -293,7 +293,7 @@ def test_int4_model_tracks_float(tiny_model_dir, arch: str) -> None:
     # float32 activations: this measures the int4 weights alone.
     q4 = LLMEngine(EngineArgs(**common, quantization="int4", packed_activations="float32"))
     # (embedding and head stay int8: they dominate a tiny model)
-    assert q4.executor.worker.model.weight_nbytes() < fp.executor.worker.model.weight_nbytes() / 2
+    assert q4.info.weight_nbytes < fp.info.weight_nbytes / 2
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(3, 259) for _ in range(20)] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
