@@ -27,6 +27,7 @@ from tokenmill.config import (
 from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.engine.calibration import input_importance
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kernels import default_kernel_backend
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.outputs import RequestOutput
 from tokenmill.quant import create_quant_method
@@ -82,7 +83,10 @@ class LLMEngine:
         importance = (
             input_importance(args, args.int4_calibration) if args.int4_calibration else None
         )
-        model = load_model(model_config, dtype, device, max_model_len, quant_method, importance)
+        kernels = default_kernel_backend(device)
+        model = load_model(
+            model_config, dtype, device, max_model_len, quant_method, importance, kernels
+        )
         num_blocks = _num_kv_blocks(args, model_config, dtype, device)
         tokens_that_fit = (num_blocks - 1) * args.block_size
         if tokens_that_fit < max_model_len:

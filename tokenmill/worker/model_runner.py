@@ -109,7 +109,7 @@ class ModelRunner:
                 )
                 for kv in self.kv_caches
             ]
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, model.kernels)
         # Decode attention gathers each layer's K/V blocks into these (grown on demand).
         self._gather_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_elems = block_size * c.num_key_value_heads * c.head_dim
