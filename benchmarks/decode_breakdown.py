@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill import LLM, SamplingParams, kernels
+from tokenmill import LLM, SamplingParams
 from tokenmill.attention import layer as attention_layer
+from tokenmill.kernels import cpu_library
 from tokenmill.layers import linear, norm, rotary
 from tokenmill.models import llama
 
@@ -107,7 +108,7 @@ def run_eager(args: argparse.Namespace) -> float:
     total = _decode(llm, args, acc.clear)
     print(
         f"eager: batch {args.batch}, quantization {engine.config.quantization}, C kernels "
-        f"{'on' if kernels.available() else 'off'}: {total * 1e3:.2f} ms/step, "
+        f"{'on' if cpu_library.available() else 'off'}: {total * 1e3:.2f} ms/step, "
         f"{args.batch / total:.1f} tokens/s"
     )
     for _, _, key in parts:

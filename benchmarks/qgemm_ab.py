@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill import kernels
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
+from tokenmill.kernels import cpu_library
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.packed import PackedWeight
 
@@ -44,16 +44,16 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", str(src), "-o", str(lib)]
     subprocess.run(cmd, check=True)
     dll = ctypes.CDLL(str(lib))
-    dll.tm_qgemm.argtypes = kernels.QGEMM_ARGTYPES
+    dll.tm_qgemm.argtypes = cpu_library.QGEMM_ARGTYPES
     dll.tm_qgemm.restype = ctypes.c_int
     return dll
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, act: int, y: torch.Tensor) -> None:
-    """The engine's call (kernels.qgemm) into a given build of the kernel."""
+    """The engine's call (cpu_library.qgemm) into a given build of the kernel."""
     offsets = w.offsets.data_ptr() if w.offsets is not None else None
     rc = lib.tm_qgemm(
-        x.shape[0], w.shape[0], w.shape[1], x.data_ptr(), kernels.kind_code(w), w.codes.data_ptr(),
+        x.shape[0], w.shape[0], w.shape[1], x.data_ptr(), cpu_library.kind_code(w), w.codes.data_ptr(),
         w.scales.data_ptr(), offsets, w.group, None, y.data_ptr(), act,
     )  # fmt: skip
     if rc != 0:

@@ -16,9 +16,9 @@ def pytest_configure(config: pytest.Config) -> None:
     unloadable extension fails the run: its tests would otherwise skip and pass silently."""
     if os.environ.get("TOKENMILL_REQUIRE_EXTENSION") != "1":
         return
-    from tokenmill import kernels
+    from tokenmill.kernels import cpu_library
 
-    if not kernels.available():
+    if not cpu_library.available():
         raise pytest.UsageError(
             "TOKENMILL_REQUIRE_EXTENSION=1 but the C kernels (tokenmill._qgemm) did not load: "
             "reinstall with a C compiler (pip install -e .) and see the build log"

@@ -398,6 +398,9 @@ class EngineArgs:
     int4_calibration: str | None = None
     # Run every step eagerly (no decode-step graphs on CPU; vLLM's flag for CUDA graphs).
     enforce_eager: bool = False
+    # Which kernels compute: "auto" (the C kernels on a CPU that runs them, else torch),
+    # "torch" (the pure-torch reference everywhere) or "cpu" (tokenmill/kernels/).
+    kernel_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

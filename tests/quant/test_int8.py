@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from conftest import assert_all_blocks_free
 
 from tokenmill.engine import LLMEngine
+from tokenmill.kernels import create_kernel_backend, default_kernel_backend
 from tokenmill.quant import Int8QuantMethod, create_quant_method
 from tokenmill.quant.int8 import quantize_per_channel
 from tokenmill.sampling_params import SamplingParams
+
+# The C kernels where they are built (the fast path under test), torch otherwise.
+KERNELS = create_kernel_backend(default_kernel_backend(torch.device("cpu")))
 
 
 def test_per_channel_quantization_error_is_bounded() -> None:
@@ -46,7 +50,7 @@ def test_matmul_matches_dequantized_weight(shape, bias, act_int8) -> None:
     q, scales = quantize_per_channel(w)
     assert torch.equal(method.dequantize(state), q.float() * scales[:, None])
     exact = F.linear(x, method.dequantize(state), b)
-    y = method.apply(state, x)
+    y = method.apply(state, x, KERNELS)
     # int8 activations (per 32 elements, small batches only) cost ~0.5% of the output range.
     tol = (0.01 if act_int8 else 1e-5) * exact.abs().max().item()
     assert (y - exact).abs().max().item() <= tol

@@ -9,8 +9,10 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 
-from tokenmill import kernels
 from tokenmill.engine import LLMEngine
+from tokenmill.kernels import cpu_library as kernels
+from tokenmill.kernels.cpu_backend import CpuKernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.packed import (
@@ -200,14 +202,13 @@ def test_packed_method_paths_agree(m: int, monkeypatch) -> None:
     method = PackedQuantMethod(act_int8=False)
     state = method.wrap(w)
     x = torch.randn(m, 256)
-    ours = method.apply(state, x)
-    monkeypatch.setattr(kernels, "available", lambda: False)
-    fallback = method.apply(state, x)
+    cpu = CpuKernelBackend()
+    ours = method.apply(state, x, cpu)
+    fallback = method.apply(state, x, TorchKernelBackend())
     atol = 1e-5 * fallback.abs().max().item()
     torch.testing.assert_close(ours, fallback, rtol=0, atol=atol)
-    monkeypatch.setattr("tokenmill.quant.gguf.TILE_ELEMENTS", 256 * 10)  # several tiles
-    monkeypatch.setattr(kernels, "available", lambda: True)
-    torch.testing.assert_close(method.apply(state, x), fallback, rtol=0, atol=atol)
+    monkeypatch.setattr("tokenmill.kernels.cpu_backend.TILE_ELEMENTS", 256 * 10)  # several tiles
+    torch.testing.assert_close(method.apply(state, x, cpu), fallback, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("group", [32, 128])

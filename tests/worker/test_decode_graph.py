@@ -8,8 +8,8 @@ import random
 import pytest
 from conftest import assert_all_blocks_free
 
-from tokenmill import kernels
 from tokenmill.engine import LLMEngine
+from tokenmill.kernels import cpu_library as kernels
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not built here")

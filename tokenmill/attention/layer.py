@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.attention.backends.base import AttentionBackend
 from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
 from tokenmill.attention.metadata import ForwardBatch
 
@@ -26,7 +27,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
-        self.backend = TorchAttentionBackend()
+        # The torch backend until the loader binds the one chosen (CausalLM.bind_kernels).
+        self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: ForwardBatch

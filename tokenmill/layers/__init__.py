@@ -4,7 +4,6 @@ from tokenmill.layers.activation import ActAndMul, get_act_fn
 from tokenmill.layers.embedding import Embedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
-from tokenmill.layers.residual import residual_add
 from tokenmill.layers.rotary import RotaryEmbedding
 
 __all__ = [
@@ -15,5 +14,4 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "get_act_fn",
-    "residual_add",
 ]

@@ -1,54 +1,43 @@
-"""Activation functions by their Hugging Face names."""
+"""Activation functions by their Hugging Face names, and the gated act(gate) * up."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
-from tokenmill import kernels
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import ACTIVATIONS, TorchKernelBackend
 
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_new": _gelu_tanh,
-}
-
-
-def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTS:
-        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACTS)}")
-    return _ACTS[name]
-
-
-# The activations the C kernel computes (graph.c), by their Hugging Face names.
-_KERNEL_ACTS = {
+# Hugging Face's names -> the kernel backends' (kernels/torch_backend.py: ACTIVATIONS).
+_ACT_NAMES = {
     "silu": "silu",
     "swish": "silu",
+    "gelu": "gelu",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
 }
 
 
-class ActAndMul:
+def _backend_act(name: str) -> str:
+    if name not in _ACT_NAMES:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACT_NAMES)}")
+    return _ACT_NAMES[name]
+
+
+def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return ACTIVATIONS[_backend_act(name)]
+
+
+class ActAndMul(nn.Module):
     """act(gate) * up over a fused gate/up projection's output [tokens, 2d] = [gate | up]
-    (vLLM's SiluAndMul / GeluAndMul): one C kernel on float32 CPU tensors, torch otherwise."""
+    (vLLM's SiluAndMul / GeluAndMul), computed by the kernel backend bound at load."""
 
     def __init__(self, name: str) -> None:
-        self.act = get_act_fn(name)
-        self.kernel_act = _KERNEL_ACTS.get(name)
+        super().__init__()
+        self.act = _backend_act(name)
+        self.kernels: KernelBackend = TorchKernelBackend()
 
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        d = gate_up.shape[-1] // 2
-        if self.kernel_act and gate_up.dim() == 2 and d % 8 == 0 and kernels.fits(gate_up):
-            return kernels.act_mul(gate_up, self.kernel_act)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.act(gate) * up
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.act_and_mul(gate_up, self.act)

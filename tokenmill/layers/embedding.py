@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 
 if TYPE_CHECKING:
     from tokenmill.quant.gguf import PackedQuantMethod
@@ -25,6 +26,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
 
     def quantize_(self, method: PackedQuantMethod, importance: torch.Tensor | None = None) -> None:
         self.dtype = self.weight.dtype
@@ -42,19 +44,14 @@ class Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Rows ``input_ids`` of the table, times ``scale`` if given (Gemma's sqrt(hidden))."""
         if self.quant_method is not None:
-            h = self.quant_method.embedding(self.quant_state, input_ids, scale)
+            h = self.quant_method.embedding(self.quant_state, input_ids, self.kernels, scale)
             return h.to(self.dtype)
-        ids_fit = input_ids.dtype == torch.int64 and input_ids.is_contiguous()
-        if ids_fit and input_ids.device.type == "cpu" and kernels.fits(self.weight):
-            return kernels.gather_rows(self.weight, input_ids, 1.0 if scale is None else scale)
-        h = F.embedding(input_ids, self.weight)
-        # NOTE: HF multiplies by the scale cast to the model dtype; do the same for parity.
-        return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
+        return self.kernels.embedding(self.weight, input_ids, scale)
 
     def as_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits h Eᵀ, written into ``out`` when given (a reused [rows, vocab] buffer)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self.quant_state, hidden, out=out)
+            return self.quant_method.apply(self.quant_state, hidden, self.kernels, out=out)
         if out is not None:
             return torch.matmul(hidden, self.weight.T, out=out)
         return F.linear(hidden, self.weight)

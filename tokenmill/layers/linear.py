@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
+
 if TYPE_CHECKING:
     from tokenmill.quant.base import QuantMethod
     from tokenmill.quant.gguf import PackedQuantMethod
@@ -28,6 +31,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.quant_method: QuantMethod | None = None
         self.quant_state: Any = None
+        self.kernels: KernelBackend = TorchKernelBackend()  # a packed matmul's; bound at load
 
     def quantize_(self, method: QuantMethod, importance: torch.Tensor | None = None) -> None:
         """Pack the weight (``importance``: see QuantMethod.quantize)."""
@@ -53,7 +57,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x Wᵀ + b; into ``out`` when given (the output head's reused logits buffer)."""
         if self.quant_method is not None:
-            y = self.quant_method.apply(self.quant_state, x, out=out)
+            y = self.quant_method.apply(self.quant_state, x, self.kernels, out=out)
         elif out is None:
             return F.linear(x, self.weight, self.bias)
         else:
@@ -100,6 +104,7 @@ def fuse_packed(linears: list[Linear]) -> Linear | None:
     fused.in_features, fused.out_features = first.in_features, weight.shape[0]
     fused.weight, fused.bias = None, None  # type: ignore[assignment]
     fused.quant_method, fused.quant_state = first.quant_method, PackedState(weight, bias)
+    fused.kernels = first.kernels
     for lin in linears:
         lin.quant_method, lin.quant_state = None, None  # computed by ``fused`` from now on
     return fused

@@ -1,18 +1,16 @@
 """RMSNorm (Zhang & Sennrich, 2019) and Gemma's variant that scales by (1 + w).
 
 ``forward(x, residual)`` returns ``residual + norm(x)`` in one step (Gemma adds its normalized
-attention / MLP outputs to the residual stream). Float32 CPU tensors take the C kernel: a decode
-step runs ~100 of these on a few hundred floats each, where torch's dispatch costs more than
-the arithmetic.
+attention / MLP outputs to the residual stream). Computed by the kernel backend bound at load.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 
 
 class RMSNorm(nn.Module):
@@ -22,19 +20,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if (
-            x.shape[-1] % 8 == 0
-            and kernels.heads_fit(x)
-            and kernels.fits(self.weight)
-            and (residual is None or kernels.fits(residual))
-        ):
-            return kernels.rmsnorm(x, self.weight, self.weight_offset, self.eps, residual)
-        # Computed in float32 as the reference implementations do, whatever the model dtype.
-        gain = self.weight.float() + self.weight_offset
-        y = F.rms_norm(x.float(), (x.shape[-1],), gain, self.eps).to(x.dtype)
-        return y if residual is None else residual + y
+        return self.kernels.rmsnorm(x, self.weight, self.weight_offset, self.eps, residual)
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -11,8 +11,9 @@ import math
 import torch
 from torch import nn
 
-from tokenmill import kernels
 from tokenmill.config import RopeScaling
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -51,29 +52,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        if (
-            q.shape[-1] % 16 == 0
-            and positions.dtype == torch.int64
-            and positions.is_contiguous()
-            and kernels.heads_fit(q)
-            and kernels.heads_fit(k)
-            and kernels.fits(self.cos, self.sin)
-        ):
-            # In place: q and k are fresh projections (or views of one) no one else holds.
-            kernels.rope_neox_(q, positions, self.cos, self.sin)
-            kernels.rope_neox_(k, positions, self.cos, self.sin)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; q and
+        # k may be rotated in place (fresh projections, or views of one, no one else holds).
+        return self.kernels.rotary(positions, q, k, self.cos, self.sin)

@@ -7,8 +7,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tokenmill.attention import ForwardBatch
+from tokenmill.attention import Attention, ForwardBatch
+from tokenmill.attention.backends import AttentionBackend
 from tokenmill.config import ModelConfig
+from tokenmill.kernels import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.packed import PackedWeight
 
@@ -21,6 +24,21 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load; the sampler's too
+
+    def bind_kernels(self, kernels: KernelBackend, attention: AttentionBackend) -> None:
+        """Hand the backends chosen at load to every module that computes with them: each
+        Attention layer gets ``attention``, every module with a ``kernels`` attribute (norms,
+        RoPE, gated activations, linears and embeddings for their packed matmuls, residual
+        adds, this model) gets ``kernels``."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = attention
+            elif hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch

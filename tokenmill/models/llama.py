@@ -13,6 +13,8 @@ from torch import nn
 
 from tokenmill.attention import Attention, ForwardBatch
 from tokenmill.config import ModelConfig
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers import (
     ActAndMul,
     Embedding,
@@ -20,7 +22,6 @@ from tokenmill.layers import (
     RMSNorm,
     RotaryEmbedding,
     get_act_fn,
-    residual_add,
 )
 from tokenmill.layers.linear import fuse_packed
 from tokenmill.models.base import CausalLM
@@ -123,10 +124,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.kernels: KernelBackend = TorchKernelBackend()  # the residual adds'; bound at load
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
-        h = residual_add(x, self.self_attn(self.input_layernorm(x), positions, fwd))
-        return residual_add(h, self.mlp(self.post_attention_layernorm(h)))
+        h = self.kernels.add(x, self.self_attn(self.input_layernorm(x), positions, fwd))
+        return self.kernels.add(h, self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaBackbone(nn.Module):

@@ -17,7 +17,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
+from tokenmill.kernels import create_kernel_backend, default_kernel_backend
 from tokenmill.layers import Embedding, Linear
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
@@ -61,11 +63,14 @@ def load_model(
     max_position: int,
     quant_method: QuantMethod | None = None,
     importance: dict[str, torch.Tensor] | None = None,
+    kernels: str | None = None,
 ) -> CausalLM:
     """Instantiate the architecture with uninitialized parameters, then stream weights in.
 
     With a ``quant_method``, every Linear (and a tied output head) is packed after loading;
     ``importance`` (worker/calibration.py) maps layer names to their inputs' mean squares.
+    ``kernels`` names the kernel and attention backends the model computes with (kernels/,
+    attention/backends/: "torch", "cpu"); None picks ``default_kernel_backend(device)``.
     """
     assert config.source is not None
     model_cls = get_model_class(config.architecture)
@@ -98,6 +103,8 @@ def load_model(
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
+    backend = kernels or default_kernel_backend(device)
+    model.bind_kernels(create_kernel_backend(backend), create_attention_backend(backend))
     _release_freed_memory()
     return model.eval()
 

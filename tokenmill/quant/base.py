@@ -7,9 +7,12 @@ its fast path in tests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.kernels.base import KernelBackend
 
 
 class QuantMethod:
@@ -28,9 +31,16 @@ class QuantMethod:
         rounding can use it (int4); the others ignore it."""
         raise NotImplementedError  # each scheme packs its own way
 
-    def apply(self, state: Any, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x Wᵀ + b for x [..., in] with the packed state; returns x's dtype. ``out``: a
-        float32 [rows, out] tensor to write y into (the runner reuses one for the logits)."""
+    def apply(
+        self,
+        state: Any,
+        x: torch.Tensor,
+        kernels: KernelBackend,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y = x Wᵀ + b for x [..., in] with the packed state, computed by ``kernels`` (the
+        layer's backend); returns x's dtype. ``out``: a float32 [rows, out] tensor to write y
+        into (the runner reuses one for the logits)."""
         raise NotImplementedError  # each scheme computes its own way
 
     def dequantize(self, state: Any) -> torch.Tensor:

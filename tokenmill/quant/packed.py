@@ -16,8 +16,9 @@ that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" then packs each 
 32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
 element order ("q4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
 Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order.
-The matmul runs in the C kernel (kernels.py) where it is built; ``reference_matmul`` is its
-pure-torch twin, the fallback elsewhere and the oracle of the tests.
+The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
+``reference_matmul`` is its pure-torch twin, the torch kernel backend's path and the oracle of
+the tests.
 """
 
 from __future__ import annotations

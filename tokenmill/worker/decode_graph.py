@@ -3,12 +3,12 @@
 A batch-1 decode step of gemma-3-270m calls ~250 C kernels. Called one by one from Python, each
 pays 10-40 us of interpreter and dispatch cost; together that is about as much time as the
 arithmetic of the whole step. So the first decode-only step of each batch size runs eagerly
-inside ``kernels.recording()``, on fixed input buffers. If every computation in it went through
-a recorded kernel (checked by watching torch's dispatcher: only views and allocations may run
-outside one), its calls become a ``kernels.Graph``, which later steps of that size replay in one
-C call after writing their inputs into the buffers. A model or mode whose decode step computes
-anything with torch (a float checkpoint's F.linear, a quantized KV cache's writes, ...) is not
-captured and keeps running eagerly; nothing else changes.
+inside ``recording()`` (kernels/recording.py), on fixed input buffers. If every computation in
+it went through a recorded kernel (checked by watching torch's dispatcher: only views and
+allocations may run outside one), its calls become a ``Graph`` (kernels/graph.py), which later
+steps of that size replay in one C call after writing their inputs into the buffers. A model or
+mode whose decode step computes anything with torch (a float checkpoint's F.linear, the torch
+kernel backend, ...) is not captured and keeps running eagerly; nothing else changes.
 
 The input buffers are sized for the largest batch: token ids, positions, slots, block tables
 [max_batch, max_blocks_per_seq] and sequence lengths; a graph of batch size B uses their first
@@ -28,8 +28,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill import kernels
 from tokenmill.attention import AttentionMetadata, ForwardBatch
+from tokenmill.kernels import cpu_library
+from tokenmill.kernels.graph import Graph, Scratch
+from tokenmill.kernels.recording import recording
 from tokenmill.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.
 
 def graphs_supported(device: torch.device) -> bool:
     """Whether decode steps can be recorded here: CPU tensors and the C kernels built."""
-    return device.type == "cpu" and kernels.available()
+    return device.type == "cpu" and cpu_library.available()
 
 
 def warm_up_capture() -> threading.Thread:
@@ -76,7 +78,7 @@ class _ComputeWatch(TorchDispatchMode):
 
 @dataclass(slots=True)
 class _Captured:
-    graph: kernels.Graph
+    graph: Graph
     logits: torch.Tensor  # [batch, vocab]: where each replay leaves its logits
 
 
@@ -105,7 +107,7 @@ class DecodeGraphs:
         # float32 tensor per batch size would hold ~0.5 GB for sizes up to 32 (262k vocab).
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32)
         # The intermediates of every graph: one step runs at a time.
-        self.scratch = kernels.Scratch()
+        self.scratch = Scratch()
         # Batch size -> its graph, or None once it proved not capturable.
         self._captured: dict[int, _Captured | None] = {}
 
@@ -113,7 +115,7 @@ class DecodeGraphs:
         """Batch sizes whose decode steps replay a graph."""
         return sorted(b for b, c in self._captured.items() if c is not None)
 
-    def graph(self, batch_size: int) -> kernels.Graph:
+    def graph(self, batch_size: int) -> Graph:
         """The graph decode steps of this size replay (one of ``captured_sizes``)."""
         captured = self._captured.get(batch_size)
         if captured is None:
@@ -162,7 +164,7 @@ class DecodeGraphs:
         if self._warm_up is not None:
             self._warm_up.join()
         watch = _ComputeWatch()
-        with kernels.recording() as rec, watch:
+        with recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)
             out = self.logits[:b] if hidden.dtype == self.logits.dtype else None
             logits = self.model.compute_logits(hidden, out)
@@ -175,7 +177,7 @@ class DecodeGraphs:
             self._captured[b] = None
             return logits
         watch.allocated.discard(logits.untyped_storage().data_ptr())  # read after each replay
-        graph = kernels.Graph(rec, self.scratch, watch.allocated)
+        graph = Graph(rec, self.scratch, watch.allocated)
         del rec, hidden
         expected = logits.clone()
         graph.replay()  # writes the same K/V into the same slots again: harmless

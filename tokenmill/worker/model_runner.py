@@ -92,7 +92,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.kv_cache_dtype = cache.kv_cache_dtype
         self.kv_caches = allocate_kv_caches(model.config, cache, dtype, device)
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, model.kernels)
         self.requests: dict[str, RequestState] = {}
         # What preempted requests keep for when they resume: their generator (a seeded request
         # samples the same after it), and the prompt log-probs already sent (no repeats).

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import kernels
 from tokenmill.core.sched_output import PromptLogprobs, SampledLogprobs
+from tokenmill.kernels import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.outputs import TokenLogprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,9 +31,16 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    """``kernels``: the backend whose argmax picks greedy tokens (the model's, so a C argmax
+    runs where the model's kernels do: torch's CPU argmax is scalar, ~0.4 ms a row over a 262k
+    vocabulary, a few % of a decode step); the torch backend when not given."""
+
+    def __init__(
+        self, device: torch.device, seed: int = 0, kernels: KernelBackend | None = None
+    ) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.kernels = kernels or TorchKernelBackend()
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -67,7 +75,7 @@ class Sampler:
         return logits
 
     def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-        greedy = _argmax(logits)
+        greedy = self.kernels.argmax(logits)
         random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not random_idx:
             return greedy.tolist()
@@ -81,20 +89,10 @@ class Sampler:
         q = torch.empty_like(probs)
         for j, i in enumerate(random_idx):
             q[j].exponential_(generator=rows[i].generator or self.generator)
-        picked = _argmax(probs / q)
+        picked = self.kernels.argmax(probs / q)
         out = greedy.clone()
         out[idx] = picked
         return out.tolist()
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim of [rows, vocab]; the C kernel where it fits (torch's CPU argmax
-    is scalar: ~0.4 ms a row over a 262k vocabulary, a few % of a decode step)."""
-    if x.dim() == 2 and kernels.fits(x):
-        out = kernels.argmax_rows(x)
-        if out is not None:
-            return out
-    return x.argmax(dim=-1)
 
 
 def _apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:

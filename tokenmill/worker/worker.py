@@ -21,6 +21,7 @@ from tokenmill.config import (
     resolve_model,
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
@@ -45,6 +46,11 @@ class Worker:
         model_config = load_model_config(resolve_model(args.model))
         max_model_len = _max_model_len(args, model_config)
         quantization = pick_quantization(args.quantization, model_config, self.device)
+        if args.kernel_backend not in ("auto", *KERNEL_BACKENDS):
+            raise ValueError(
+                f"kernel_backend must be auto or one of {', '.join(KERNEL_BACKENDS)}; "
+                f"got {args.kernel_backend!r}"
+            )
         self.model = self._load(model_config, max_model_len, quantization)
         per_block = kv_bytes_per_block(
             model_config, args.block_size, self.dtype, args.kv_cache_dtype
@@ -90,7 +96,12 @@ class Worker:
         importance = None
         if args.int4_calibration:
             importance = input_importance(args, args.int4_calibration)
-        return load_model(config, self.dtype, self.device, max_model_len, quant_method, importance)
+        kernels = args.kernel_backend
+        if kernels == "auto":
+            kernels = default_kernel_backend(self.device)
+        return load_model(
+            config, self.dtype, self.device, max_model_len, quant_method, importance, kernels
+        )
 
     def _num_kv_blocks(self, per_block: int) -> int:
         """Blocks of the KV cache that fit ``kv_cache_memory`` (bytes, or a fraction of the

@@ -1,15 +1,17 @@
-"""Paged attention on CPU (and the test oracle), built on scaled_dot_product_attention.
+"""Paged attention in plain torch (no C call), built on scaled_dot_product_attention: the
+backend of any device and the oracle of the others.
 
-Decodes over a float32 cache run the C kernel (tokenmill/csrc/decode_ops.c), which reads each
-sequence's blocks in place. Otherwise they gather their blocks with ``index_select`` (much
-faster than advanced indexing on CPU) into one padded batch and attend in a single call under a
-length/window mask. A prefill chunk
+Decodes gather their blocks with ``index_select`` (much faster than advanced indexing on CPU)
+into one padded batch and attend in a single call under a length/window mask. A prefill chunk
 with no computed context attends to its own fresh K/V; one on top of cached context gathers
 its blocks first.
 
 A quantized cache (scale tensors given) is dequantized as it is read, and every prefill chunk
 reads its own K/V back from the cache too, so prompt tokens carry the same quantization error
 in a one-shot prefill, a chunked one, or a prefix hit, as they do for decodes.
+
+``store_kv`` and ``attend_decodes`` are the steps a faster backend may override
+(attention/backends/cpu_backend.py); the prefill path is shared.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill import kernels
+from tokenmill.attention.backends.base import AttentionBackend
 from tokenmill.attention.kv_cache import dequantize_kv, write_kv
 from tokenmill.attention.metadata import AttentionMetadata, PrefillSeq
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -35,28 +39,17 @@ class TorchAttentionBackend:
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        if _kernel_writes(k, v, k_cache, v_cache, kv_scales, meta.slot_mapping):
-            kernels.kv_write(k, v, meta.slot_mapping, (k_cache, v_cache), kv_scales)
-        elif kv_scales is not None:
-            write_kv(k_cache, kv_scales[0], meta.slot_mapping, k)
-            write_kv(v_cache, kv_scales[1], meta.slot_mapping, v)
-        else:
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-                0, meta.slot_mapping, k.to(k_cache.dtype)
-            )
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-                0, meta.slot_mapping, v.to(v_cache.dtype)
-            )
+        self.store_kv(k, v, meta.slot_mapping, k_cache, v_cache, kv_scales)
         dtype = q.dtype
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         nd = meta.num_decodes
         if nd == q.shape[0]:  # decodes only: their output is the whole output
-            return self._decode(q, k_cache, v_cache, meta, scale, window, kv_scales).to(dtype)
+            out = self.attend_decodes(q, k_cache, v_cache, meta, scale, window, kv_scales)
+            return out.to(dtype)
         out = torch.empty_like(q, dtype=dtype)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, kv_scales)
+            out[:nd] = self.attend_decodes(q[:nd], k_cache, v_cache, meta, scale, window, kv_scales)
         for run in _prefill_runs(meta.prefills, window, kv_scales is not None):
             s, e = run[0].token_start, run[-1].token_start + run[-1].query_len
             if len(run) > 1:  # fresh prompts of one length, side by side: one batched call
@@ -74,9 +67,28 @@ class TorchAttentionBackend:
             )
         return out
 
-    @staticmethod
-    def _decode(
-        q: torch.Tensor,
+    def store_kv(
+        self,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] long
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Store each token's K and V at its slot (quantized, with its scales, when the cache
+        is int8 / fp8)."""
+        if kv_scales is not None:
+            write_kv(k_cache, kv_scales[0], slot_mapping, k)
+            write_kv(v_cache, kv_scales[1], slot_mapping, v)
+            return
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def attend_decodes(
+        self,
+        q: torch.Tensor,  # [num_decodes, num_heads, head_dim]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -84,21 +96,9 @@ class TorchAttentionBackend:
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
+        """One query per decoding sequence against its paged K/V."""
         nd, max_blocks = meta.decode_block_table.shape
         _, bs, nkv, hd = k_cache.shape
-        group_ok = q.shape[1] // nkv <= kernels.MAX_ATTENTION_GROUP
-        if hd % 8 == 0 and group_ok and _kernel_reads(q, k_cache, v_cache, kv_scales):
-            # Straight from the paged cache: no gather, no padding, no mask.
-            return kernels.decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_table,
-                meta.decode_seq_lens,
-                window,
-                scale,
-                kv_scales,
-            )
         flat_table = meta.decode_block_table.reshape(-1)
         k_buf = v_buf = None
         if meta.gather_buffers is not None:
@@ -236,67 +236,3 @@ def _gather_blocks(
     if out is None:
         return flat.index_select(0, block_ids)
     return torch.index_select(flat, 0, block_ids, out=out)
-
-
-def _kernel_writes(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-    slot_mapping: torch.Tensor,
-) -> bool:
-    """Whether the C kernel can store k and v (float32, each token's row dense: they may be
-    views into a fused q/k/v projection) into this cache: float32 or float16, or one-byte with
-    its scales."""
-    row_dense = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
-    if kv_scales is None:
-        cache_ok = kernels.fits(k_cache, v_cache) or _float16_caches(k_cache, v_cache)
-    else:
-        cache_ok = (
-            k_cache.dtype == v_cache.dtype
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-            and k.shape[2] % 8 == 0
-            and kernels.fits(*kv_scales)
-        )
-    return (
-        row_dense
-        and cache_ok
-        and slot_mapping.dtype == torch.int64
-        and slot_mapping.is_contiguous()
-        and k.dtype == v.dtype == torch.float32
-        and k.device.type == "cpu"
-    )
-
-
-def _kernel_reads(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-) -> bool:
-    """Whether the C decode kernel handles this cache: float32 or float16, or int8 / fp8 with
-    its scales."""
-    if not kernels.heads_fit(q):
-        return False
-    if kv_scales is None:
-        return kernels.fits(k_cache, v_cache) or _float16_caches(k_cache, v_cache)
-    return (
-        k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
-        and v_cache.dtype == k_cache.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and kernels.fits(*kv_scales)
-    )
-
-
-def _float16_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """float16 caches (--kv-cache-dtype float16) the C kernels read and write: contiguous, on
-    the CPU, rows of a multiple of 8 elements."""
-    return (
-        kernels.available()
-        and k_cache.dtype == v_cache.dtype == torch.float16
-        and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_cache, v_cache))
-        and k_cache.shape[-1] % 8 == 0
-    )

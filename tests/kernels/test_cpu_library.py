@@ -6,9 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import kernels
 from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.kernels import cpu_library as kernels
+from tokenmill.kernels.cpu_backend import CpuKernelBackend
+from tokenmill.kernels.graph import Graph, plan_scratch
+from tokenmill.kernels.recording import Recording, recording
 from tokenmill.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not built here")
@@ -19,6 +22,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="C kernels not b
 def test_rmsnorm_matches_torch(norm_cls, with_residual) -> None:
     torch.manual_seed(0)
     norm = norm_cls(64, eps=1e-6)
+    norm.kernels = CpuKernelBackend()
     norm.weight.data.normal_()
     x, res = torch.randn(5, 64) * 3, torch.randn(5, 64)
     residual = res if with_residual else None
@@ -48,6 +52,7 @@ def _decode_meta(bs: int, table: torch.Tensor, seq_lens: torch.Tensor) -> Attent
 def test_rope_matches_torch() -> None:
     torch.manual_seed(1)
     rope = RotaryEmbedding(head_dim=32, max_position=64, theta=10000.0)
+    rope.kernels = CpuKernelBackend()
     positions = torch.tensor([0, 5, 63, 17])
     q, k = torch.randn(4, 3, 32), torch.randn(4, 1, 32)
     ref_q, ref_k = rope(positions, q.double(), k.double())  # torch path (not float32)
@@ -70,7 +75,7 @@ def test_decode_attention_matches_sdpa(window) -> None:
     meta = _decode_meta(bs, table, seq_lens)
     ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.3)
     # The torch path: float64 inputs do not fit the kernel, so SDPA runs.
-    ref = TorchAttentionBackend._decode(
+    ref = TorchAttentionBackend().attend_decodes(
         q.double(), k_cache.double(), v_cache.double(), meta, 0.3, window, None
     )
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
@@ -120,7 +125,9 @@ def test_act_and_mul_matches_torch(act) -> None:
 
     torch.manual_seed(4)
     gate_up = torch.randn(3, 2 * 48) * 4  # wide enough to reach both tails
-    ours = ActAndMul(act)(gate_up)
+    act_and_mul = ActAndMul(act)
+    act_and_mul.kernels = CpuKernelBackend()
+    ours = act_and_mul(gate_up)
     gate, up = gate_up.double().chunk(2, dim=-1)
     ref = get_act_fn(act)(gate) * up
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
@@ -159,12 +166,13 @@ def test_recorded_calls_replay_on_new_inputs() -> None:
 
     torch.manual_seed(7)
     norm = GemmaRMSNorm(64)
+    norm.kernels = CpuKernelBackend()
     norm.weight.data.normal_()
     w = Int4QuantMethod(group_size=32).quantize(torch.randn(40, 64), None).weight
     x = torch.randn(2, 64)
-    with kernels.recording() as rec:
+    with recording() as rec:
         y = kernels.qgemm(norm(x), w, None, act_int8=True)
-    graph = kernels.Graph(rec)
+    graph = Graph(rec)
     assert len(graph) == 2
     x.copy_(torch.randn(2, 64))
     expected = kernels.qgemm(norm(x), w, None, act_int8=True)
@@ -175,6 +183,7 @@ def test_recorded_calls_replay_on_new_inputs() -> None:
 def test_rmsnorm_reads_heads_inside_a_fused_projection() -> None:
     torch.manual_seed(8)
     norm = GemmaRMSNorm(16)
+    norm.kernels = CpuKernelBackend()
     norm.weight.data.normal_()
     qkv = torch.randn(3, 4 * 16 + 2 * 16)
     q = qkv[:, :64].view(3, 4, 16)  # rows 16 apart within a token, 96 apart between tokens
@@ -204,7 +213,7 @@ def test_decode_attention_over_a_long_context_split_across_threads(window) -> No
     meta = _decode_meta(bs, table, seq_lens)
     with _threads(2):
         ours = kernels.decode_attention(q, k_cache, v_cache, table, seq_lens, window, 0.2)
-    ref = TorchAttentionBackend._decode(
+    ref = TorchAttentionBackend().attend_decodes(
         q.double(), k_cache.double(), v_cache.double(), meta, 0.2, window, None
     )
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
@@ -242,14 +251,14 @@ def test_quantized_kv_write_gives_the_bytes_of_the_torch_quantizer(dtype) -> Non
 
 
 def test_scratch_plan_shares_bytes_between_intermediates_that_never_live_together() -> None:
-    rec = kernels.Recording()
+    rec = Recording()
     a, b, c = torch.empty(100), torch.empty(100), torch.empty(50)
     keep = torch.empty(10)  # not allocated during the recording: stays where it is
     rec.add(1, (a, keep))  # call 0: a
     rec.add(1, (a, b))  # call 1: a's last use, b's first
     rec.add(1, (b, c[10:]))  # call 2: a is dead, c may reuse its bytes but not b's
     allocated = {t.untyped_storage().data_ptr() for t in (a, b, c)}
-    offsets, total = kernels._plan_scratch(rec, allocated)
+    offsets, total = plan_scratch(rec, allocated)
     at = {name: offsets[t.data_ptr()] for name, t in (("a", a), ("b", b), ("c", c))}
     assert keep.data_ptr() not in offsets
     assert at["a"] != at["b"] and at["c"] == at["a"]  # c takes a's bytes once a is dead

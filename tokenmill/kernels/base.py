@@ -1,0 +1,83 @@
+"""KernelBackend: the ops a model step calls outside attention, one implementation per kind of
+kernel library. The backend is chosen once, at load (models/loader.py), and handed to every
+module that computes with it (``CausalLM.bind_kernels``); no layer decides which one runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.quant.packed import PackedWeight
+
+
+class KernelBackend(ABC):
+    """Base class of kernel backends. Every op takes what the layer holds and returns a fresh
+    tensor (``rotary`` may rotate q and k in place: they are fresh projections)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def rmsnorm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_offset: float,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """residual + x / rms(x) · (weight + weight_offset) over the last dim, in x's dtype
+        (computed in float32); just the norm without ``residual``."""
+
+    @abstractmethod
+    def rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens] long
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [max_position, head_dim / 2] float32
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half ("neox") RoPE of q and k at ``positions``."""
+
+    @abstractmethod
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up for gate_up [..., 2d] = [gate | up]; ``act`` one of
+        torch_backend.ACTIVATIONS ("silu", "gelu", "gelu_tanh")."""
+
+    @abstractmethod
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + y (the residual stream's add)."""
+
+    @abstractmethod
+    def embedding(
+        self, table: torch.Tensor, ids: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """Rows ``ids`` of a float table [vocab, dim], times ``scale`` if given."""
+
+    @abstractmethod
+    def packed_matmul(
+        self,
+        x: torch.Tensor,  # [rows, in]
+        w: PackedWeight,
+        bias: torch.Tensor | None,
+        act_int8: bool,
+        out: torch.Tensor | None = None,
+        q8_unsigned: bool = False,
+    ) -> torch.Tensor:
+        """y = x Wᵀ + b in float32 [rows, out] for a packed weight, into ``out`` when given and
+        used. ``act_int8``: x may be quantized to int8 per 32 elements (a backend without an
+        integer kernel computes in float); ``q8_unsigned``: see quant/gguf.py's PackedState."""
+
+    @abstractmethod
+    def packed_embedding(
+        self, w: PackedWeight, ids: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        """Rows ``ids`` of a packed table in float32 [*ids.shape, dim], times ``scale``."""
+
+    @abstractmethod
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) (the first index among ties), long."""
