@@ -34,7 +34,9 @@ def test_importance_covers_every_linear_layer(tiny_model_dir, tmp_path) -> None:
     importance = input_importance(_args(path, tmp_path), str(tmp_path / "calibration.txt"))
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
     linears = {
-        name: m for name, m in float_engine.runner.model.named_modules() if isinstance(m, Linear)
+        name: m
+        for name, m in float_engine.runner.model.checkpoint_layers()
+        if isinstance(m, Linear)
     }
     assert set(importance) == set(linears)
     for name, mean_square in importance.items():
@@ -50,7 +52,7 @@ def test_calibrated_int4_model_tracks_float(tiny_model_dir, tmp_path) -> None:
     engine = LLMEngine(_args(path, tmp_path, packed_activations="float32"))
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
     mlp = engine.runner.model.model.layers[0].mlp
-    assert mlp.gate_up_proj.quant_state.weight.kind == "q4"
+    assert mlp.gate_up_proj.groups[0].state.weight.kind == "q4"
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompts = [[1, *range(5 + i, 25 + i)] for i in range(8)]
     for engine_ in (engine, float_engine):  # int4's pick first, float's second

@@ -335,3 +335,19 @@ def test_logprobs_match_transformers(tiny_gguf, engine_args, atol: tuple[float, 
     )
     # Random weights spread the log-probs: the comparison is not between two flat rows.
     assert ref.max(-1).values.mean() - ref.mean() > 1.0
+
+
+def test_packed_parts_share_a_matmul_where_their_formats_allow(tiny_gguf) -> None:
+    """Layer 0 mixes formats (q/k Q4_K beside a Q8_0 v; a Q8_0 gate beside a Q4_0 up): every
+    part alone. Layer 1's q/k/v (Q4_0) and gate/up (Q4_K) each run as one matmul."""
+    from tokenmill.models.loader import load_model
+    from tokenmill.quant import PackedQuantMethod
+
+    _, tiny, _ = tiny_gguf
+    config = load_model_config(resolve_model(str(tiny.path)))
+    model = load_model(config, torch.float32, torch.device("cpu"), 64, PackedQuantMethod())
+    first, second = model.model.layers
+    assert [g.parts for g in first.self_attn.qkv_proj.groups] == [("q",), ("k",), ("v",)]
+    assert not first.mlp.gate_up_proj.is_fused
+    assert second.self_attn.qkv_proj.is_fused and second.mlp.gate_up_proj.is_fused
+    assert second.mlp.gate_up_proj.groups[0].state.weight.kind == "q4"

@@ -1,7 +1,8 @@
 """Token embedding (also the tied output head: ``logits = h Eᵀ``).
 
-``quantize_`` (float checkpoints) or ``load_packed_`` (GGUF) hands the table to a packed
-method: the head's matmul and the lookups both read the one packed table.
+``weight_loader`` fills the table; ``quantize_`` (float checkpoints) or a table that arrives
+packed (GGUF) hands it to a packed method: the head's matmul and the lookups both read the one
+packed table.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.layers.linear import default_weight_loader
+from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
     from tokenmill.quant.gguf import PackedQuantMethod
-    from tokenmill.quant.packed import PackedWeight
 
 
 class Embedding(nn.Module):
@@ -25,6 +27,24 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
+
+    def weight_loader(
+        self,
+        param_name: str,
+        loaded: torch.Tensor | PackedWeight,
+        packed_method: PackedQuantMethod | None = None,
+    ) -> None:
+        """Fill the table from a checkpoint tensor; a packed one (GGUF) stays packed."""
+        if not isinstance(loaded, PackedWeight):
+            default_weight_loader(self.weight, loaded)
+            return
+        if tuple(self.weight.shape) != loaded.shape:
+            raise ValueError(
+                f"(packed) has shape {loaded.shape}, the model expects {tuple(self.weight.shape)}"
+            )
+        if packed_method is None:
+            raise ValueError("arrived packed but no packed method was given")
+        self.load_packed_(packed_method, loaded.to(self.weight.device))
 
     def quantize_(self, method: PackedQuantMethod, importance: torch.Tensor | None = None) -> None:
         self.dtype = self.weight.dtype
