@@ -164,5 +164,7 @@ def test_a_mis_shaped_part_is_refused_by_name() -> None:
         qkv.weight_loader("weight", packed, "v", PackedQuantMethod())
     with pytest.raises(ValueError, match="no part 'o'"):
         qkv.weight_loader("weight", torch.randn(32, HIDDEN), "o")
+    with pytest.raises(ValueError, match="no float bias"):
+        qkv.weight_loader("bias", torch.randn(32), "v")
     with pytest.raises(ValueError, match="no packed method"):
         qkv.weight_loader("weight", quantize_int4(torch.randn(32, HIDDEN), 32), "v")

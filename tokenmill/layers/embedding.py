@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.layers.linear import default_weight_loader
+from tokenmill.layers.linear import default_weight_loader, packed_weight_loader
 from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
@@ -35,16 +35,10 @@ class Embedding(nn.Module):
         packed_method: PackedQuantMethod | None = None,
     ) -> None:
         """Fill the table from a checkpoint tensor; a packed one (GGUF) stays packed."""
-        if not isinstance(loaded, PackedWeight):
+        if isinstance(loaded, PackedWeight):
+            packed_weight_loader(self, self.weight, loaded, packed_method)
+        else:
             default_weight_loader(self.weight, loaded)
-            return
-        if tuple(self.weight.shape) != loaded.shape:
-            raise ValueError(
-                f"(packed) has shape {loaded.shape}, the model expects {tuple(self.weight.shape)}"
-            )
-        if packed_method is None:
-            raise ValueError("arrived packed but no packed method was given")
-        self.load_packed_(packed_method, loaded.to(self.weight.device))
 
     def quantize_(self, method: PackedQuantMethod, importance: torch.Tensor | None = None) -> None:
         self.dtype = self.weight.dtype

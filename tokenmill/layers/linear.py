@@ -39,6 +39,23 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | PackedWeig
     param.data.copy_(loaded)
 
 
+def packed_weight_loader(
+    layer: nn.Module,
+    param: nn.Parameter,
+    loaded: PackedWeight,
+    packed_method: PackedQuantMethod | None,
+) -> None:
+    """Hand a weight that arrives packed (GGUF) to ``layer.load_packed_`` in place of ``param``
+    (whose shape it must have), to be computed by ``packed_method``."""
+    if tuple(param.shape) != loaded.shape:
+        raise ValueError(
+            f"(packed) has shape {loaded.shape}, the model expects {tuple(param.shape)}"
+        )
+    if packed_method is None:
+        raise ValueError("arrived packed but no packed method was given")
+    layer.load_packed_(packed_method, loaded.to(param.device))
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -57,17 +74,13 @@ class Linear(nn.Module):
     ) -> None:
         """Fill ``weight`` or ``bias`` from a checkpoint tensor of its shape. A packed weight
         (a GGUF tensor in its block format) is kept packed, computed by ``packed_method``."""
-        param = getattr(self, param_name)
-        if not isinstance(loaded, PackedWeight) or param_name != "weight":
+        param = getattr(self, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"has no place: the layer holds no float {param_name}")
+        if isinstance(loaded, PackedWeight) and param_name == "weight":
+            packed_weight_loader(self, param, loaded, packed_method)
+        else:
             default_weight_loader(param, loaded)
-            return
-        if tuple(param.shape) != loaded.shape:
-            raise ValueError(
-                f"(packed) has shape {loaded.shape}, the model expects {tuple(param.shape)}"
-            )
-        if packed_method is None:
-            raise ValueError("arrived packed but no packed method was given")
-        self.load_packed_(packed_method, loaded.to(param.device))
 
     def quantize_(self, method: QuantMethod, importance: torch.Tensor | None = None) -> None:
         """Pack the weight (``importance``: see QuantMethod.quantize)."""
@@ -125,7 +138,8 @@ class FusedLinear(nn.Module):
     their outputs in order. Each part loads into its own Linear (``weight_loader``), is quantized
     there like any layer, and after loading the layer decides which parts share a matmul."""
 
-    # Ways to join parts into matmuls, most joined first; parts in no group run alone.
+    # Ways to join parts into matmuls, most joined first: each a set of groups, each group
+    # consecutive parts in part order; parts in no group run alone.
     groupings: tuple[tuple[tuple[str, ...], ...], ...] = ()
 
     def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
@@ -241,9 +255,9 @@ class QKVLinear(FusedLinear):
     """Attention's q, k and v projections (parts "q", "k", "v"). Joined all three where their
     layouts allow, else k with v (int4 keeps k/v int8 while q is int4, quant/int4.py).
 
-    NOTE: q with k alone (v in another format, as in some gemma-3-270m layers) is not joined:
-    every model then runs exactly the matmuls it ran before this layer type; whether that
-    grouping would pay is unmeasured.
+    NOTE: q with k alone (v in another format, as in some gemma-3-270m layers) stays apart:
+    whether joining them pays is unmeasured, and every model keeps the matmuls its golden
+    outputs were recorded with.
     """
 
     groupings = ((("q", "k", "v"),), (("k", "v"),))
