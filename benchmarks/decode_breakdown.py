@@ -27,17 +27,25 @@ from tokenmill.kernels import cpu_library
 from tokenmill.layers import linear, norm, rotary
 from tokenmill.models import llama
 
+_ACTIVE: set[str] = set()
+
 
 def _timed(owner: object, name: str, key: str, acc: dict[str, float]) -> None:
+    """Time ``owner.name`` into ``acc[key]``; a call inside another of the same key (a fused
+    layer's part computed by its own Linear) counts once."""
     fn: Callable = getattr(owner, name)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if key in _ACTIVE:
+            return fn(*args, **kwargs)
+        _ACTIVE.add(key)
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             acc[key] += time.perf_counter() - start
+            _ACTIVE.discard(key)
 
     setattr(owner, name, wrapper)
 
@@ -95,6 +103,8 @@ def run_eager(args: argparse.Namespace) -> float:
         (type(model), "forward", "model forward (layers)"),
         (norm.RMSNorm, "forward", "  RMSNorms"),
         (linear.Linear, "forward", "  linear layers (matmuls)"),
+        (linear.FusedLinear, "forward", "  linear layers (matmuls)"),
+        (linear.FusedLinear, "forward_fused", "  linear layers (matmuls)"),
         (rotary.RotaryEmbedding, "forward", "  RoPE"),
         (attention_layer.Attention, "forward", "  paged attention"),
         (llama.LlamaMLP, "forward", "  MLP block (incl. its matmuls)"),

@@ -30,7 +30,7 @@ import torch
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
 from tokenmill.kernels import cpu_library
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.quant.packed import PackedWeight
 
 SOURCE = Path("tokenmill/csrc/qgemm.c")
@@ -70,6 +70,11 @@ def layouts(engine: LLMEngine) -> dict[str, tuple[PackedWeight, int]]:
         if isinstance(m, Linear) and m is not head and isinstance(w, PackedWeight):
             key = f"{name.split('.')[-1]} {w.kind} G{w.group} {tuple(w.shape)}"
             found.setdefault(key, (w, 1))
+        for group in m.groups if isinstance(m, FusedLinear) else ():  # parts in one matmul
+            if group.state is not None:
+                w = group.state.weight
+                key = f"{name.split('.')[-1]} {w.kind} G{w.group} {tuple(w.shape)}"
+                found.setdefault(key, (w, 1))
     state = getattr(head, "quant_state", None)
     if isinstance(getattr(state, "weight", None), PackedWeight):
         name = f"output head {state.weight.kind} {tuple(state.weight.shape)}"

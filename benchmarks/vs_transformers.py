@@ -23,7 +23,7 @@ import torch
 from tokenmill.bench.workload import random_prompts
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -65,12 +65,10 @@ def matmul_floor(engine: LLMEngine, num_prompts: int, prompt_len: int, output_le
     steps of num_prompts rows; the head runs once per generated token."""
     model = engine.executor.worker.model
     head = model.output_head()  # a Linear, or the tied embedding (gemma)
-    layers = [  # the matmuls that run: projections fused into qkv / gate_up hold no weight
-        m
-        for m in model.modules()
-        if isinstance(m, Linear)
-        and m is not head
-        and (m.quant_method is not None or m.weight is not None)
+    fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
+    parts = {id(p) for m in fused for p in m.parts.values()}  # computed by their fused layer
+    layers = fused + [
+        m for m in model.modules() if isinstance(m, Linear) and m is not head and id(m) not in parts
     ]
 
     def best_of_3(fn) -> float:

@@ -318,9 +318,12 @@ def test_int4_keeps_key_and_value_projections_int8(tiny_model_dir, arch: str) ->
     tokens, engine = _greedy(tiny_model_dir(arch), quantization="int4")
     for layer in engine.executor.worker.model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        assert attn.qkv_proj is None and attn.kv_proj is not None
-        assert attn.kv_proj.quant_state.weight.kind == "q8"
-        for linear in (attn.q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        q, kv = attn.qkv_proj.groups
+        assert q.parts == ("q",) and kv.parts == ("k", "v")
+        assert kv.state.weight.kind == "q8"
+        assert mlp.gate_up_proj.is_fused
+        assert mlp.gate_up_proj.groups[0].state.weight.kind == "q4"
+        for linear in (attn.qkv_proj.part("q"), attn.o_proj, mlp.down_proj):
             assert linear.quant_state.weight.kind == "q4"
     assert all(len(t) == 8 for t in tokens)
     assert_all_blocks_free(engine)

@@ -35,7 +35,7 @@ def test_importance_covers_every_linear_layer(tiny_model_dir, tmp_path) -> None:
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
     linears = {
         name: m
-        for name, m in float_engine.executor.worker.model.named_modules()
+        for name, m in float_engine.executor.worker.model.checkpoint_layers()
         if isinstance(m, Linear)
     }
     assert set(importance) == set(linears)
@@ -52,7 +52,7 @@ def test_calibrated_int4_model_tracks_float(tiny_model_dir, tmp_path) -> None:
     engine = LLMEngine(_args(path, tmp_path, packed_activations="float32"))
     float_engine = LLMEngine(EngineArgs(model=str(path), max_model_len=128, kv_cache_memory="4MiB"))
     mlp = engine.executor.worker.model.model.layers[0].mlp
-    assert mlp.gate_up_proj.quant_state.weight.kind == "q4"
+    assert mlp.gate_up_proj.groups[0].state.weight.kind == "q4"
     params = SamplingParams(temperature=0.0, max_tokens=1)
     prompts = [[1, *range(5 + i, 25 + i)] for i in range(8)]
     for engine_ in (engine, float_engine):  # int4's pick first, float's second

@@ -1,7 +1,8 @@
 """Token embedding (also the tied output head: ``logits = h Eᵀ``).
 
-``quantize_`` (float checkpoints) or ``load_packed_`` (GGUF) hands the table to a packed
-method: the head's matmul and the lookups both read the one packed table.
+``weight_loader`` fills the table; ``quantize_`` (float checkpoints) or a table that arrives
+packed (GGUF) hands it to a packed method: the head's matmul and the lookups both read the one
+packed table.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from torch import nn
 
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.layers.linear import default_weight_loader, packed_weight_loader
+from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
     from tokenmill.quant.gguf import PackedQuantMethod
-    from tokenmill.quant.packed import PackedWeight
 
 
 class Embedding(nn.Module):
@@ -27,6 +29,18 @@ class Embedding(nn.Module):
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
         self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
+
+    def weight_loader(
+        self,
+        param_name: str,
+        loaded: torch.Tensor | PackedWeight,
+        packed_method: PackedQuantMethod | None = None,
+    ) -> None:
+        """Fill the table from a checkpoint tensor; a packed one (GGUF) stays packed."""
+        if isinstance(loaded, PackedWeight):
+            packed_weight_loader(self, self.weight, loaded, packed_method)
+        else:
+            default_weight_loader(self.weight, loaded)
 
     def quantize_(self, method: PackedQuantMethod, importance: torch.Tensor | None = None) -> None:
         self.dtype = self.weight.dtype

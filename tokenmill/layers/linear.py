@@ -1,12 +1,20 @@
-"""Linear layer y = x Wᵀ (+ b). Parameters are allocated uninitialized: the loader fills them.
+"""Linear layers y = x Wᵀ (+ b), and fused layers computing several projections of one input.
 
-After loading, ``quantize_`` may hand the weight to a QuantMethod, which packs it and computes
+Parameters are allocated uninitialized; each layer's ``weight_loader`` fills them from checkpoint
+tensors (vLLM's layers/linear.py): a Linear takes a tensor whole, a FusedLinear (QKVLinear,
+MergedLinear) one part of it at a time (q, k or v; gate or up). Tensor-parallel shards and MoE
+experts are further loaders on the same seam.
+
+After loading, ``quantize_`` may hand a weight to a QuantMethod, which packs it and computes
 from then on (the float parameter is dropped); a weight that arrives packed (GGUF) is handed
-over by ``load_packed_`` instead of being loaded as floats.
+over as it loads. A fused layer then decides from what its parts hold which of them share one
+matmul (``group_parts_``): packed parts of one layout have their rows joined; the others, and
+float weights, are computed part by part.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,11 +23,39 @@ from torch import nn
 
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
     from tokenmill.quant.base import QuantMethod
-    from tokenmill.quant.gguf import PackedQuantMethod
-    from tokenmill.quant.packed import PackedWeight
+    from tokenmill.quant.gguf import PackedQuantMethod, PackedState
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | PackedWeight) -> None:
+    """Copy a float checkpoint tensor into ``param`` of the same shape."""
+    if isinstance(loaded, PackedWeight):
+        raise ValueError(
+            f"arrived packed (shape {loaded.shape}) where the model keeps a float parameter"
+        )
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def packed_weight_loader(
+    layer: nn.Module,
+    param: nn.Parameter,
+    loaded: PackedWeight,
+    packed_method: PackedQuantMethod | None,
+) -> None:
+    """Hand a weight that arrives packed (GGUF) to ``layer.load_packed_`` in place of ``param``
+    (whose shape it must have), to be computed by ``packed_method``."""
+    if tuple(param.shape) != loaded.shape:
+        raise ValueError(
+            f"(packed) has shape {loaded.shape}, the model expects {tuple(param.shape)}"
+        )
+    if packed_method is None:
+        raise ValueError("arrived packed but no packed method was given")
+    layer.load_packed_(packed_method, loaded.to(param.device))
 
 
 class Linear(nn.Module):
@@ -32,6 +68,22 @@ class Linear(nn.Module):
         self.quant_method: QuantMethod | None = None
         self.quant_state: Any = None
         self.kernels: KernelBackend = TorchKernelBackend()  # a packed matmul's; bound at load
+
+    def weight_loader(
+        self,
+        param_name: str,
+        loaded: torch.Tensor | PackedWeight,
+        packed_method: PackedQuantMethod | None = None,
+    ) -> None:
+        """Fill ``weight`` or ``bias`` from a checkpoint tensor of its shape. A packed weight
+        (a GGUF tensor in its block format) is kept packed, computed by ``packed_method``."""
+        param = getattr(self, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"has no place: the layer holds no float {param_name}")
+        if isinstance(loaded, PackedWeight) and param_name == "weight":
+            packed_weight_loader(self, param, loaded, packed_method)
+        else:
+            default_weight_loader(param, loaded)
 
     def quantize_(self, method: QuantMethod, importance: torch.Tensor | None = None) -> None:
         """Pack the weight (``importance``: see QuantMethod.quantize)."""
@@ -72,39 +124,166 @@ def _data(p: nn.Parameter | None) -> torch.Tensor | None:
     return None if p is None else p.data
 
 
-def fuse_packed(linears: list[Linear]) -> Linear | None:
-    """A Linear computing ``cat([l(x) for l in linears], -1)`` in one packed matmul, when all hold
-    packed weights (GGUF, int4) of one layout, biases (if any) folded into their states; the
-    parts give theirs up (None otherwise, and nothing changes). Decode runs ~7 small matmuls a
-    layer: fewer, larger calls save their fixed cost."""
-    from tokenmill.quant.gguf import PackedQuantMethod, PackedState
-    from tokenmill.quant.packed import concat_rows
+@dataclass(slots=True)
+class PartGroup:
+    """Parts of a fused layer computed by one matmul, their outputs side by side."""
 
-    methods = {id(lin.quant_method) for lin in linears}
-    first = linears[0]
-    if len(methods) != 1 or not isinstance(first.quant_method, PackedQuantMethod):
-        return None
-    if any(lin.bias is not None for lin in linears):
-        return None
-    weight = concat_rows([lin.quant_state.weight for lin in linears])
-    if weight is None:
-        return None
-    bias = None
-    if any(lin.quant_state.bias is not None for lin in linears):  # Qwen2's q/k/v biases
-        bias = torch.cat(
-            [
-                lin.quant_state.bias
-                if lin.quant_state.bias is not None
-                else torch.zeros(lin.out_features, dtype=torch.float32)
-                for lin in linears
-            ]
+    parts: tuple[str, ...]
+    sizes: tuple[int, ...]  # each part's out_features
+    # The parts' packed rows joined (their own Linears then hold nothing); None: one part,
+    # computed by its own Linear.
+    method: PackedQuantMethod | None = None
+    state: PackedState | None = None
+
+
+class FusedLinear(nn.Module):
+    """Projections of one input, each its own checkpoint tensor (a part): ``forward`` returns
+    their outputs in order. Each part loads into its own Linear (``weight_loader``), is quantized
+    there like any layer, and after loading the layer decides which parts share a matmul."""
+
+    # Ways to join parts into matmuls, most joined first: each a set of groups, each group
+    # consecutive parts in part order; parts in no group run alone.
+    groupings: tuple[tuple[tuple[str, ...], ...], ...] = ()
+
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(part_sizes.values())
+        self.parts = nn.ModuleDict(
+            {part: Linear(in_features, size, bias) for part, size in part_sizes.items()}
         )
-    fused = Linear.__new__(Linear)
-    nn.Module.__init__(fused)
-    fused.in_features, fused.out_features = first.in_features, weight.shape[0]
-    fused.weight, fused.bias = None, None  # type: ignore[assignment]
-    fused.quant_method, fused.quant_state = first.quant_method, PackedState(weight, bias)
-    fused.kernels = first.kernels
-    for lin in linears:
-        lin.quant_method, lin.quant_state = None, None  # computed by ``fused`` from now on
-    return fused
+        self.groups = [PartGroup((part,), (size,)) for part, size in part_sizes.items()]
+        self.kernels: KernelBackend = TorchKernelBackend()  # joined groups' matmul; bound at load
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return tuple(self.parts.keys())
+
+    def part(self, name: str) -> Linear:
+        return self.parts[name]  # type: ignore[return-value]
+
+    @property
+    def is_fused(self) -> bool:
+        """All parts run as one matmul (``forward_fused`` gives its output)."""
+        return len(self.groups) == 1 and len(self.groups[0].parts) > 1
+
+    def weight_loader(
+        self,
+        param_name: str,
+        loaded: torch.Tensor | PackedWeight,
+        part: str,
+        packed_method: PackedQuantMethod | None = None,
+    ) -> None:
+        """Fill ``param_name`` (weight or bias) of part ``part`` from its checkpoint tensor."""
+        if part not in self.parts:
+            raise ValueError(f"has no part {part!r}; the parts are {', '.join(self.parts)}")
+        try:
+            self.part(part).weight_loader(param_name, loaded, packed_method)
+        except ValueError as e:
+            raise ValueError(f"(part {part!r}) {e}") from e
+
+    def group_parts_(self) -> None:
+        """After loading (and quantizing): the first of ``groupings`` whose groups can each be
+        one packed matmul, their rows joined (fewer, larger matmuls: a decode step's fixed cost
+        per call is what they save); otherwise every part alone."""
+        for grouping in self.groupings:
+            joined = [self._joined(parts) for parts in grouping]
+            if all(state is not None for state in joined):
+                break
+        else:
+            return
+        grouped = {part for parts in grouping for part in parts}
+        groups = {parts[0]: (parts, state) for parts, state in zip(grouping, joined)}
+        self.groups = []
+        for part in self.part_names:
+            if part in groups:
+                parts, state = groups[part]
+                method = self.part(part).quant_method
+                sizes = tuple(self.part(p).out_features for p in parts)
+                self.groups.append(PartGroup(parts, sizes, method, state))  # type: ignore[arg-type]
+                for p in parts:  # computed by the group from now on
+                    self.part(p).quant_method, self.part(p).quant_state = None, None
+            elif part not in grouped:
+                self.groups.append(PartGroup((part,), (self.part(part).out_features,)))
+
+    def _joined(self, parts: tuple[str, ...]) -> PackedState | None:
+        """One packed state computing ``parts`` (rows in order), or None when they are not all
+        packed by one method, in one layout, with their biases folded."""
+        from tokenmill.quant.gguf import PackedQuantMethod, PackedState
+        from tokenmill.quant.packed import concat_rows
+
+        linears = [self.part(p) for p in parts]
+        methods = {id(lin.quant_method) for lin in linears}
+        if len(methods) != 1 or not isinstance(linears[0].quant_method, PackedQuantMethod):
+            return None
+        if any(lin.bias is not None for lin in linears):
+            return None
+        weight = concat_rows([lin.quant_state.weight for lin in linears])
+        if weight is None:
+            return None
+        bias = None
+        if any(lin.quant_state.bias is not None for lin in linears):  # Qwen2's q/k/v biases
+            bias = torch.cat(
+                [
+                    lin.quant_state.bias
+                    if lin.quant_state.bias is not None
+                    else torch.zeros(lin.out_features, dtype=torch.float32)
+                    for lin in linears
+                ]
+            )
+        return PackedState(weight, bias)
+
+    def packed_nbytes(self) -> int:
+        """Resident bytes of the joined packed states (the parts count their own)."""
+        return sum(g.method.nbytes(g.state) for g in self.groups if g.method is not None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each part's x Wᵀ + b, in part order (views into one output where parts share a
+        matmul)."""
+        outputs: list[torch.Tensor] = []
+        for group in self.groups:
+            if group.method is None:
+                outputs.append(self.part(group.parts[0])(x))
+            else:
+                outputs += group.method.apply(group.state, x, self.kernels).split(
+                    group.sizes, dim=-1
+                )
+        return tuple(outputs)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs side by side [..., out_features], from the one matmul (is_fused)."""
+        (group,) = self.groups
+        assert group.method is not None, "forward_fused needs is_fused"
+        return group.method.apply(group.state, x, self.kernels)
+
+
+class QKVLinear(FusedLinear):
+    """Attention's q, k and v projections (parts "q", "k", "v"). Joined all three where their
+    layouts allow, else k with v (int4 keeps k/v int8 while q is int4, quant/int4.py).
+
+    NOTE: q with k alone (v in another format, as in some gemma-3-270m layers) stays apart:
+    whether joining them pays is unmeasured, and every model keeps the matmuls its golden
+    outputs were recorded with.
+    """
+
+    groupings = ((("q", "k", "v"),), (("k", "v"),))
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+
+
+class MergedLinear(FusedLinear):
+    """Projections of one input joined in one matmul where their layouts allow (the MLP's gate
+    and up: parts "gate", "up")."""
+
+    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, part_sizes, bias)
+        self.groupings = ((tuple(part_sizes),),)

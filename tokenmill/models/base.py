@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from tokenmill.attention.backends import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.layers.linear import FusedLinear, default_weight_loader
 from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.packed import PackedWeight
 
@@ -24,6 +27,9 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
+    # Checkpoint layers computed by a fused layer: (fused layer, checkpoint layer, its part),
+    # the last components of their module names, as vLLM's stacked_params_mapping.
+    stacked_params: tuple[tuple[str, str, str], ...] = ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,7 +70,32 @@ class CausalLM(nn.Module):
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.nbytes(module.quant_state)
+            if isinstance(module, FusedLinear):
+                total += module.packed_nbytes()
         return total
+
+    def checkpoint_layers(self) -> Iterator[tuple[str, nn.Module]]:
+        """Each layer that holds a checkpoint tensor's parameters, by its checkpoint name
+        (``model.layers.0.self_attn.k_proj``): the parts of fused layers, each on its own. The
+        names quantization methods (``method_for``) and calibration go by."""
+        for name, layer, _, _ in self._checkpoint_layers():
+            yield name, layer
+
+    def _checkpoint_layers(self) -> Iterator[tuple[str, nn.Module, FusedLinear | None, str]]:
+        """(checkpoint name, layer, the fused layer it is a part of or None, the part)."""
+        checkpoint_name = {(fused, part): name for fused, name, part in self.stacked_params}
+        fused_prefixes: list[str] = []
+        for module_name, module in self.named_modules():
+            if any(module_name.startswith(prefix) for prefix in fused_prefixes):
+                continue  # a fused layer's part, named below
+            if isinstance(module, FusedLinear):
+                fused_prefixes.append(module_name + ".")
+                parent, _, fused = module_name.rpartition(".")
+                for part in module.part_names:
+                    name = f"{parent}.{checkpoint_name[fused, part]}"
+                    yield name, module.part(part), module, part
+            elif module_name and next(module.parameters(recurse=False), None) is not None:
+                yield module_name, module, None, ""
 
     def load_weights(
         self,
@@ -72,18 +103,23 @@ class CausalLM(nn.Module):
         on_loaded: Callable[[str], None] | None = None,
         packed_method: PackedQuantMethod | None = None,
     ) -> None:
-        """Copy checkpoint tensors into the parameters, one at a time, and check all arrived.
+        """Hand checkpoint tensors one at a time to the loaders of their layers, and check all
+        arrived.
 
-        ``on_loaded(name)`` runs after each parameter is filled (the loader packs quantized
-        layers there, so the float weights never all sit in memory at once). A PackedWeight
-        (a GGUF tensor kept in its block format) is handed to its layer with ``packed_method``.
+        A tensor of a fused layer's part (``stacked_params``) goes to that layer's
+        ``weight_loader`` with its part; one of another layer to its own ``weight_loader``, or
+        is copied into a plain parameter (norms). ``on_loaded(name)`` runs after each tensor is
+        loaded (the loader packs quantized layers there, so the float weights never all sit in
+        memory at once). A PackedWeight (a GGUF tensor kept in its block format) is computed by
+        ``packed_method``.
         """
         # Popped as they are filled: no reference outlives a parameter a quantizer drops.
-        params = dict(self.named_parameters())
+        loaders = self._weight_loaders()
         for name, tensor in weights:
             if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
                 name = "model." + name.removeprefix("model.language_model.")
-            if name not in params:
+            load = loaders.pop(name, None)
+            if load is None:
                 if "rotary_emb" in name or name.startswith(
                     ("vision_", "multi_modal", "model.vision")
                 ):
@@ -91,28 +127,40 @@ class CausalLM(nn.Module):
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            param = params.pop(name)
-            if isinstance(tensor, PackedWeight):
-                if packed_method is None:
-                    raise ValueError(f"{name!r} arrived packed but no packed method was given")
-                module = self.get_submodule(name.rsplit(".", 1)[0])
-                if tuple(param.shape) != tensor.shape or not hasattr(module, "load_packed_"):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} (packed, shape {tensor.shape}) does not fit "
-                        f"the model's {tuple(param.shape)}"
-                    )
-                device = param.device
-                del param
-                module.load_packed_(packed_method, tensor.to(device))
-                continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
-            del param, tensor
+            try:
+                load(tensor, packed_method)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r} {e}") from e
+            del load, tensor
             if on_loaded is not None:
                 on_loaded(name)
-        if params:
-            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(params)[:8])}")
+        if loaders:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(loaders)[:8])}")
+
+    def _weight_loaders(self) -> dict[str, Callable[[torch.Tensor | PackedWeight, Any], None]]:
+        """Checkpoint tensor name -> the call that loads it (tensor, packed_method)."""
+        loaders: dict[str, Callable[[torch.Tensor | PackedWeight, Any], None]] = {}
+        for layer_name, layer, fused, part in self._checkpoint_layers():
+            for param_name, param in layer.named_parameters(recurse=False):
+                if fused is not None:
+                    load = functools.partial(_load_part, fused, param_name, part)
+                elif hasattr(layer, "weight_loader"):
+                    load = functools.partial(_load_whole, layer, param_name)
+                else:
+                    load = functools.partial(_load_plain, param)
+                loaders[f"{layer_name}.{param_name}"] = load
+        return loaders
+
+
+def _load_part(
+    fused: FusedLinear, param_name: str, part: str, tensor: Any, packed_method: Any
+) -> None:
+    fused.weight_loader(param_name, tensor, part, packed_method)
+
+
+def _load_whole(layer: nn.Module, param_name: str, tensor: Any, packed_method: Any) -> None:
+    layer.weight_loader(param_name, tensor, packed_method)
+
+
+def _load_plain(param: nn.Parameter, tensor: Any, packed_method: Any) -> None:
+    default_weight_loader(param, tensor)

@@ -19,7 +19,7 @@ from tokenmill.attention import ForwardBatch
 from tokenmill.config import SLIDING_ATTENTION, ModelConfig
 from tokenmill.layers import Embedding, GemmaRMSNorm, Linear, RotaryEmbedding
 from tokenmill.models.base import CausalLM
-from tokenmill.models.llama import LlamaAttention, LlamaMLP
+from tokenmill.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -60,6 +60,8 @@ class Gemma3Backbone(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    stacked_params = STACKED_PARAMS
+
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.config = config

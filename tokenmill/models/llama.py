@@ -19,11 +19,12 @@ from tokenmill.layers import (
     ActAndMul,
     Embedding,
     Linear,
+    MergedLinear,
+    QKVLinear,
     RMSNorm,
     RotaryEmbedding,
     get_act_fn,
 )
-from tokenmill.layers.linear import fuse_packed
 from tokenmill.models.base import CausalLM
 
 
@@ -47,14 +48,10 @@ class LlamaAttention(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )
-        self.q_proj = Linear(c.hidden_size, self.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = Linear(c.hidden_size, self.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.qkv_proj = QKVLinear(
+            c.hidden_size, c.head_dim, self.num_heads, self.num_kv_heads, bias=c.attention_bias
+        )
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
-        self.qkv_proj: Linear | None = None  # set by fuse_projections_ after loading
-        self.kv_proj: Linear | None = None  # or this, where only k and v share a layout
-        kv_size = self.num_kv_heads * c.head_dim
-        self.qkv_sizes = [self.num_heads * c.head_dim, kv_size, kv_size]
         if qk_norm is None and c.architecture == "qwen3":
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
@@ -71,22 +68,9 @@ class LlamaAttention(nn.Module):
             c.layer_sliding_window(layer_idx),
         )
 
-    def fuse_projections_(self) -> None:
-        """After loading: q/k/v in one packed matmul where their layouts allow, else k/v (int4
-        keeps them int8, quant/int4.py)."""
-        self.qkv_proj = fuse_packed([self.q_proj, self.k_proj, self.v_proj])
-        if self.qkv_proj is None:
-            self.kv_proj = fuse_packed([self.k_proj, self.v_proj])
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        elif self.kv_proj is not None:
-            q = self.q_proj(x)
-            k, v = self.kv_proj(x).split(self.qkv_sizes[1:], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -100,21 +84,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
         self.act = get_act_fn(config.hidden_act)
         self.act_and_mul = ActAndMul(config.hidden_act)
-        self.gate_up_proj: Linear | None = None  # set by fuse_projections_ after loading
-
-    def fuse_projections_(self) -> None:
-        """After loading: gate and up in one packed matmul where their layouts allow."""
-        self.gate_up_proj = fuse_packed([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj.is_fused:  # [gate | up] from one matmul: one pass for act · mul
+            return self.down_proj(self.act_and_mul(self.gate_up_proj.forward_fused(x)))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -144,7 +124,19 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# The checkpoint's projections, as the fused layers hold them: (layer, checkpoint layer, part).
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+
+
 class LlamaForCausalLM(CausalLM):
+    stacked_params = STACKED_PARAMS
+
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.config = config

@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import create_kernel_backend, default_kernel_backend
-from tokenmill.layers import Embedding, Linear
+from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
@@ -98,8 +98,8 @@ def load_model(
         if isinstance(module, Linear):
             module.fold_bias_()
     for module in model.modules():
-        if hasattr(module, "fuse_projections_"):
-            module.fuse_projections_()
+        if isinstance(module, FusedLinear):  # which parts share a matmul, from what they hold
+            module.group_parts_()
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
@@ -131,15 +131,17 @@ class _StreamingQuantizer:
         self.method = method
         self.importance = importance
         self.pending: dict[str, tuple[nn.Module, set[str]]] = {}
-        for module_name, module in model.named_modules():
-            quantizable = isinstance(module, Linear) or (
-                isinstance(module, Embedding) and model.config.tie_word_embeddings
+        # By checkpoint names: a fused layer's parts are packed one by one, each by the method
+        # for its own name (int4 keeps k_proj / v_proj int8).
+        for layer_name, layer in model.checkpoint_layers():
+            quantizable = isinstance(layer, Linear) or (
+                isinstance(layer, Embedding) and model.config.tie_word_embeddings
             )
             if not quantizable:
                 continue
-            names = {f"{module_name}.{p}" for p, _ in module.named_parameters()}
+            names = {f"{layer_name}.{p}" for p, _ in layer.named_parameters()}
             for name in names:
-                self.pending[name] = (module, names)
+                self.pending[name] = (layer, names)
 
     def __call__(self, name: str) -> None:
         entry = self.pending.pop(name, None)

@@ -7,8 +7,9 @@ w_j reaches the layer's output as e_j · x_j, so a layer's expected output error
 
 The text runs once through the float model, before the quantized model loads: a throwaway
 worker (``quantization="none"``) prefills it in windows, one request a step, and forward
-pre-hooks on its Linear layers add up the squares of their inputs. Layer names are the model's
-own, so they match the layers of the model that is loaded next.
+pre-hooks on its Linear layers add up the squares of their inputs. Layers are named as in the
+checkpoint (``CausalLM.checkpoint_layers``: q_proj, k_proj, v_proj rather than their fused
+qkv_proj), the names by which the model loaded next is quantized.
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
         sums[name] = x.square().sum(0) + sums.get(name, 0.0)
         counts[name] = counts.get(name, 0) + x.shape[0]
 
+    # By checkpoint names, a fused layer's parts each on its own: the names the quantizer looks
+    # up. NOTE: the float model computes every part by its own Linear (only packed parts share
+    # a matmul, layers/linear.py), so each part's hook sees its input.
     hooks = [
         module.register_forward_pre_hook(lambda _m, inputs, name=name: add(name, inputs[0]))
-        for name, module in worker.model.named_modules()
+        for name, module in worker.model.checkpoint_layers()
         if isinstance(module, Linear)
     ]
     try:
