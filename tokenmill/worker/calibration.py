@@ -31,6 +31,7 @@ from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs
+    from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,6 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     config = worker.info.model_config
     tokenizer = load_tokenizer(resolve_model(args.model).path, config.architecture)
     prompts = _windows(tokenizer, text, worker.info.max_model_len)
-    num_blocks = -(-max(len(p) for p in prompts) // args.block_size)
-    worker.initialize(
-        CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=False,
-            num_blocks=num_blocks + 1,  # block 0 is the null block
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
-    )
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -83,19 +75,7 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
         if isinstance(module, Linear)
     ]
     try:
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        for i, prompt in enumerate(prompts):
-            req = NewRequestData(
-                str(i), prompt, len(prompt), params, list(range(1, num_blocks + 1)), 0
-            )
-            worker.execute(
-                SchedulerOutput(
-                    new_reqs=[req],
-                    cached_reqs=[],
-                    num_scheduled_tokens={req.req_id: len(prompt)},
-                    finished_req_ids={str(i - 1)} if i else set(),
-                )
-            )
+        _prefill(worker, prompts, args)
     finally:
         for hook in hooks:
             hook.remove()
@@ -108,6 +88,31 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
         time.monotonic() - started,
     )
     return {name: (s / counts[name]).cpu() for name, s in sums.items()}
+
+
+def _prefill(worker: Worker, prompts: list[list[int]], args: EngineArgs) -> None:
+    """Run each prompt through the worker's model, one request a step, on a KV cache just
+    large enough for the longest."""
+    num_blocks = -(-max(len(p) for p in prompts) // args.block_size)
+    worker.initialize(
+        CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=False,
+            num_blocks=num_blocks + 1,  # block 0 is the null block
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    )
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        req = NewRequestData(str(i), prompt, len(prompt), params, list(range(1, num_blocks + 1)), 0)
+        worker.execute(
+            SchedulerOutput(
+                new_reqs=[req],
+                cached_reqs=[],
+                num_scheduled_tokens={req.req_id: len(prompt)},
+                finished_req_ids={str(i - 1)} if i else set(),
+            )
+        )
 
 
 def _windows(tokenizer: Tokenizer, text: str, max_model_len: int) -> list[list[int]]:
