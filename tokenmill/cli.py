@@ -18,6 +18,7 @@ from tokenmill.config import (
     KV_CACHE_DTYPES,
     PACKED_ACTIVATIONS,
     QUANTIZATION_METHODS,
+    SPECULATIVE_METHODS,
     EngineArgs,
 )
 
@@ -45,6 +46,10 @@ _ENGINE_FLAG_HELP = {
     "inputs' mean squares over this text, run through the float model at load (llama.cpp's "
     "imatrix; a few thousand tokens of text like the expected prompts, not the text you score)",
     "enforce_eager": "run every step op by op (no replayed decode-step graphs on CPU)",
+    "speculative_method": "propose draft tokens and verify them losslessly: ngram (prompt lookup)",
+    "num_speculative_tokens": "draft tokens proposed per step (1-16)",
+    "prompt_lookup_min": "ngram: shortest suffix of the request's tokens to look up",
+    "prompt_lookup_max": "ngram: longest suffix of the request's tokens to look up",
 }
 
 
@@ -72,6 +77,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, choices=PACKED_ACTIVATIONS, default=default, help=help_text)
         elif f.name == "int4_group_size":
             parser.add_argument(flag, type=int, choices=(32, 128), default=default, help=help_text)
+        elif f.name == "speculative_method":
+            parser.add_argument(flag, choices=SPECULATIVE_METHODS, default=None, help=help_text)
         elif f.name == "int4_calibration":
             parser.add_argument(flag, default=None, metavar="FILE", help=help_text)
         else:

@@ -26,6 +26,8 @@ KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
 QUANTIZATION_METHODS = ("gguf", "none", "int8", "int4")
 PACKED_ACTIVATIONS = ("int8", "float32")
+# How draft tokens are proposed (spec/): "ngram" = prompt lookup in the request's own tokens.
+SPECULATIVE_METHODS = ("ngram",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +403,13 @@ class EngineArgs:
     # Which kernels compute: "auto" (the C kernels on a CPU that runs them, else torch),
     # "torch" (the pure-torch reference everywhere) or "cpu" (tokenmill/kernels/).
     kernel_backend: str = "auto"
+    # Speculative decoding: propose up to num_speculative_tokens draft tokens a step and verify
+    # them in the next decode step (lossless). "ngram": the tokens that followed the latest
+    # earlier occurrence of the request's last n tokens, n from prompt_lookup_max down to min.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -444,6 +453,20 @@ class EngineArgs:
                 raise ValueError(
                     f"int4_calibration must be a text file; {self.int4_calibration!r} is not one"
                 )
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or unset); "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16]; got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
 

@@ -91,6 +91,9 @@ class RunnerOutput:
     logprobs: dict[str, SampledLogprobs] = field(default_factory=dict)
     # Requests with SamplingParams.prompt_logprobs whose prompt positions ran this step.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Proposed next tokens (speculative decoding), for the scheduler to send with the request's
+    # next decode step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

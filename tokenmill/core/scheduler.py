@@ -25,6 +25,7 @@ from tokenmill.core.sched_output import (
     NewRequestData,
     RequestUpdate,
     RunnerOutput,
+    SampledLogprobs,
     SchedulerOutput,
 )
 from tokenmill.request import FinishReason, Request, RequestStatus
@@ -117,8 +118,12 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new == 1 and req.draft_token_ids:  # a decode: its drafts run with it
-                room = self.config.max_model_len - req.num_tokens
-                del req.draft_token_ids[min(room, budget - 1) :]
+                room = min(
+                    self.config.max_model_len - req.num_tokens,
+                    req.max_tokens - req.num_output_tokens - 1,  # the last sample is one more
+                    budget - 1,
+                )
+                del req.draft_token_ids[max(room, 0) :]
                 num_new += len(req.draft_token_ids)
             else:
                 req.draft_token_ids.clear()
@@ -246,6 +251,9 @@ class Scheduler:
                     self.running.remove(req)
                     self._finish(req, reason)
                     break
+            if not req.is_finished:
+                req.draft_token_ids = runner_out.draft_token_ids.get(req_id, [])
+            _cut_logprobs(update)
             updates.append(update)
         return updates
 
@@ -271,3 +279,10 @@ class Scheduler:
         self.cache_salts.pop(req.req_id, None)
         self._finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
+
+
+def _cut_logprobs(update: RequestUpdate) -> None:
+    """A stop among a step's tokens drops the tokens after it: their log-probs go too."""
+    lps, num = update.logprobs, len(update.new_token_ids)
+    if lps is not None and len(lps.sampled) > num:
+        update.logprobs = SampledLogprobs(lps.sampled[:num], lps.top[:num])

@@ -30,6 +30,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
 )
 from tokenmill.models.base import CausalLM
+from tokenmill.spec import Proposer
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
     PromptLogprobRows,
@@ -87,8 +88,10 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_num_seqs: int = DECODE_GRAPH_MAX_BATCH,
         capture_warm_up: threading.Thread | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        self.proposer = proposer  # drafts for each request's next step, if speculating
         self.device = device
         self.block_size = cache.block_size
         self.kv_cache_dtype = cache.kv_cache_dtype
@@ -208,6 +211,10 @@ class ModelRunner:
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
                 out.logprobs[rid] = _concat_logprobs(row_logprobs)
+            if self.proposer is not None:
+                proposal = self.proposer.propose(self.requests[rid].token_ids)
+                if proposal:
+                    out.draft_token_ids[rid] = proposal
             i += num_rows
         return out
 

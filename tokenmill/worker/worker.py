@@ -25,6 +25,7 @@ from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
+from tokenmill.spec import Proposer, create_proposer
 from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -79,6 +80,18 @@ class Worker:
             decode_graphs=self._decode_graphs,
             max_num_seqs=self.args.max_num_seqs,
             capture_warm_up=self._capture_warm_up,
+            proposer=self._proposer(),
+        )
+
+    def _proposer(self) -> Proposer | None:
+        args = self.args
+        if args.speculative_method is None:
+            return None
+        return create_proposer(
+            args.speculative_method,
+            args.num_speculative_tokens,
+            args.prompt_lookup_min,
+            args.prompt_lookup_max,
         )
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
