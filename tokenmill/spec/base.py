@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 class Proposer(ABC):
     """Base class of draft-token proposers (one instance serves every request)."""
 
+    num_tokens: int  # most draft tokens proposed a step
+
     @abstractmethod
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to ``num_tokens`` guesses of what follows ``token_ids`` (prompt + outputs); an

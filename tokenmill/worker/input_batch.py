@@ -2,8 +2,10 @@
 
 Every request scheduled in a step contributes ``query_len`` consecutive rows::
 
-    | req A: 1 row | req B: 1 row | req C: prefill chunk ... | req D: 1 + K rows (verify) |
-      query_len 1 (decodes, first)  query_len > 1 (one attention call each, on top of the cache)
+    | req A: 1 row | req B: 1 + K rows (verify) | req C: prefill chunk ...  | req D: chunk ... |
+      decode rows, first: each row one query       query_len > 1: one attention call each, on
+      over its own context (row j of B sees        top of the cache
+      positions <= its own, as K+1 decodes would)
 
 A request's rows run positions ``num_computed .. num_computed + query_len - 1``: first its known
 tokens (prompt and outputs), then the draft tokens scheduled for it, if any. When the rows reach
@@ -55,6 +57,11 @@ class ScheduledRequest:
     logits_start: int  # its first entry in StepInputs.logits_indices
     num_logits: int  # 1 + len(draft_token_ids) if the rows reach the last known token, else 0
 
+    @property
+    def is_decode(self) -> bool:
+        """One row, or its next token plus drafts: every row is attended as a decode query."""
+        return self.query_len == 1 or self.query_len == 1 + len(self.draft_token_ids) > 1
+
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobRows:
@@ -92,10 +99,14 @@ def build_step_inputs(
     device: torch.device,
     gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
 ) -> StepInputs:
-    """Lay the scheduled tokens out flat: one-row requests first, then the others.
+    """Lay the scheduled tokens out flat: decodes (with their drafts) first, then the others.
     ``gather_workspace(num_blocks)``: reused buffers for the decode attention's block gather."""
-    order = [rid for rid, n in num_scheduled_tokens.items() if n == 1]
-    order += [rid for rid, n in num_scheduled_tokens.items() if n > 1]
+
+    def is_decode(rid: str, n: int) -> bool:
+        return n == 1 or n == 1 + len(draft_token_ids.get(rid, ())) > 1
+
+    order = [rid for rid, n in num_scheduled_tokens.items() if is_decode(rid, n)]
+    order += [rid for rid, n in num_scheduled_tokens.items() if not is_decode(rid, n)]
     ids: list[int] = []
     slots: list[int] = []
     positions: list[int] = []
@@ -137,15 +148,17 @@ def _attention_metadata(
     device: torch.device,
     gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
 ) -> AttentionMetadata:
-    """One-row requests as one batched decode (a padded block table); each longer query as a
-    chunk on top of its computed context."""
-    decodes = [r for r in reqs if r.query_len == 1]
-    max_blocks = max((r.num_computed // block_size + 1 for r in decodes), default=1)
-    table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-    for i, r in enumerate(decodes):
-        blocks = requests[r.req_id].block_ids[: r.num_computed // block_size + 1]
+    """Decode rows as one batched decode (a padded block table, a row per query); each longer
+    query as a chunk on top of its computed context."""
+    decodes = [r for r in reqs if r.is_decode]
+    # (request, position) of every decode row: a verify request's rows at consecutive positions.
+    rows = [(r.req_id, r.num_computed + j) for r in decodes for j in range(r.query_len)]
+    max_blocks = max((p // block_size + 1 for _, p in rows), default=1)
+    table = torch.zeros((len(rows), max_blocks), dtype=torch.long)
+    for i, (rid, p) in enumerate(rows):
+        blocks = requests[rid].block_ids[: p // block_size + 1]
         table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    seq_lens = torch.tensor([r.num_computed + 1 for r in decodes], dtype=torch.long)
+    seq_lens = torch.tensor([p + 1 for _, p in rows], dtype=torch.long)
     chunks = []
     for r in reqs[len(decodes) :]:
         seq_len = r.num_computed + r.query_len
@@ -155,11 +168,11 @@ def _attention_metadata(
     return AttentionMetadata(
         block_size=block_size,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decodes=len(decodes),
+        num_decodes=len(rows),
         decode_block_table=table.to(device),
         decode_seq_lens=seq_lens.to(device),
         prefills=chunks,
-        gather_buffers=gather_workspace(len(decodes) * max_blocks),
+        gather_buffers=gather_workspace(len(rows) * max_blocks),
     )
 
 

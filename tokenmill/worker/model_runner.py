@@ -109,7 +109,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if decode_graphs:
             max_blocks_per_seq = -(-max_model_len // cache.block_size)
-            max_batch = min(DECODE_GRAPH_MAX_BATCH, max_num_seqs)
+            # A graph row per query: each decode's next token and its drafts.
+            rows_per_seq = 1 + (proposer.num_tokens if proposer is not None else 0)
+            max_batch = min(DECODE_GRAPH_MAX_BATCH, max_num_seqs * rows_per_seq)
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -127,9 +129,9 @@ class ModelRunner:
             return out
         graph_logits = self._decode_graph_step(sched)
         if graph_logits is not None:
-            return self._sample(
-                [(rid, []) for rid in sched.num_scheduled_tokens], graph_logits, out
-            )
+            drafts = sched.draft_token_ids
+            reqs = [(rid, drafts.get(rid, [])) for rid in sched.num_scheduled_tokens]
+            return self._sample(reqs, graph_logits, out)
         step = self.prepare_step(sched)
         hidden = self.forward(step)
         for rows in step.prompt_logprob_rows:
@@ -248,25 +250,28 @@ class ModelRunner:
     # ---- decode graphs and buffers ------------------------------------------------------
 
     def _decode_graph_step(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        """Logits of a step of single-token decodes, each sampling, through a decode graph;
-        None when the step is not one (it then runs eagerly)."""
+        """Logits of a step of decodes only (each its next token and any drafts, every row
+        sampled) through a decode graph of one row per query; None when the step is not one
+        (it then runs eagerly)."""
         graphs, scheduled = self.decode_graphs, sched.num_scheduled_tokens
-        if graphs is None or not graphs.runs(len(scheduled)) or len(scheduled) == 0:
-            return None
-        if sched.draft_token_ids or any(n != 1 for n in scheduled.values()):
+        if graphs is None or not scheduled or not graphs.runs(sum(scheduled.values())):
             return None
         num_computed = sched.num_computed_tokens()
         bs = self.block_size
         ids, positions, slots, tables, seq_lens = [], [], [], [], []
-        for rid in scheduled:
+        for rid, n in scheduled.items():
             state, p = self.requests[rid], num_computed[rid]
-            if p + 1 != len(state.token_ids) or prompt_logprob_rows(state, rid, 0, p, 1):
-                return None  # a prompt token: no sample, or prompt log-probs owed
-            ids.append(state.token_ids[p])
-            positions.append(p)
-            slots.append(state.slot(p, bs))
-            tables.append(state.block_ids[: p // bs + 1])
-            seq_lens.append(p + 1)
+            drafts = sched.draft_token_ids.get(rid, [])
+            if n != 1 + len(drafts) or p + 1 != len(state.token_ids):
+                return None  # a prompt chunk: no sample, or a query of several known tokens
+            if prompt_logprob_rows(state, rid, 0, p, 1):
+                return None  # prompt log-probs owed
+            for j, token_id in enumerate([state.token_ids[p], *drafts]):
+                ids.append(token_id)
+                positions.append(p + j)
+                slots.append(state.slot(p + j, bs))
+                tables.append(state.block_ids[: (p + j) // bs + 1])
+                seq_lens.append(p + j + 1)
         return graphs.step(ids, positions, slots, tables, seq_lens)
 
     def _logits_out(self, rows: torch.Tensor) -> torch.Tensor | None:
