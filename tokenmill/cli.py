@@ -50,6 +50,7 @@ _ENGINE_FLAG_HELP = {
     "num_speculative_tokens": "draft tokens proposed per step (1-16)",
     "prompt_lookup_min": "ngram: shortest suffix of the request's tokens to look up",
     "prompt_lookup_max": "ngram: longest suffix of the request's tokens to look up",
+    "speculative_max_batch": "speculate only in steps of at most this many requests",
 }
 
 

@@ -28,7 +28,10 @@ PROMPTS = [
 
 def generate(path, prompts, params=GREEDY, **kwargs) -> tuple[list, int, LLMEngine]:
     """The finished outputs, how many (request, step) pairs delivered tokens, and the engine."""
-    args = dict(model=str(path), max_model_len=256, kv_cache_memory="8MiB") | kwargs
+    args = dict(model=str(path), max_model_len=256, kv_cache_memory="8MiB")
+    if kwargs.get("speculative_method"):  # speculate in batches too (the default stops at 2)
+        args["speculative_max_batch"] = 64
+    args |= kwargs
     engine = LLMEngine(EngineArgs(**args))
     ids = [engine.add_request(p, params) for p in prompts]
     done, num_deliveries = {}, 0
@@ -82,11 +85,28 @@ def test_ngram_respects_stop_tokens_and_max_tokens(tiny_model_dir) -> None:
         assert out.finish_reason == ref.finish_reason
 
 
+def test_no_drafts_for_steps_of_more_requests_than_the_limit(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    plain, plain_deliveries, _ = generate(path, PROMPTS)
+    spec, spec_deliveries, _ = generate(
+        path, PROMPTS, speculative_method="ngram", speculative_max_batch=len(PROMPTS) - 1
+    )
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec_deliveries == plain_deliveries  # every step had 3 requests: none speculated
+    (alone,), _, _ = generate(path, PROMPTS[:1], speculative_method="ngram")
+    _, alone_deliveries, _ = generate(
+        path, PROMPTS[:1], speculative_method="ngram", speculative_max_batch=1
+    )
+    assert alone_deliveries < len(alone.token_ids)  # one request: under the limit
+
+
 def test_bad_speculative_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="speculative_method must be one of ngram"):
         EngineArgs(speculative_method="draft")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_max_batch"):
+        EngineArgs(speculative_method="ngram", speculative_max_batch=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineArgs(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=2)
 

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # (worker/decode_graph.py); each size is recorded once, at its first step.
 DECODE_GRAPH_MAX_BATCH = 128
 
+
 KVCaches = list[tuple[torch.Tensor, ...]]
 
 
@@ -89,9 +90,11 @@ class ModelRunner:
         max_num_seqs: int = DECODE_GRAPH_MAX_BATCH,
         capture_warm_up: threading.Thread | None = None,
         proposer: Proposer | None = None,
+        speculative_max_batch: int = 2,
     ) -> None:
         self.model = model
         self.proposer = proposer  # drafts for each request's next step, if speculating
+        self.speculative_max_batch = speculative_max_batch  # EngineArgs says why
         self.device = device
         self.block_size = cache.block_size
         self.kv_cache_dtype = cache.kv_cache_dtype
@@ -204,6 +207,7 @@ class ModelRunner:
             for j in range(len(drafts) + 1)
         ]
         token_ids, logprobs = self.sampler(logits, rows)
+        speculate = self.proposer is not None and len(reqs) <= self.speculative_max_batch
         i = 0
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
@@ -213,7 +217,8 @@ class ModelRunner:
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
                 out.logprobs[rid] = _concat_logprobs(row_logprobs)
-            if self.proposer is not None:
+            if speculate:
+                assert self.proposer is not None
                 proposal = self.proposer.propose(self.requests[rid].token_ids)
                 if proposal:
                     out.draft_token_ids[rid] = proposal

@@ -81,6 +81,7 @@ class Worker:
             max_num_seqs=self.args.max_num_seqs,
             capture_warm_up=self._capture_warm_up,
             proposer=self._proposer(),
+            speculative_max_batch=self.args.speculative_max_batch,
         )
 
     def _proposer(self) -> Proposer | None:
