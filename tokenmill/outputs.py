@@ -121,6 +121,30 @@ class EngineInfo:
         return self.num_kv_blocks * self.block_size
 
 
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding so far: verified proposals, their tokens, the ones kept."""
+
+    num_drafts: int = 0  # (request, step) pairs that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts kept at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens a verifying step gave on average: the kept drafts plus the sampled one."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of the engine's load, for metrics and health checks."""
@@ -133,3 +157,4 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)

@@ -35,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before penalties (OpenAI semantics).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # False: never propose draft tokens for this request (when the engine speculates).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from tokenmill.engine.async_engine import EngineStats
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 
 LABELS = {"model_name": "m", "engine": "0"}
@@ -90,6 +90,19 @@ def test_engine_gauges_and_counters_come_from_stats() -> None:
     assert _value(m, "tokenmill:prefix_cache_hits_total") == 64
     loading = ServerMetrics("m", lambda: None)
     assert _value(loading, "tokenmill:num_requests_running") == 0
+
+
+def test_spec_decode_counters_come_from_stats() -> None:
+    spec = SpecDecodeStats()
+    spec.record(3, 2)  # 3 drafts, the first 2 kept
+    spec.record(3, 0)
+    m = ServerMetrics("m", lambda: EngineStats(spec_decode=spec))
+    assert _value(m, "tokenmill:spec_decode_num_drafts_total") == 2
+    assert _value(m, "tokenmill:spec_decode_num_draft_tokens_total") == 6
+    assert _value(m, "tokenmill:spec_decode_num_accepted_tokens_total") == 2
+    per_pos = "tokenmill:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_value(m, per_pos, position=str(i)) for i in range(3)] == [1, 1, 0]
+    assert spec.mean_accepted_len == 2.0
 
 
 def test_periodic_stats_log_line(caplog: pytest.LogCaptureFixture) -> None:

@@ -158,3 +158,22 @@ def test_gemma_ngram_output_is_greedy_under_the_target_model() -> None:
             scored = o.prompt_logprobs if o.finished else None
     gaps = [pos.top[0].logprob - pos.sampled.logprob for pos in scored[len(prompt_ids) :]]
     assert max(gaps) < 0.3 and sum(g > 0 for g in gaps) <= 12, gaps
+
+
+def test_a_request_can_opt_out(tiny_model_dir) -> None:
+    path = tiny_model_dir("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0, speculative=False)
+    (plain,), plain_deliveries, _ = generate(path, PROMPTS[:1], params)
+    (out,), deliveries, _ = generate(path, PROMPTS[:1], params, speculative_method="ngram")
+    assert out.token_ids == plain.token_ids
+    assert deliveries == plain_deliveries  # one token a step: no drafts for it
+
+
+def test_engine_stats_count_drafts_and_kept_tokens(tiny_model_dir) -> None:
+    spec_out, _, engine = generate(tiny_model_dir("llama"), PROMPTS, speculative_method="ngram")
+    stats = engine.stats().spec_decode
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    per_pos = stats.accepted_per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a kept draft needs the earlier
+    assert 1 < stats.mean_accepted_len <= 1 + 3

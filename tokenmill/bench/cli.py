@@ -109,4 +109,5 @@ def throughput(engine, ns: argparse.Namespace) -> dict:
         "requests_per_s": len(finished) / elapsed,
         "ttft_s_median": statistics.median(ttfts),
         "num_preemptions": engine.stats().num_preemptions,
+        "spec_decode_mean_accepted_len": engine.stats().spec_decode.mean_accepted_len,
     }

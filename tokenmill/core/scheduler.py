@@ -28,6 +28,7 @@ from tokenmill.core.sched_output import (
     SampledLogprobs,
     SchedulerOutput,
 )
+from tokenmill.outputs import SpecDecodeStats
 from tokenmill.request import FinishReason, Request, RequestStatus
 
 
@@ -43,6 +44,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._preempted_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec = SpecDecodeStats()
         self.cache_salts: dict[str, str] = {}
 
     # ---- queue management -------------------------------------------------------------------
@@ -235,6 +237,7 @@ class Scheduler:
             num_drafts = len(sched_out.draft_token_ids.get(req_id, ()))
             if token_ids and num_drafts:
                 req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
+                self.spec.record(num_drafts, len(token_ids) - 1)
             update = RequestUpdate(
                 req_id,
                 [],

@@ -221,6 +221,9 @@ class LLMEngine:
             prefix_cache_hits=kv.num_hit_tokens,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=self.num_total_blocks,
+            spec_decode=dataclasses.replace(
+                sched.spec, accepted_per_pos=list(sched.spec.accepted_per_pos)
+            ),
         )
 
     def shutdown(self) -> None:

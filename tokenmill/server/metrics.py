@@ -187,10 +187,24 @@ class _EngineStatsCollector(Collector):
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
         )  # fmt: skip
+        spec = s.spec_decode
+        counters += (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts (requests x steps verified).", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        )  # fmt: skip
         for name, doc, value in counters:
             family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
             family.add_metric(self._labels, value)
             yield family
+        per_pos = CounterMetricFamily(
+            "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for pos, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([*self._labels, str(pos)], value)
+        yield per_pos
 
 
 async def log_stats_periodically(

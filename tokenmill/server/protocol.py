@@ -64,6 +64,8 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    # false: no speculative decoding for this request (when the server speculates).
+    speculative: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -135,6 +137,7 @@ class _SamplingRequest(_Request):
                 stop_token_ids=list(self.stop_token_ids or []),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
+                speculative=self.speculative,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),

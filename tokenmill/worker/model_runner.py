@@ -212,14 +212,15 @@ class ModelRunner:
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
             new = accept_drafts(token_ids[i : i + num_rows], drafts)
-            self.requests[rid].token_ids.extend(new)
+            state = self.requests[rid]
+            state.token_ids.extend(new)
             out.sampled_token_ids[rid] = new
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
                 out.logprobs[rid] = _concat_logprobs(row_logprobs)
-            if speculate:
+            if speculate and state.sampling_params.speculative:
                 assert self.proposer is not None
-                proposal = self.proposer.propose(self.requests[rid].token_ids)
+                proposal = self.proposer.propose(state.token_ids)
                 if proposal:
                     out.draft_token_ids[rid] = proposal
             i += num_rows
