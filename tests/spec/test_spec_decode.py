@@ -177,3 +177,37 @@ def test_engine_stats_count_drafts_and_kept_tokens(tiny_model_dir) -> None:
     assert sum(per_pos) == stats.num_accepted_tokens
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a kept draft needs the earlier
     assert 1 < stats.mean_accepted_len <= 1 + 3
+
+
+def test_rejected_slots_are_never_attended(tiny_model_dir) -> None:
+    """After every step, the K/V slots past each request's computed tokens (rejected drafts
+    among them) are filled with large values: had any been read, the output would change."""
+    path = tiny_model_dir("gemma3")
+    plain, _, _ = generate(path, PROMPTS)
+    args = EngineArgs(
+        model=str(path),
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        speculative_method="ngram",
+        speculative_max_batch=64,
+    )
+    engine = LLMEngine(args)
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    caches = engine.executor.worker.runner.kv_caches
+    block_size = args.block_size
+    done, num_poisoned = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        for req in engine.scheduler.running:
+            blocks = engine.scheduler.kv.block_ids(req.req_id)
+            for pos in range(req.num_computed_tokens, len(blocks) * block_size):
+                b, off = divmod(pos, block_size)
+                for layer in caches:
+                    layer[0][blocks[b], off] = 1e4
+                    layer[1][blocks[b], off] = -1e4
+                num_poisoned += 1
+    assert num_poisoned > 0
+    assert [done[i] for i in ids] == [o.token_ids for o in plain]
+    assert_all_blocks_free(engine)
