@@ -59,8 +59,13 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        """One row, or its next token plus drafts: every row is attended as a decode query."""
-        return self.query_len == 1 or self.query_len == 1 + len(self.draft_token_ids) > 1
+        return is_decode(self.query_len, len(self.draft_token_ids))
+
+
+def is_decode(query_len: int, num_drafts: int) -> bool:
+    """One row, or a request's next token plus its drafts: every row is attended as a decode
+    query (a prompt chunk of several known tokens is not)."""
+    return query_len == 1 or query_len == 1 + num_drafts > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +106,13 @@ def build_step_inputs(
 ) -> StepInputs:
     """Lay the scheduled tokens out flat: decodes (with their drafts) first, then the others.
     ``gather_workspace(num_blocks)``: reused buffers for the decode attention's block gather."""
-
-    def is_decode(rid: str, n: int) -> bool:
-        return n == 1 or n == 1 + len(draft_token_ids.get(rid, ())) > 1
-
-    order = [rid for rid, n in num_scheduled_tokens.items() if is_decode(rid, n)]
-    order += [rid for rid, n in num_scheduled_tokens.items() if not is_decode(rid, n)]
+    decodes = {
+        rid
+        for rid, n in num_scheduled_tokens.items()
+        if is_decode(n, len(draft_token_ids.get(rid, ())))
+    }
+    order = [rid for rid in num_scheduled_tokens if rid in decodes]
+    order += [rid for rid in num_scheduled_tokens if rid not in decodes]
     ids: list[int] = []
     slots: list[int] = []
     positions: list[int] = []

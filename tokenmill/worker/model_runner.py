@@ -207,7 +207,8 @@ class ModelRunner:
             for j in range(len(drafts) + 1)
         ]
         token_ids, logprobs = self.sampler(logits, rows)
-        speculate = self.proposer is not None and len(reqs) <= self.speculative_max_batch
+        # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
+        proposer = self.proposer if len(reqs) <= self.speculative_max_batch else None
         i = 0
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
@@ -218,9 +219,8 @@ class ModelRunner:
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
                 out.logprobs[rid] = _concat_logprobs(row_logprobs)
-            if speculate and state.sampling_params.speculative:
-                assert self.proposer is not None
-                proposal = self.proposer.propose(state.token_ids)
+            if proposer is not None and state.sampling_params.speculative:
+                proposal = proposer.propose(state.token_ids)
                 if proposal:
                     out.draft_token_ids[rid] = proposal
             i += num_rows
