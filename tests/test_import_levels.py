@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "core": LEVEL1,
     **{name: LEVEL1 | LEVEL3 for name in LEVEL3},
     "models": LEVEL1 | LEVEL3,
-    "worker": LEVEL1 | LEVEL3 | {"models", "core.sched_output"},
+    # core.block_pool: a draft model's own KV blocks (worker/draft_proposer.py).
+    "worker": LEVEL1 | LEVEL3 | {"models", "core.sched_output", "core.block_pool"},
     "executor": LEVEL1 | {"worker", "core.sched_output"},
     "engine": LEVEL1 | {"core", "executor"},
     "entrypoints": PUBLIC_ENGINE,

@@ -46,11 +46,16 @@ _ENGINE_FLAG_HELP = {
     "inputs' mean squares over this text, run through the float model at load (llama.cpp's "
     "imatrix; a few thousand tokens of text like the expected prompts, not the text you score)",
     "enforce_eager": "run every step op by op (no replayed decode-step graphs on CPU)",
-    "speculative_method": "propose draft tokens and verify them losslessly: ngram (prompt lookup)",
+    "speculative_method": "propose draft tokens and verify them losslessly: ngram (prompt "
+    "lookup), suffix (frequent continuations in the request and in recent outputs) or draft "
+    "(a draft model)",
     "num_speculative_tokens": "draft tokens proposed per step (1-16)",
     "prompt_lookup_min": "ngram: shortest suffix of the request's tokens to look up",
     "prompt_lookup_max": "ngram: longest suffix of the request's tokens to look up",
     "speculative_max_batch": "speculate only in steps of at most this many requests",
+    "draft_model": "draft: the proposing model (alias, .gguf or HF dir; the target's vocabulary)",
+    "draft_num_layers": "draft: keep only the draft model's first N layers (early exit); "
+    "without --draft-model, the target's own first N layers",
 }
 
 
@@ -82,6 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, choices=SPECULATIVE_METHODS, default=None, help=help_text)
         elif f.name == "int4_calibration":
             parser.add_argument(flag, default=None, metavar="FILE", help=help_text)
+        elif f.name == "draft_model":
+            parser.add_argument(flag, default=None, metavar="MODEL", help=help_text)
         else:
             kind = type(default) if default is not None else int
             parser.add_argument(flag, type=kind, default=default, help=help_text)

@@ -26,8 +26,10 @@ KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
 QUANTIZATION_METHODS = ("gguf", "none", "int8", "int4")
 PACKED_ACTIVATIONS = ("int8", "float32")
-# How draft tokens are proposed (spec/): "ngram" = prompt lookup in the request's own tokens.
-SPECULATIVE_METHODS = ("ngram",)
+# How draft tokens are proposed (spec/, worker/draft_proposer.py): "ngram" = prompt lookup in
+# the request's own tokens, "suffix" = the most frequent continuation in its own tokens and in
+# recent requests' outputs, "draft" = a smaller model (or the target's first layers).
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +419,12 @@ class EngineArgs:
     # continuing random prompts 1.71x, 1.26x, 1.05x at 4, 0.93x at 8; 32 requests of 128/128
     # random tokens 0.62x with no limit.
     speculative_max_batch: int = 2
+    # speculative_method "draft": the model that proposes (alias, .gguf or HF directory; same
+    # vocabulary as the target) and, optionally, only its first draft_num_layers layers with
+    # its final norm and head (early exit). draft_num_layers without draft_model drafts with
+    # the target's own first layers (a self-draft).
+    draft_model: str | None = None
+    draft_num_layers: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -473,6 +481,18 @@ class EngineArgs:
             raise ValueError(
                 f"speculative_max_batch must be >= 1; got {self.speculative_max_batch}"
             )
+        if self.speculative_method == "draft" and not (self.draft_model or self.draft_num_layers):
+            raise ValueError(
+                "speculative_method 'draft' needs draft_model (a smaller model with the same "
+                "vocabulary) or draft_num_layers (the target's first layers as the draft)"
+            )
+        if self.speculative_method != "draft" and (self.draft_model or self.draft_num_layers):
+            raise ValueError(
+                "draft_model and draft_num_layers are for speculative_method='draft'; got "
+                f"speculative_method={self.speculative_method!r}"
+            )
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be >= 1; got {self.draft_num_layers}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "

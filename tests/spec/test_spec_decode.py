@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram proposals through the engine, on tiny random models.
+"""Speculative decoding with n-gram and suffix proposals through the engine, on tiny random models.
 
 Greedy output must be exactly the output without speculation, for every architecture, in a
 batch with chunked prefill and with preemptions forced by a tight KV cache; stop tokens and
@@ -44,11 +44,12 @@ def generate(path, prompts, params=GREEDY, **kwargs) -> tuple[list, int, LLMEngi
     return [done[i] for i in ids], num_deliveries, engine
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
-def test_ngram_greedy_output_is_the_output_without_it(tiny_model_dir, arch) -> None:
+def test_greedy_output_is_the_output_without_it(tiny_model_dir, arch, method) -> None:
     path = tiny_model_dir(arch)
     plain, plain_deliveries, _ = generate(path, PROMPTS)
-    spec, spec_deliveries, _ = generate(path, PROMPTS, speculative_method="ngram")
+    spec, spec_deliveries, _ = generate(path, PROMPTS, speculative_method=method)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec_deliveries < plain_deliveries  # some steps gave a request kept drafts
     for ours, ref in zip(spec, plain):
@@ -58,12 +59,13 @@ def test_ngram_greedy_output_is_the_output_without_it(tiny_model_dir, arch) -> N
             assert got.sampled.logprob == pytest.approx(want.sampled.logprob, abs=1e-4)
 
 
-def test_ngram_with_chunked_prefill_and_preemption(tiny_model_dir) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_with_chunked_prefill_and_preemption(tiny_model_dir, method) -> None:
     path = tiny_model_dir("llama")
     prompts = PROMPTS * 3
     plain, _, _ = generate(path, prompts)
     tight = dict(max_num_batched_tokens=24, kv_cache_memory=28 * 16 * 2 * 2 * 2 * 16 * 4)
-    spec, _, engine = generate(path, prompts, speculative_method="ngram", **tight)
+    spec, _, engine = generate(path, prompts, speculative_method=method, **tight)
     assert engine.stats().num_preemptions > 0
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
@@ -102,7 +104,7 @@ def test_no_drafts_for_steps_of_more_requests_than_the_limit(tiny_model_dir) -> 
 
 def test_bad_speculative_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="speculative_method must be one of ngram"):
-        EngineArgs(speculative_method="draft")
+        EngineArgs(speculative_method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="speculative_max_batch"):
@@ -211,3 +213,21 @@ def test_rejected_slots_are_never_attended(tiny_model_dir) -> None:
     assert num_poisoned > 0
     assert [done[i] for i in ids] == [o.token_ids for o in plain]
     assert_all_blocks_free(engine)
+
+
+def test_suffix_speculates_from_an_earlier_requests_output(tiny_model_dir) -> None:
+    """The same request twice: the second one's drafts come from the first one's output (its
+    prompt alone repeats nothing), so nearly every step keeps all of them."""
+    path = tiny_model_dir("llama")
+    prompt = [1, *range(100, 130)]  # no repeats: nothing for its own context to match
+    args = dict(model=str(path), max_model_len=256, kv_cache_memory="8MiB")
+    engine = LLMEngine(EngineArgs(speculative_method="suffix", **args))
+    deliveries = []
+    for _ in range(2):
+        engine.add_request(prompt, GREEDY)
+        deliveries.append(0)
+        while engine.has_unfinished_requests():
+            deliveries[-1] += len(engine.step())
+    assert_all_blocks_free(engine)
+    first, second = deliveries
+    assert second < first / 2

@@ -254,3 +254,50 @@ def test_logprob_rank_of_an_unlikely_pick():
     assert sampled.rank == 3
     assert sampled.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item(), abs=1e-6)
     assert math.isfinite(sampled.logprob)
+
+
+# ---- rejection sampling of a draft model's tokens ---------------------------------------------
+
+
+def verified(q: torch.Tensor, num_draws: int, seed: int) -> tuple[list[int], float]:
+    """Each of num_draws rows verifies a draft d ~ q against p = PROBS: the kept tokens and
+    the fraction of drafts kept."""
+    g = seeded(seed)
+    drafts = torch.multinomial(q, num_draws, replacement=True, generator=g).tolist()
+    rows = []
+    for d in drafts:
+        r = row(SamplingParams(temperature=1.0))
+        r.draft_token_id, r.draft_probs = d, q
+        rows.append(r)
+    token_ids, _ = Sampler(CPU, seed=seed)(LOGITS.expand(num_draws, -1).clone(), rows)
+    kept = sum(t == d for t, d in zip(token_ids, drafts)) / num_draws
+    return token_ids, kept
+
+
+@pytest.mark.parametrize(
+    "q",
+    [
+        torch.tensor([0.4, 0.3, 0.2, 0.1]),  # the target itself: every draft kept
+        torch.tensor([0.1, 0.2, 0.3, 0.4]),  # reversed
+        torch.tensor([0.0, 0.0, 0.05, 0.95]),  # a bad draft: nearly always the least likely
+    ],
+)
+def test_verified_tokens_follow_the_target_whatever_the_draft(q):
+    """Chi-square of the kept tokens against p (3 degrees of freedom, P(chi2 > 16.27) = 0.001),
+    and the acceptance rate is the theory's: sum over x of min(p(x), q(x))."""
+    num_draws = 20_000
+    token_ids, kept = verified(q, num_draws, seed=11)
+    counts = torch.bincount(torch.tensor(token_ids), minlength=4).double()
+    expected = num_draws * PROBS.double()
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 16.27, (chi2, counts / num_draws)
+    assert kept == pytest.approx(torch.minimum(PROBS, q).sum().item(), abs=0.015)
+
+
+def test_keeping_every_draft_would_fail_the_same_test():
+    """The test above has power: tokens drawn from the bad draft itself are far from p."""
+    q = torch.tensor([0.0, 0.0, 0.05, 0.95])
+    drafts = torch.multinomial(q, 20_000, replacement=True, generator=seeded(11))
+    counts = torch.bincount(drafts, minlength=4).double()
+    expected = 20_000 * PROBS.double()
+    assert (((counts - expected) ** 2) / expected).sum().item() > 1_000

@@ -80,6 +80,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def has_finished_to_send(self) -> bool:
+        """Finished requests the worker has not heard of (the next step's finished_req_ids)."""
+        return bool(self._finished_req_ids)
+
     # ---- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

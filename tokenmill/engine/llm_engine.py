@@ -183,7 +183,10 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests waiting or running, or finished ones the worker has not heard of: one more
+        (empty) step tells it, so what it keeps per request (a draft model's KV blocks among
+        it) leaves with the request."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_to_send
 
     # ---- one step ---------------------------------------------------------------------------
 

@@ -126,6 +126,8 @@ class CausalLM(nn.Module):
                     continue
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
+                if _layer_index(name) >= self.config.num_hidden_layers:
+                    continue  # an early-exit draft model keeps only the first layers
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             try:
                 load(tensor, packed_method)
@@ -164,3 +166,11 @@ def _load_whole(layer: nn.Module, param_name: str, tensor: Any, packed_method: A
 
 def _load_plain(param: nn.Parameter, tensor: Any, packed_method: Any) -> None:
     default_weight_loader(param, tensor)
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to ("model.layers.3.mlp..." -> 3), or -1."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return -1

@@ -3,10 +3,18 @@
 
 from __future__ import annotations
 
-from tokenmill.spec.base import Proposer
+from tokenmill.spec.base import Draft, DraftRequest, Proposer
 from tokenmill.spec.ngram import NgramProposer
+from tokenmill.spec.suffix import SuffixProposer
 
-__all__ = ["NgramProposer", "Proposer", "create_proposer"]
+__all__ = [
+    "Draft",
+    "DraftRequest",
+    "NgramProposer",
+    "Proposer",
+    "SuffixProposer",
+    "create_proposer",
+]
 
 
 def create_proposer(
@@ -14,4 +22,6 @@ def create_proposer(
 ) -> Proposer:
     if method == "ngram":
         return NgramProposer(num_tokens, ngram_min, ngram_max)
-    raise ValueError(f"speculative_method must be ngram; got {method!r}")
+    if method == "suffix":
+        return SuffixProposer(num_tokens)
+    raise ValueError(f"speculative_method must be ngram or suffix; got {method!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tokenmill.spec.base import Proposer
+from tokenmill.spec.base import Draft, DraftRequest, Proposer
 
 # Tokens of context searched, the most recent: a step's lookup stays ~O(this) on long contexts.
 MAX_LOOKUP_TOKENS = 4096
@@ -24,7 +24,12 @@ class NgramProposer(Proposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, token_ids: list[int]) -> list[int]:
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, Draft]:
+        drafts = {r.req_id: self.propose_tokens(r.token_ids) for r in reqs}
+        return {rid: Draft(tokens) for rid, tokens in drafts.items() if tokens}
+
+    def propose_tokens(self, token_ids: list[int]) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix."""
         context = np.asarray(token_ids[-MAX_LOOKUP_TOKENS:], dtype=np.int64)
         for n in range(min(self.ngram_max, len(context) - 1), self.ngram_min - 1, -1):
             suffix = context[-n:]

@@ -30,7 +30,7 @@ from tokenmill.core.sched_output import (
     SchedulerOutput,
 )
 from tokenmill.models.base import CausalLM
-from tokenmill.spec import Proposer
+from tokenmill.spec import Draft, DraftRequest, Proposer
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
     PromptLogprobRows,
@@ -101,6 +101,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.config, cache, dtype, device)
         self.sampler = Sampler(device, seed, model.kernels)
         self.requests: dict[str, RequestState] = {}
+        # Proposals with a draft distribution, kept until the step that verifies them.
+        self._drafts: dict[str, Draft] = {}
         # What preempted requests keep for when they resume: their generator (a seeded request
         # samples the same after it), and the prompt log-probs already sent (no repeats).
         self._parked: dict[str, tuple[torch.Generator | None, int]] = {}
@@ -145,6 +147,18 @@ class ModelRunner:
         sampling = [(r.req_id, r.draft_token_ids) for r in step.sampling_reqs]
         return self._sample(sampling, logits, out)
 
+    def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """The logits rows of a step that predict next tokens (a graph replay when the step is
+        all decodes, else eager) and the request of each row, for a caller that samples itself
+        (a draft model's proposer, which keeps ``requests`` up to date itself). One row per
+        request: steps without drafts."""
+        graph_logits = self._decode_graph_step(sched)
+        if graph_logits is not None:
+            return graph_logits, list(sched.num_scheduled_tokens)
+        step = self.prepare_step(sched)
+        logits = self.compute_logits(self.forward(step), step)
+        return logits, [r.req_id for r in step.sampling_reqs]
+
     # ---- the eager step, in its parts ---------------------------------------------------
 
     def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
@@ -171,10 +185,13 @@ class ModelRunner:
 
     def update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
             self._parked.pop(rid, None)
+            outputs = state.token_ids[state.num_prompt_tokens :] if state is not None else None
+            self._forget_draft(rid, outputs)
         for rid in sched.preempted_req_ids:
             state = self.requests.pop(rid, None)
+            self._forget_draft(rid, None)
             if state is not None:
                 self._parked[rid] = (state.generator, state.next_prompt_logprob_idx)
         for new in sched.new_reqs:
@@ -201,42 +218,75 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
         and append the accepted tokens to the requests."""
-        rows = [
-            self._sampling_row(rid, drafts[:j])
-            for rid, drafts in reqs
-            for j in range(len(drafts) + 1)
-        ]
+        rows = [row for rid, drafts in reqs for row in self._sampling_rows(rid, drafts)]
         token_ids, logprobs = self.sampler(logits, rows)
-        # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
-        proposer = self.proposer if len(reqs) <= self.speculative_max_batch else None
         i = 0
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
             new = accept_drafts(token_ids[i : i + num_rows], drafts)
-            state = self.requests[rid]
-            state.token_ids.extend(new)
+            self.requests[rid].token_ids.extend(new)
             out.sampled_token_ids[rid] = new
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
                 out.logprobs[rid] = _concat_logprobs(row_logprobs)
-            if proposer is not None and state.sampling_params.speculative:
-                proposal = proposer.propose(state.token_ids)
-                if proposal:
-                    out.draft_token_ids[rid] = proposal
             i += num_rows
+        # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
+        if self.proposer is not None and len(reqs) <= self.speculative_max_batch:
+            self._propose(self.proposer, [rid for rid, _ in reqs], out)
         return out
 
-    def _sampling_row(self, req_id: str, drafts_before: list[int]) -> SamplingRow:
-        """The row that predicts the token after the known tokens and ``drafts_before``."""
+    def _propose(self, proposer: Proposer, req_ids: list[str], out: RunnerOutput) -> None:
+        asked = []
+        for rid in req_ids:
+            state = self.requests[rid]
+            if state.sampling_params.speculative:
+                asked.append(
+                    DraftRequest(
+                        rid,
+                        state.token_ids,
+                        state.num_prompt_tokens,
+                        state.sampling_params,
+                        state.generator,
+                    )
+                )
+        if not asked:
+            return
+        for rid, draft in proposer.propose(asked).items():
+            out.draft_token_ids[rid] = draft.token_ids
+            if draft.probs is not None:
+                self._drafts[rid] = draft
+
+    def _sampling_rows(self, req_id: str, drafts: list[int]) -> list[SamplingRow]:
+        """The 1 + K rows of a request: row j predicts the token after its known tokens and
+        ``drafts[:j]``, and verifies ``drafts[j]`` against the draft distribution it came from
+        (when the proposal had one)."""
         state = self.requests[req_id]
+        proposal = self._drafts.pop(req_id, None)
+        q = None
+        if proposal is not None and drafts:
+            # The scheduler sends a prefix of the proposal (its token budget may cut it).
+            assert proposal.token_ids[: len(drafts)] == drafts
+            q = proposal.probs
+        prompt = state.token_ids[: state.num_prompt_tokens]
         outputs = state.token_ids[state.num_prompt_tokens :]
-        return SamplingRow(
-            params=state.sampling_params,
-            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-            output_token_ids=outputs + drafts_before if drafts_before else outputs,
-            generator=state.generator,
-            eos_token_ids=state.eos_token_ids,
-        )
+        rows = []
+        for j in range(len(drafts) + 1):
+            row = SamplingRow(
+                params=state.sampling_params,
+                prompt_token_ids=prompt,
+                output_token_ids=outputs + drafts[:j] if j else outputs,
+                generator=state.generator,
+                eos_token_ids=state.eos_token_ids,
+            )
+            if q is not None and j < len(drafts):
+                row.draft_token_id, row.draft_probs = drafts[j], q[j]
+            rows.append(row)
+        return rows
+
+    def _forget_draft(self, req_id: str, output_token_ids: list[int] | None) -> None:
+        self._drafts.pop(req_id, None)
+        if self.proposer is not None:
+            self.proposer.finish(req_id, output_token_ids)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> PromptLogprobs:
         state = self.requests[rows.req_id]
@@ -311,8 +361,9 @@ def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
 
     Row j was sampled from the model given the known tokens and drafts 0..j-1, so while the
     drafts match, each kept token is exactly what plain decoding could have drawn at its
-    position: lossless for every sampling setting (rejection sampling against the proposer's
-    probabilities accepts more, and comes with the proposers)."""
+    position: lossless for every sampling setting. A row that verified a draft model's token
+    by rejection sampling (worker/sampler.py) returns the draft itself when it is kept, and a
+    token the draft never is (drawn from max(0, p - q)) when it is not."""
     num_accepted = 0
     while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
         num_accepted += 1

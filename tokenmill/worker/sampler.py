@@ -1,8 +1,14 @@
 """Sampler: logit bias, penalties, temperature, top-k / top-p / min-p, then greedy or random picks.
 
-Random picks use the exponential race (argmax of p / q with q ~ Exp(1), equivalent to drawing
-from p); a request with a seed draws its q from its own generator, so its tokens do not depend
-on what else is in the batch.
+Random picks use the exponential race (argmax of p / e with e ~ Exp(1), equivalent to drawing
+from p); a request with a seed draws from its own generator, so its tokens do not depend on what
+else is in the batch.
+
+A row that verifies a draft token drawn from a draft model's distribution q applies the
+rejection-sampling rule of speculative decoding (Leviathan et al. 2023, Chen et al. 2023): keep
+the draft d with probability min(1, p(d) / q(d)), else draw from max(0, p - q) normalized. The
+kept token is then distributed exactly as p. A deterministic draft (one-hot q) needs no rule:
+the row samples p as usual and the runner keeps the draft when they agree.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
+    # The draft token this row verifies and the draft model's distribution it was drawn from
+    # ([vocab] probabilities); None when there is none or the draft was deterministic.
+    draft_token_id: int = -1
+    draft_probs: torch.Tensor | None = None
 
 
 class Sampler:
@@ -74,25 +84,54 @@ class Sampler:
                     logits[i, banned] = float("-inf")
         return logits
 
+    def distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The probabilities [rows, vocab] that random rows sample from: after penalties, bans,
+        temperature and top-k / top-p / min-p. A draft model's proposals are drawn from this, so
+        that its q and the target's p are the same transform of two models' logits."""
+        logits = self._apply_penalties_and_bans(logits.float(), rows)
+        return self._probs(logits, [r.params for r in rows])
+
+    def draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row of ``probs``, each from its request's generator (or the shared one)."""
+        e = torch.empty_like(probs)
+        for j, row in enumerate(rows):
+            e[j].exponential_(generator=row.generator or self.generator)
+        return self.kernels.argmax(probs / e)
+
     def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         greedy = self.kernels.argmax(logits)
         random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not random_idx:
             return greedy.tolist()
         idx = torch.tensor(random_idx, device=logits.device)
-        sub = logits.index_select(0, idx)
-        params = [rows[i].params for i in random_idx]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        sub = sub / temps[:, None]
-        sub = _top_k_top_p_min_p(sub, params)
-        probs = torch.softmax(sub, dim=-1)
-        q = torch.empty_like(probs)
-        for j, i in enumerate(random_idx):
-            q[j].exponential_(generator=rows[i].generator or self.generator)
-        picked = self.kernels.argmax(probs / q)
+        random_rows = [rows[i] for i in random_idx]
+        probs = self._probs(logits.index_select(0, idx), [r.params for r in random_rows])
+        picked = self.draw(probs, random_rows)
+        for j, row in enumerate(random_rows):
+            if row.draft_probs is not None:
+                picked[j] = self._verify(probs[j], row)
         out = greedy.clone()
         out[idx] = picked
         return out.tolist()
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        return torch.softmax(_top_k_top_p_min_p(logits / temps[:, None], params), dim=-1)
+
+    def _verify(self, p: torch.Tensor, row: SamplingRow) -> int:
+        """The rejection-sampling rule on one row: the draft, or a draw from the residual."""
+        q, d = row.draft_probs, row.draft_token_id
+        assert q is not None
+        generator = row.generator or self.generator
+        u = torch.rand((), generator=generator, device=p.device)
+        if u * q[d] <= p[d]:  # accept with probability min(1, p(d) / q(d))
+            return d
+        residual = (p - q).clamp_(min=0.0)
+        if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
+            residual = p
+        e = torch.empty_like(residual).exponential_(generator=generator)
+        return int(self.kernels.argmax((residual / e)[None])[0])
 
 
 def _apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:

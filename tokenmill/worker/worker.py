@@ -8,6 +8,7 @@ second worker for a draft model, is another instance of this class with its own 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -26,15 +27,20 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
 from tokenmill.spec import Proposer, create_proposer
+from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
+from tokenmill.worker.draft_proposer import DraftModelProposer
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Worker:
-    def __init__(self, args: EngineArgs) -> None:
+    """``num_layers``: keep only the model's first layers (with its final norm and head), as an
+    early-exit draft model does."""
+
+    def __init__(self, args: EngineArgs, num_layers: int | None = None) -> None:
         self.args = args
         self.device = pick_device(args.device)
         # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
@@ -44,7 +50,7 @@ class Worker:
             torch.set_num_threads(args.num_threads)
         dtype_name = pick_dtype(args.dtype, self.device)
         self.dtype = _DTYPES[dtype_name]
-        model_config = load_model_config(resolve_model(args.model))
+        model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
         max_model_len = _max_model_len(args, model_config)
         quantization = pick_quantization(args.quantization, model_config, self.device)
         if args.kernel_backend not in ("auto", *KERNEL_BACKENDS):
@@ -53,9 +59,16 @@ class Worker:
                 f"got {args.kernel_backend!r}"
             )
         self.model = self._load(model_config, max_model_len, quantization)
+        # A draft model proposes beside this one; each KV block the budget pays for has its twin
+        # in the draft's cache.
+        self.draft: Worker | None = None
+        if args.speculative_method == "draft":
+            self.draft = load_draft_worker(args, model_config, max_model_len)
         per_block = kv_bytes_per_block(
             model_config, args.block_size, self.dtype, args.kv_cache_dtype
         )
+        if self.draft is not None:
+            per_block += self.draft.info.kv_bytes_per_block
         self.info = WorkerInfo(
             model_config=model_config,
             max_model_len=max_model_len,
@@ -80,14 +93,22 @@ class Worker:
             decode_graphs=self._decode_graphs,
             max_num_seqs=self.args.max_num_seqs,
             capture_warm_up=self._capture_warm_up,
-            proposer=self._proposer(),
+            proposer=self._proposer(cache),
             speculative_max_batch=self.args.speculative_max_batch,
         )
 
-    def _proposer(self) -> Proposer | None:
+    def _proposer(self, cache: CacheConfig) -> Proposer | None:
         args = self.args
         if args.speculative_method is None:
             return None
+        if self.draft is not None:
+            # Twin blocks, plus one a request for drafts that spill past its last block.
+            num_blocks = cache.num_blocks + args.max_num_seqs
+            self.draft.initialize(dataclasses.replace(cache, num_blocks=num_blocks))
+            assert self.draft.runner is not None
+            return DraftModelProposer(
+                self.draft.runner, args.num_speculative_tokens, num_blocks, self.info.max_model_len
+            )
         return create_proposer(
             args.speculative_method,
             args.num_speculative_tokens,
@@ -134,6 +155,55 @@ class Worker:
                 "bytes; raise kv_cache_memory"
             )
         return int(num_blocks)
+
+
+def load_draft_worker(args: EngineArgs, target: ModelConfig, max_model_len: int) -> Worker:
+    """The worker of the draft model (speculative_method "draft"), on the target's device and
+    dtype, refused when its vocabulary is not the target's (its tokens would mean other text)."""
+    draft_args = dataclasses.replace(
+        args,
+        model=args.draft_model or args.model,
+        speculative_method=None,
+        draft_model=None,
+        draft_num_layers=None,
+        max_model_len=max_model_len,
+        max_num_seqs=args.speculative_max_batch,
+        # A .gguf draft of an HF target (or the reverse) picks its own weight format.
+        quantization=None if args.quantization == "gguf" else args.quantization,
+        int4_calibration=None,
+    )
+    draft = Worker(draft_args, num_layers=args.draft_num_layers)
+    check_same_vocabulary(target, draft.info.model_config)
+    return draft
+
+
+def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the target's "
+            f"({target.vocab_size}); pick a draft model with the target's tokenizer"
+        )
+    assert target.source is not None and draft.source is not None
+    if target.source.path == draft.source.path:
+        return
+    target_vocab = load_tokenizer(target.source.path, target.architecture).backend.get_vocab()
+    draft_vocab = load_tokenizer(draft.source.path, draft.architecture).backend.get_vocab()
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            "the draft model's tokenizer differs from the target's (same size, other tokens); "
+            "pick a draft model with the target's tokenizer"
+        )
+
+
+def _truncated(config: ModelConfig, num_layers: int | None) -> ModelConfig:
+    if num_layers is None:
+        return config
+    if num_layers > config.num_hidden_layers:
+        raise ValueError(
+            f"draft_num_layers ({num_layers}) exceeds the draft model's "
+            f"{config.num_hidden_layers} layers"
+        )
+    return dataclasses.replace(config, num_hidden_layers=num_layers)
 
 
 def pick_device(name: str) -> torch.device:
