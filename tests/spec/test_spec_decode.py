@@ -231,3 +231,18 @@ def test_suffix_speculates_from_an_earlier_requests_output(tiny_model_dir) -> No
     assert_all_blocks_free(engine)
     first, second = deliveries
     assert second < first / 2
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_stop_strings_end_the_output_as_without_speculation(tiny_model_dir, method) -> None:
+    """Text, token ids and logprobs are those of decoding one token at a time (a stop string
+    inside one step's kept drafts: tests/engine/test_output_processor.py)."""
+    path = tiny_model_dir("llama")
+    (plain,), _, _ = generate(path, PROMPTS[:1])
+    stop = plain.text[12:14]
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0, stop=[stop])
+    (ref,), _, _ = generate(path, PROMPTS[:1], params)
+    (out,), _, _ = generate(path, PROMPTS[:1], params, speculative_method=method)
+    assert ref.finish_reason == "stop" and ref.stop_reason == stop
+    assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, "stop")
+    assert len(out.logprobs) == len(out.token_ids)

@@ -115,21 +115,46 @@ class OutputProcessor:
     def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:
         if seq.finish_reason is not None:
             return
-        new_text = seq.detokenizer.update(update.new_token_ids)
-        if update.finish_reason is not None:
+        new_ids = update.new_token_ids
+        logprobs = update.logprobs
+        pairs = list(zip(logprobs.sampled, logprobs.top)) if logprobs is not None else []
+        if params.stop and len(new_ids) > 1:
+            # Several tokens in one step (kept drafts): one at a time, so that the tokens after
+            # a stop string are dropped, as they would never have been sampled one by one.
+            for i, token_id in enumerate(new_ids):
+                last = i == len(new_ids) - 1
+                self._append_tokens(
+                    seq, [token_id], pairs[i : i + 1], update if last else None, params
+                )
+                if seq.finish_reason is not None:
+                    return
+            return
+        self._append_tokens(seq, new_ids, pairs, update, params)
+
+    def _append_tokens(
+        self,
+        seq: SeqState,
+        token_ids: list[int],
+        logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]],
+        final: RequestUpdate | None,
+        params: SamplingParams,
+    ) -> None:
+        """Append tokens and their logprobs; ``final``: the update, if its finish applies."""
+        finish_reason = final.finish_reason if final is not None else None
+        new_text = seq.detokenizer.update(token_ids)
+        if finish_reason is not None:
             # Nothing follows: emit a tail held back for more bytes (an incomplete character).
             new_text += seq.detokenizer.flush()
-        if update.logprobs is not None:
-            for sampled, top in zip(update.logprobs.sampled, update.logprobs.top):
-                seq.logprobs.append(
-                    PositionLogprobs(self._with_text(sampled), [self._with_text(t) for t in top])
-                )
+        for sampled, top in logprobs:
+            seq.logprobs.append(
+                PositionLogprobs(self._with_text(sampled), [self._with_text(t) for t in top])
+            )
         seq.text += new_text
         if params.stop and new_text:
             self._check_stop_strings(seq, params, len(new_text))
-        if seq.finish_reason is None and update.finish_reason is not None:
-            seq.finish_reason = update.finish_reason
-            seq.stop_reason = update.stop_reason
+        if seq.finish_reason is None and final is not None and finish_reason is not None:
+            seq.finish_reason = finish_reason
+            seq.stop_reason = final.stop_reason
 
     def _append_prompt_logprobs(self, state: RequestState, update: PromptLogprobs) -> None:
         entries = state.prompt_logprobs

