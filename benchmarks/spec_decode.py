@@ -60,8 +60,13 @@ def record_prompt(i: int) -> str:
 
 
 def engine_for(method: str | None, **kwargs) -> LLMEngine:
-    """``method``: None, "ngram", "suffix" or "draft:N" (the target's first N layers)."""
+    """``method``: None, "ngram", "suffix" or "draft:N" (the target's first N layers); a
+    "+eager" suffix runs every step eagerly (no decode graphs), "none+eager" too."""
     spec = {}
+    if method is not None and method.endswith("+eager"):
+        kwargs["enforce_eager"] = True
+        method = method.removesuffix("+eager")
+        method = None if method == "none" else method
     if method is not None and method.startswith("draft:"):
         spec = dict(speculative_method="draft", draft_num_layers=int(method.partition(":")[2]))
     elif method is not None:
@@ -148,6 +153,34 @@ def run_llamacpp(prompt: str) -> dict:
     return dict(tok_s=(OUTPUT_TOKENS - 1) / (time.perf_counter() - start))
 
 
+def run_llama_lookup(prompt: str, num_draft: int) -> float | None:
+    """llama.cpp's own prompt-lookup decoding (its llama-lookup example) on the same prompt:
+    decode tok/s, or None when the binary is not built. Build it with the source of
+    ../shared/peers/build-llamacpp.sh, cmake -DLLAMA_BUILD_EXAMPLES=ON, target llama-lookup,
+    into $PEERS/build-lookup (PEERS defaults to ~/.cache/peers)."""
+    import os
+    import re
+    import tempfile
+
+    from tokenmill.config import resolve_model
+
+    peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "peers"))
+    binary = peers / "build-lookup" / "bin" / "llama-lookup"
+    if not binary.exists():
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        proc = subprocess.run(
+            [str(binary), "-m", str(resolve_model("gemma-3-270m").path), "-f", f.name,
+             "-n", str(OUTPUT_TOKENS), "-t", str(THREADS), "--temp", "0", "-c", "4096",
+             "--spec-draft-n-max", str(num_draft)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    found = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+)", proc.stderr)
+    return float(found.group(1)) if found else None
+
+
 def child(argv: list[str]) -> dict:
     proc = subprocess.run(
         [sys.executable, __file__, *argv], capture_output=True, text=True, check=False
@@ -218,6 +251,10 @@ def main() -> None:
         if task == "grounded":
             lc = child(["--child", "llamacpp", "none", "0"])
             print(row("llama.cpp, no speculation", {}, base_speed, lc["tok_s"]))
+            for k in (3, 8):
+                lookup = run_llama_lookup(grounded_prompt(), k)
+                if lookup is not None:
+                    print(row(f"llama.cpp llama-lookup, {k} drafts", {}, base_speed, lookup))
             print(ceiling(base["weight_nbytes"]))
 
 

@@ -246,3 +246,35 @@ def test_stop_strings_end_the_output_as_without_speculation(tiny_model_dir, meth
     assert ref.finish_reason == "stop" and ref.stop_reason == stop
     assert (out.text, out.token_ids, out.finish_reason) == (ref.text, ref.token_ids, "stop")
     assert len(out.logprobs) == len(out.token_ids)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_min_tokens_and_n_siblings_as_without_speculation(tiny_model_dir, method) -> None:
+    """min_tokens bans the end until it is reached, also on draft rows; n = 2 greedy siblings
+    both equal the plain output."""
+    path = tiny_model_dir("llama")
+    (plain,), _, _ = generate(path, PROMPTS[:1])
+    eos = plain.token_ids[5]  # make a token of the plain output the end of the sequence
+    params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12, stop_token_ids=[eos])
+    extra = dict(draft_num_layers=1) if method == "draft" else {}
+    (ref,), _, _ = generate(path, PROMPTS[:1], params)
+    (out,), _, _ = generate(path, PROMPTS[:1], params, speculative_method=method, **extra)
+    assert len(ref.token_ids) >= 12
+    assert out.token_ids == ref.token_ids
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(path),
+            max_model_len=256,
+            kv_cache_memory="8MiB",
+            speculative_method=method,
+            **extra,
+        )
+    )
+    rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, n=2))
+    done = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                done = o
+    assert [c.token_ids for c in done.outputs] == [plain.token_ids] * 2
+    assert_all_blocks_free(engine)

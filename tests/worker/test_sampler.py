@@ -301,3 +301,19 @@ def test_keeping_every_draft_would_fail_the_same_test():
     counts = torch.bincount(drafts, minlength=4).double()
     expected = 20_000 * PROBS.double()
     assert (((counts - expected) ** 2) / expected).sum().item() > 1_000
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 30.0])  # flat (the full sort), middling, peaked
+def test_top_p_cut_is_the_sorted_definition(scale):
+    """The nucleus found among the top 128 / 1,024 candidates, or by sorting the row when they
+    hold too little mass, is the one a full sort defines."""
+    from tokenmill.worker.sampler import _top_p_drop
+
+    g = seeded(3)
+    logits = torch.randn(6, 5000, generator=g) * scale
+    top_p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.99, 0.3])
+    probs = logits.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    want = torch.zeros_like(beyond).scatter(1, order, beyond)
+    assert torch.equal(_top_p_drop(logits, top_p), want)

@@ -1,8 +1,10 @@
 """Sampler: logit bias, penalties, temperature, top-k / top-p / min-p, then greedy or random picks.
 
-Random picks use the exponential race (argmax of p / e with e ~ Exp(1), equivalent to drawing
-from p); a request with a seed draws from its own generator, so its tokens do not depend on what
-else is in the batch.
+Random picks are inverse-transform draws: one uniform u a row and the first token whose
+cumulative probability exceeds u (a cumsum and a binary search, ~0.2 ms a 262k-token row, where
+torch.multinomial or an exponential race over the vocabulary took ~3.7 ms). A request with a
+seed draws its u from its own generator, so its tokens do not depend on what else is in the
+batch.
 
 A row that verifies a draft token drawn from a draft model's distribution q applies the
 rejection-sampling rule of speculative decoding (Leviathan et al. 2023, Chen et al. 2023): keep
@@ -92,11 +94,18 @@ class Sampler:
         return self._probs(logits, [r.params for r in rows])
 
     def draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One token per row of ``probs``, each from its request's generator (or the shared one)."""
-        e = torch.empty_like(probs)
-        for j, row in enumerate(rows):
-            e[j].exponential_(generator=row.generator or self.generator)
-        return self.kernels.argmax(probs / e)
+        """One token per row of ``probs`` (non-negative, not necessarily normalized), each from
+        its request's generator (or the shared one)."""
+        cdf = probs.cumsum(dim=-1)  # [rows, vocab]
+        u = torch.stack(
+            [
+                torch.rand((), generator=r.generator or self.generator, device=probs.device)
+                for r in rows
+            ]
+        )
+        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        # u * total rounds up to total once in ~2^24 draws: the likeliest token, not past the end.
+        return torch.where(picked < probs.shape[-1], picked, probs.argmax(dim=-1))
 
     def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         greedy = self.kernels.argmax(logits)
@@ -130,8 +139,7 @@ class Sampler:
         residual = (p - q).clamp_(min=0.0)
         if not residual.sum() > 0:  # p == q up to rounding: nothing is left to correct
             residual = p
-        e = torch.empty_like(residual).exponential_(generator=generator)
-        return int(self.kernels.argmax((residual / e)[None])[0])
+        return int(self.draw(residual[None], [row])[0])
 
 
 def _apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:
@@ -177,18 +185,41 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
         logits = logits.masked_fill(~keep_all & (logits < kth), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass of strictly more likely tokens already reaches top_p.
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        drop_orig = torch.zeros_like(drop).scatter(1, order, drop)
-        logits = logits.masked_fill(drop_orig, float("-inf"))
+        logits = logits.masked_fill(_top_p_drop(logits, top_p), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+# How many of a row's likeliest tokens are searched for the top-p cut, tried in turn before
+# sorting the whole row: a sorted top-128 of a 262k-token row takes ~0.25 ms, a top-1,024
+# ~0.8 ms, a full sort ~18 ms. On gemma-3-270m's own outputs (temperature 0.8, top-p 0.95) 95%
+# of rows were cut within 128 tokens and every one within 1,024.
+TOP_P_CANDIDATES = (128, 1024)
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tokens outside each row's nucleus: a token is dropped when the mass of strictly likelier
+    tokens already reaches top_p (tokens tied with the last one kept stay too)."""
+    probs = logits.softmax(dim=-1)  # [rows, vocab]
+    vocab = probs.shape[-1]
+    drop = torch.empty_like(probs, dtype=torch.bool)
+    todo = torch.arange(probs.shape[0], device=probs.device)  # rows whose cut is not found yet
+    for k in [k for k in TOP_P_CANDIDATES if k < vocab] + [vocab]:
+        rows, p = probs[todo], top_p[todo, None]
+        vals = rows.topk(k, dim=-1).values if k < vocab else rows.sort(dim=-1, descending=True)[0]
+        num_kept = ((vals.cumsum(dim=-1) - vals) < p).sum(dim=-1, keepdim=True)
+        threshold = vals.gather(1, num_kept - 1)  # [rows, 1]: the least likely token kept
+        # The cut lies among the k searched once they hold top_p of the mass (all do at last).
+        found = (vals.sum(dim=-1) >= p[:, 0]) | (k == vocab)
+        drop[todo[found]] = rows[found] < threshold[found]
+        todo = todo[~found]
+        if not todo.numel():
+            break
+    return drop
 
 
 def _gather_logprobs(row_logprobs: torch.Tensor, token_id: int, k: int) -> SampledLogprobs:
