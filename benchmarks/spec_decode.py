@@ -13,7 +13,7 @@ Each table row reports decode tokens/s (first token to last), the ratio to no sp
 draft tokens kept / proposed, and the mean tokens a verifying step gave.
 
     python benchmarks/spec_decode.py [--tasks grounded repeated free free-sampled load]
-                                     [--methods ngram suffix draft:6 draft:12]
+                                     [--methods ngram suffix draft:6 draft:12] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -211,6 +212,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", nargs="+", default=[*TASKS, "load"])
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix", "draft:6", "draft:12"])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # task method n
     ns = parser.parse_args()
     if ns.child:
@@ -227,35 +229,53 @@ def main() -> None:
     print(
         f"{THREADS} threads; draft:N = the first N of gemma-3-270m's 18 layers, its norm and head"
     )
+    print(f"median of {ns.rounds} rounds, each running every method in turn (this VM drifts)")
     for task in ns.tasks:
         if task == "load":
             for n in (16, 32):
                 print(f"\n(d) {n} concurrent requests, output tok/s\n{HEADER}")
-                base = child(["--child", "load", "none", str(n)])
-                print(row("none", base, base["tok_s"], base["tok_s"]))
-                for m in ns.methods:
-                    r = child(["--child", "load", m, str(n)])
-                    print(row(m, r, base["tok_s"], r["tok_s"]), flush=True)
+                runs = rounds(ns.rounds, ["none", *ns.methods], "load", str(n))
+                base = median_speed(runs["none"])
+                for m, rs in runs.items():
+                    print(row(m, rs[0], base, median_speed(rs)), flush=True)
             continue
         _, params, label = TASKS[task]
         print(f"\n{label}, batch 1, decode tok/s\n{HEADER}")
         # Repeated: requests 2-20 (request 1 has no earlier answer to draw on).
         skip = 1 if task == "repeated" else 0
-        base = child(["--child", task, "none", "0"])
-        base_speed = mean(base["speeds"][skip:])
-        print(row("none", base, base_speed, base_speed))
-        for m in ns.methods:
-            r = child(["--child", task, m, "0"])
-            same = ("yes" if r["outputs"] == base["outputs"] else "no") if params.is_greedy else "-"
-            print(row(m, r, base_speed, mean(r["speeds"][skip:]), same), flush=True)
+        runs = rounds(ns.rounds, ["none", *ns.methods], task, "0")
+        base = median_speed(runs["none"], skip)
+        for m, rs in runs.items():
+            same = "-"
+            if params.is_greedy and m != "none":
+                same = "yes" if rs[0]["outputs"] == runs["none"][0]["outputs"] else "no"
+            print(row(m, rs[0], base, median_speed(rs, skip), same), flush=True)
         if task == "grounded":
-            lc = child(["--child", "llamacpp", "none", "0"])
-            print(row("llama.cpp, no speculation", {}, base_speed, lc["tok_s"]))
+            lc = [child(["--child", "llamacpp", "none", "0"]) for _ in range(ns.rounds)]
+            print(
+                row("llama.cpp, no speculation", {}, base, median_speed(lc, lambda r: r["tok_s"]))
+            )
             for k in (3, 8):
-                lookup = run_llama_lookup(grounded_prompt(), k)
-                if lookup is not None:
-                    print(row(f"llama.cpp llama-lookup, {k} drafts", {}, base_speed, lookup))
-            print(ceiling(base["weight_nbytes"]))
+                lookup = [run_llama_lookup(grounded_prompt(), k) for _ in range(ns.rounds)]
+                if None not in lookup:
+                    label = f"llama.cpp llama-lookup, {k} drafts"
+                    print(row(label, {}, base, statistics.median(lookup)))
+            print(ceiling(runs["none"][0]["weight_nbytes"]))
+
+
+def rounds(num: int, methods: list[str], task: str, n: str) -> dict[str, list[dict]]:
+    """Each method's child run ``num`` times, the methods taking turns within a round."""
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for _ in range(num):
+        for m in methods:
+            runs[m].append(child(["--child", task, m, n]))
+    return runs
+
+
+def median_speed(runs: list[dict], skip: int = 0) -> float:
+    """The median over rounds of a run's tok/s (batch-1 runs: the mean over its requests,
+    after the first ``skip``)."""
+    return statistics.median(r["tok_s"] if "tok_s" in r else mean(r["speeds"][skip:]) for r in runs)
 
 
 def mean(xs: list[float]) -> float:

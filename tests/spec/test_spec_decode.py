@@ -127,7 +127,16 @@ def test_verification_steps_replay_decode_graphs(tiny_model_dir, arch) -> None:
 
 
 @pytest.mark.slow
-def test_gemma_ngram_output_is_greedy_under_the_target_model() -> None:
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(speculative_method="ngram"),
+        dict(speculative_method="suffix"),
+        dict(speculative_method="draft", draft_num_layers=12),  # an early-exit self-draft
+    ],
+    ids=["ngram", "suffix", "draft"],
+)
+def test_gemma_output_is_greedy_under_the_target_model(spec) -> None:
     """gemma-3-270m (GGUF, packed, decode graphs) repeating a text it was given: most steps
     keep drafts, and every token is the target model's greedy pick at its position.
 
@@ -141,8 +150,7 @@ def test_gemma_ngram_output_is_greedy_under_the_target_model() -> None:
     """
     text = Path(__file__).read_text()[:1500]
     prompt = f"Here is a file:\n\n{text}\n\nThe same file again, unchanged:\n\n"
-    args = EngineArgs(max_model_len=2048, kv_cache_memory="128MiB", speculative_method="ngram")
-    engine = LLMEngine(args)
+    engine = LLMEngine(EngineArgs(max_model_len=2048, kv_cache_memory="128MiB", **spec))
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=128))
     num_steps, output = 0, []
     while engine.has_unfinished_requests():
@@ -150,7 +158,7 @@ def test_gemma_ngram_output_is_greedy_under_the_target_model() -> None:
         num_steps += 1
     assert_all_blocks_free(engine)
     (tokens,) = output
-    assert len(tokens) == 128 and num_steps < 0.75 * 128  # drafts were kept
+    assert len(tokens) == 128 and num_steps < 0.8 * 128  # drafts were kept
     prompt_ids = engine.tokenizer.encode(prompt)
     check = LLMEngine(EngineArgs(max_model_len=2048, kv_cache_memory="128MiB"))
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
