@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenmill.config import (
     DEFAULT_MODEL,
@@ -210,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", help="output JSON valid under this schema")
+    fmt.add_argument("--regex", help="output that fully matches this regex")
+    fmt.add_argument("--choice", action="append", help="output one of these (repeatable)")
+    fmt.add_argument("--grammar", metavar="FILE", help="output of this Lark or GBNF grammar")
 
     from tokenmill.bench.cli import add_bench_parser
 
@@ -266,6 +272,26 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
     return run_server(engine_args, config, log_level)
 
 
+def _structured_outputs(ns: argparse.Namespace):
+    from tokenmill.sampling_params import StructuredOutputs
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror}") from None
+
+    if ns.json_schema:
+        return StructuredOutputs(json=read(ns.json_schema, "--json-schema"))
+    if ns.grammar:
+        return StructuredOutputs(grammar=read(ns.grammar, "--grammar"))
+    if ns.regex is not None:
+        return StructuredOutputs(regex=ns.regex)
+    if ns.choice:
+        return StructuredOutputs(choice=ns.choice)
+    return None
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from tokenmill.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
@@ -280,6 +306,7 @@ def _generate(ns: argparse.Namespace) -> int:
         seed=ns.sampling_seed,
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
+        structured_outputs=_structured_outputs(ns),
     )
     if not ns.prompt:
         raise ValueError("--prompt must not be empty")

@@ -37,6 +37,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    # Its compiled structured-output format (structured.CompiledGrammar), for the worker.
+    grammar: object | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Sibling requests of an n > 1 group wait for this request's prompt to be computed, so
     # they find its full blocks in the prefix cache instead of computing them again.

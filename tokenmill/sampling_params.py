@@ -5,6 +5,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A format the output must follow (vLLM's StructuredOutputsParams); set exactly one."""
+
+    json: str | dict | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) or a GBNF one
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request decoding settings, with the same meaning as vLLM's and OpenAI's fields.
@@ -37,6 +70,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # False: never propose draft tokens for this request (when the engine speculates).
     speculative: bool = True
+    # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured/).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

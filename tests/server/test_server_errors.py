@@ -92,9 +92,9 @@ def _completion(**fields) -> dict:
         ("/v1/chat/completions", _chat(chat_template="{{ 1 }}"), "chat_template", "refused"),
         (
             "/v1/chat/completions",
-            _chat(response_format={"type": "json_object"}),
+            _chat(response_format={"type": "yaml"}),
             "response_format",
-            "structured output",
+            "response_format type must be",
         ),
         (
             "/v1/chat/completions",

@@ -70,3 +70,41 @@ def test_gemma_chat_and_completion_streamed(server) -> None:
 
     assert content == asyncio.run(reference())
     server.wait_idle()
+
+
+def test_gemma_chat_json_schema(server) -> None:
+    """A chat request with a json_schema for {name, age, city} returns valid JSON, streamed
+    and not."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "city": {"type": "string"},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kwargs = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "Describe a person who lives in Lima, as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
+    )
+    full = client.chat.completions.create(**kwargs)
+    (choice,) = full.choices
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    chunks = client.chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        choice.message.content
+    )

@@ -317,3 +317,48 @@ def test_top_p_cut_is_the_sorted_definition(scale):
     beyond = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
     want = torch.zeros_like(beyond).scatter(1, order, beyond)
     assert torch.equal(_top_p_drop(logits, top_p), want)
+
+
+# ---- grammar bitmasks ----------------------------------------------------------------------
+
+
+def bitmask_allowing(allowed: list[int], num_rows: int, vocab: int) -> torch.Tensor:
+    from tokenmill.structured.bitmask import allocate_bitmask
+
+    bitmask = allocate_bitmask(num_rows, vocab).zero_()
+    for t in allowed:
+        bitmask[:, t >> 5] |= 1 << (t & 31)
+    return bitmask
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),  # masked only when a pick is refused
+        SamplingParams(temperature=1.0, top_k=3),  # masked before truncation
+        SamplingParams(temperature=1.0, top_p=0.9),
+    ],
+)
+def test_a_bitmask_restricts_picks_to_the_masked_distribution(params):
+    """Tokens 1 and 3 allowed of p = [0.4, 0.3, 0.2, 0.1] padded to 40 tokens: greedy picks 1,
+    random picks follow p restricted to {1, 3} and renormalized (chi-square, 1 degree of
+    freedom, P(chi2 > 10.83) = 0.001)."""
+    vocab, num_draws = 40, 20_000
+    logits = torch.full((vocab,), -30.0)
+    logits[:4] = LOGITS
+    bitmask = bitmask_allowing([1, 3], num_draws, vocab)
+    sampler = Sampler(CPU, seed=5)
+    batch = logits.expand(num_draws, -1).clone()
+    token_ids, _ = sampler(batch, [row(params)] * num_draws, (bitmask, list(range(num_draws))))
+    counts = torch.bincount(torch.tensor(token_ids), minlength=vocab).double()
+    assert counts.sum() == counts[1] + counts[3]
+    if params.is_greedy:
+        assert counts[1] == num_draws
+        return
+    want = torch.tensor([0.3, 0.1]) / 0.4
+    if params.top_p < 1.0:  # the nucleus of the masked distribution: 0.75 + 0.25 > 0.9
+        want = torch.tensor([0.75, 0.25])
+    expected = num_draws * want.double()
+    got = torch.stack([counts[1], counts[3]])
+    assert (((got - expected) ** 2) / expected).sum().item() < 10.83, got / num_draws

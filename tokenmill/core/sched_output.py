@@ -21,6 +21,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
     eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's: min_tokens bans them
+    # A structured.CompiledGrammar: the worker makes the request's matcher from it (and, after
+    # a preemption, replays the outputs so far through it).
+    grammar: object | None = None
 
 
 @dataclass(slots=True)

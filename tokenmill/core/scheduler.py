@@ -199,6 +199,7 @@ class Scheduler:
                     block_ids=block_ids,
                     num_computed_tokens=num_cached,
                     eos_token_ids=req.eos_token_ids,
+                    grammar=req.grammar,
                 )
             )
             budget -= num_new

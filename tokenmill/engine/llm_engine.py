@@ -31,6 +31,7 @@ from tokenmill.executor import Executor, create_executor
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.compiler import CompiledGrammar, GrammarCompiler
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
 
 
 class LLMEngine:
@@ -62,6 +64,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, model_config.vocab_size, self.eos_token_ids
+        )
         self._ids = itertools.count()
         self.info = _engine_info(args, worker, self.config)
         logger.info(
@@ -115,7 +120,11 @@ class LLMEngine:
         params = params or SamplingParams()
         prompt_ids = self.tokenize_prompt(prompt)
         params = self._resolve_max_tokens(params, len(prompt_ids))
-        return PreparedRequest(prompt if isinstance(prompt, str) else None, prompt_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:  # here, off the step loop (and cached)
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
+        text = prompt if isinstance(prompt, str) else None
+        return PreparedRequest(text, prompt_ids, params, grammar)
 
     def add_request(
         self,
@@ -138,6 +147,7 @@ class LLMEngine:
                 prompt_token_ids=prepared.prompt_token_ids,
                 sampling_params=_child_params(params, i),
                 eos_token_ids=self.eos_token_ids,
+                grammar=prepared.grammar,
                 wait_for_req_id=request_id if i > 0 else None,
             )
             for i in range(params.n)

