@@ -118,6 +118,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
     d = ServerConfig(served_model_name="-")
     parser.add_argument("--host", default=d.host, help=f"address to bind (default: {d.host})")
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        default=None,
+        help="format of the model's tool calls (default: from its chat template, else hermes)",
+    )
     parser.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port})")
     parser.add_argument(
         "--api-key",
@@ -266,6 +272,7 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         max_prompts=ns.max_prompts,
         max_body_bytes=ns.max_body_bytes,
         shutdown_timeout=ns.shutdown_timeout,
+        tool_call_parser=ns.tool_call_parser,
         log_stats_interval=ns.log_stats_interval,
         access_log=ns.access_log,
     )

@@ -157,8 +157,8 @@ def test_chat_uses_the_llama2_default_template(llm):
 
 
 def test_chat_rejects_bad_messages(llm):
-    with pytest.raises(ValueError, match="role 'tool'"):
-        llm.chat([{"role": "tool", "content": "x"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="role 'robot'"):
+        llm.chat([{"role": "robot", "content": "x"}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="alternate"):
         llm.chat([{"role": "assistant", "content": "x"}], GREEDY, use_tqdm=False)
     assert_untouched(llm)

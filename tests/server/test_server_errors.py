@@ -88,7 +88,7 @@ def _completion(**fields) -> dict:
         ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "logprobs"),
         ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=30), "top_logprobs", "20"),
         ("/v1/chat/completions", _chat(max_completion_tokens=300), "max_completion_tokens", "200"),
-        ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), "tools", "not supported"),
+        ("/v1/chat/completions", _chat(tools=[{"type": "function"}]), "tools", "tools[0]"),
         ("/v1/chat/completions", _chat(chat_template="{{ 1 }}"), "chat_template", "refused"),
         (
             "/v1/chat/completions",
@@ -162,9 +162,9 @@ def test_extra_fields_400_name_the_field(http) -> None:
     err = _error(http.post("/v1/completions", json=_completion(temprature=0.5)), 400)
     assert err["param"] == "temprature" and err["code"] == "unknown_field"
     assert "temprature" in err["message"]
-    body = _chat(messages=[{"role": "user", "content": "x", "tool_calls": []}])
+    body = _chat(messages=[{"role": "user", "content": "x", "toolcalls": []}])
     err = _error(http.post("/v1/chat/completions", json=body), 400)
-    assert err["param"] == "messages.0.tool_calls"
+    assert err["param"] == "messages.0.toolcalls"
 
 
 def test_malformed_and_empty_bodies_400(http) -> None:

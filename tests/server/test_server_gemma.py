@@ -108,3 +108,46 @@ def test_gemma_chat_json_schema(server) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
         choice.message.content
     )
+
+
+def test_gemma_named_tool_call_streamed_and_not(server) -> None:
+    """tool_choice naming a function returns a parsed tool_calls entry whose arguments
+    validate against its parameters, streamed (assembled from deltas) and not."""
+    import json
+
+    import jsonschema
+
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather", "parameters": params},
+    }
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kwargs = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**kwargs)
+    (choice,) = full.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    streamed = {"name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed["name"] += d.function.name or ""
+            streamed["arguments"] += d.function.arguments or ""
+    assert streamed == {"name": "get_weather", "arguments": call.function.arguments}

@@ -148,7 +148,7 @@ def test_content_parts_are_joined_and_other_keys_kept() -> None:
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
-        ([{"role": "tool", "content": "x"}], "allowed roles are system, user, assistant"),
+        ([{"role": "robot", "content": "x"}], "allowed roles are system, user, assistant, tool"),
         ([{"role": "developer", "content": "x"}], "'developer'"),
         ([{"content": "x"}], "'role'"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url"),

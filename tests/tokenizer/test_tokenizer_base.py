@@ -185,8 +185,8 @@ def test_family_default_template_when_model_has_none(tmp_path: Path, backend_jso
 
 def test_bad_role_names_allowed_roles(model_dir: Path) -> None:
     tok = load_tokenizer(model_dir, "qwen2")
-    with pytest.raises(ValueError, match="allowed roles are system, user, assistant"):
-        tok.apply_chat_template([{"role": "tool", "content": "{}"}])
+    with pytest.raises(ValueError, match="allowed roles are system, user, assistant, tool"):
+        tok.apply_chat_template([{"role": "robot", "content": "{}"}])
 
 
 def test_no_template_and_unknown_family(tmp_path: Path, backend_json: str) -> None:

@@ -21,6 +21,8 @@ class ServerConfig:
         max_body_bytes: request bodies above this get 413.
         shutdown_timeout: seconds in-flight requests may run after SIGTERM before being aborted.
         log_stats_interval: seconds between throughput log lines; 0 disables them.
+        tool_call_parser: how tool calls are read from the model's text (server/tools.py:
+            hermes, llama3_json, mistral); None: picked from the chat template.
     """
 
     served_model_name: str
@@ -36,6 +38,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0
     access_log: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -2,7 +2,7 @@
 
 Requests are parsed strictly: JSON types must match (no "2" for 2), NaN and Infinity are
 refused, and an unknown top-level field is a 400 that names it. OpenAI fields that tokenmill
-cannot honour (tools, ...) are refused unless null, never
+cannot honour (functions, audio, ...) are refused unless null, never
 ignored. Ranges are checked here with messages that name the field and the allowed range.
 """
 
@@ -283,23 +283,23 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_dict(self) -> dict[str, Any]:
         # OpenAI's "developer" role is the system role of newer models.
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.content}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (),
-        "tool_choice": ("none",),
         "functions": (),
         "function_call": ("none",),
-        "parallel_tool_calls": (True, False),
         "audio": (),
         "modalities": (["text"],),
         "prediction": (),
@@ -452,8 +452,9 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -477,7 +478,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineOv
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.server import tools as tools_mod
 from tokenmill.server.errors import APIError, bad_request, from_value_error
 from tokenmill.server.metrics import RequestTracker, ServerMetrics
 from tokenmill.server.protocol import (
@@ -104,6 +106,7 @@ class OpenAIServing:
         self.state = state
         self.config = state.config
         self.metrics = metrics
+        self._logged_generic_tools = False
 
     # ---- small endpoints ------------------------------------------------------------------
 
@@ -183,11 +186,14 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check()
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
-        messages = body.message_dicts()
+        setup = self._tool_setup(engine, body, params)
+        params, messages, template_kwargs, parser = setup
 
         def prepare() -> list[PreparedRequest]:
             try:
-                ids = engine.tokenizer.encode_chat(messages, body.add_generation_prompt)
+                ids = engine.tokenizer.encode_chat(
+                    messages, body.add_generation_prompt, **template_kwargs
+                )
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from None
             renames = {"max_tokens": body.max_tokens_name, "logprobs": "top_logprobs"}
@@ -195,7 +201,7 @@ class OpenAIServing:
 
         prepared = await asyncio.to_thread(prepare)
         run = self._start(engine, "chatcmpl", prepared, body.cache_salt)
-        chunks = _ChatChunks(run, body)
+        chunks = _ChatChunks(run, body, parser)
         if body.stream:
             return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
         try:
@@ -205,6 +211,44 @@ class OpenAIServing:
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(chunks.response(finals).model_dump(mode="json"))
+
+    def _tool_setup(
+        self, engine: AsyncEngine, body: ChatCompletionRequest, params: SamplingParams
+    ) -> tuple[SamplingParams, list[dict[str, Any]], dict[str, Any], str | None]:
+        """(params, messages, chat-template variables, tool-call parser or None): the tools
+        in the prompt and, for tool_choice required or a named function, the call grammar."""
+        messages = body.message_dicts()
+        try:
+            tools, mode = tools_mod.chosen_tools(
+                tools_mod.parse_tools(body.tools or []), body.tool_choice
+            )
+        except ValueError as e:
+            param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+            raise bad_request(str(e), param=param) from None
+        if not tools:
+            return params, messages, {}, None
+        template = engine.tokenizer.chat_template
+        parser = tools_mod.pick_parser(template, self.config.tool_call_parser)
+        if mode in ("required", "named"):
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    f"tool_choice {mode!r} is itself a format: drop response_format",
+                    param="response_format",
+                )
+            # A named function is called once; "required" may call several when allowed.
+            parallel = mode == "required" and body.parallel_tool_calls is not False
+            grammar = tools_mod.call_grammar(tools, parallel)
+            params = dataclasses.replace(params, structured_outputs=grammar)
+            parser = "hermes"  # the grammar writes that format
+        if tools_mod.template_reads_tools(template):
+            return params, messages, {"tools": [t.as_dict() for t in tools]}, parser
+        if not self._logged_generic_tools:
+            self._logged_generic_tools = True
+            logger.info(
+                "the chat template has no tool support: tools go in a generic system prompt "
+                "(hermes <tool_call> format; server/tools.py)"
+            )
+        return params, tools_mod.generic_messages(messages, tools), {}, "hermes"
 
     # ---- running --------------------------------------------------------------------------
 
@@ -500,14 +544,21 @@ def _completion_logprobs(
 
 
 class _ChatChunks:
-    """Chat completion chunks and the final response of one run (one prompt, n choices)."""
+    """Chat completion chunks and the final response of one run (one prompt, n choices).
 
-    def __init__(self, run: _Run, body: ChatCompletionRequest) -> None:
+    With tools (``parser`` set), text that may begin a tool call is held back; at the end it
+    is parsed, and calls go out as ``delta.tool_calls`` (each whole, as one piece the openai
+    SDK assembles) with finish_reason "tool_calls", or the held text as content."""
+
+    def __init__(self, run: _Run, body: ChatCompletionRequest, parser: str | None = None) -> None:
         self.run = run
         self.logprobs = body.logprobs
         self.include_usage = body.include_usage
+        self.parser = parser
         self._num_sent_logprobs = [0] * run.n
         self._finished: set[int] = set()
+        self._held = [""] * run.n  # text that may still be a tool call, per choice
+        self._streaming = [parser is None] * run.n  # a choice's text is plain content
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
         chunk = ChatCompletionChunk(
@@ -526,40 +577,77 @@ class _ChatChunks:
         for c in out.outputs:
             idx = c.index
             new = _new_logprobs(c, self._num_sent_logprobs, idx)
-            if c.text_delta or new:
+            text = self._content_delta(idx, c.text_delta)
+            if text or new:
                 yield self._chunk(
                     ChatChunkChoice(
                         index=idx,
-                        delta={"content": c.text_delta},
+                        delta={"content": text},
                         logprobs=_chat_logprobs(new) if self.logprobs else None,
                     )
                 )
             finished = c.finish_reason is not None and c.finish_reason != "abort"
             if finished and idx not in self._finished:
                 self._finished.add(idx)
+                finish_reason = c.finish_reason
+                if not self._streaming[idx]:
+                    content, calls = self._parse(self._held[idx])
+                    delta: dict[str, Any] = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [
+                            {"index": i, **call.as_dict()} for i, call in enumerate(calls)
+                        ]
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    if delta:
+                        yield self._chunk(ChatChunkChoice(index=idx, delta=delta))
                 yield self._chunk(
                     ChatChunkChoice(
                         index=idx,
                         delta={},
-                        finish_reason=c.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=c.stop_reason,
                     )
                 )
+
+    def _content_delta(self, idx: int, text: str) -> str:
+        """What of a choice's new text streams now as content (the rest is held)."""
+        if self._streaming[idx]:
+            return text
+        self._held[idx] += text
+        assert self.parser is not None
+        if tools_mod.may_be_call_start(self._held[idx], self.parser):
+            return ""
+        self._streaming[idx] = True  # plain text: send what was held, then stream
+        held, self._held[idx] = self._held[idx], ""
+        return held
+
+    def _parse(self, text: str) -> tuple[str | None, list[tools_mod.ToolCall]]:
+        if self.parser is None:
+            return text, []
+        return tools_mod.parse_tool_calls(text, self.parser)
 
     def usage(self, finals: list[RequestOutput]) -> str:
         return _usage_event(ChatCompletionChunk, self.run, finals)
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=_chat_logprobs(c.logprobs or []) if self.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in finals[0].outputs:
+            content, calls = self._parse(c.text)
+            finish_reason = c.finish_reason
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(
+                        content=content if calls else c.text,
+                        tool_calls=[call.as_dict() for call in calls] or None,
+                    ),
+                    logprobs=_chat_logprobs(c.logprobs or []) if self.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in finals[0].outputs
-        ]
         return ChatCompletionResponse(
             id=self.run.request_id,
             created=self.run.created,

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 logger = logging.getLogger(__name__)
 
-ALLOWED_ROLES = ("system", "user", "assistant")
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
 
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"

@@ -1,0 +1,157 @@
+"""Tool calling through the server and the official openai client (tiny random Llama, whose
+template has no tool support: the generic prompt). A named function or "required" is enforced
+by the grammar, so even random weights produce a call whose arguments validate; streamed calls
+are assembled from delta.tool_calls as the SDK does."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from live_server import MODEL_NAME, running_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Za-z]{1,4}$"},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, PING)}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    # The byte tokenizer spends a token a byte: room for the generic tool prompt.
+    with running_server(tiny_model_dir("llama"), engine_overrides={"max_model_len": 512}) as srv:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def check_calls(calls, names) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+@pytest.mark.parametrize(
+    "tool_choice, names",
+    [
+        ({"type": "function", "function": {"name": "weather"}}, {"weather"}),
+        ("required", {"ping", "get_time"}),
+    ],
+)
+def test_enforced_tool_calls_streamed_and_not(client: openai.OpenAI, tool_choice, names) -> None:
+    tools = [WEATHER, TIME] if tool_choice != "required" else [TIME, PING]  # prompts fit 512
+    kwargs = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=tools, tool_choice=tool_choice,
+        max_tokens=90, temperature=1.0, seed=4, parallel_tool_calls=False,
+    )  # fmt: skip
+    full = client.chat.completions.create(**kwargs)
+    (choice,) = full.choices
+    assert choice.finish_reason == "tool_calls"
+    check_calls(choice.message.tool_calls, names)
+    assert len(choice.message.tool_calls) == 1
+    # Streamed: assemble the calls from their deltas, as client code does.
+    assembled: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                entry = assembled.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(e["name"], e["arguments"]) for e in assembled.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+
+
+def test_tool_results_in_the_history_are_accepted(client: openai.OpenAI) -> None:
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "weather",
+                        "arguments": '{"city": "Oslo", "unit": "C"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+    ]
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=[TIME], max_tokens=8, temperature=0
+    )
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_auto_and_none_leave_the_text_free(client: openai.OpenAI) -> None:
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], tool_choice=choice,
+            max_tokens=10, temperature=0,
+        )  # fmt: skip
+        assert out.choices[0].finish_reason == "length"
+        assert out.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s(client: openai.OpenAI, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=5, extra_body=extra
+        )
+    assert exc.value.body["param"] == param

@@ -1,0 +1,236 @@
+"""Tool calling on /v1/chat/completions: tool definitions into the prompt, tool_choice into a
+grammar, and the model's text back into OpenAI ``tool_calls``.
+
+Formats (``--tool-call-parser``, or picked from the chat template):
+- ``hermes`` (Hermes, Qwen): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+- ``llama3_json``: a JSON object ``{"name": ..., "parameters": {...}}`` (after
+  ``<|python_tag|>``, if any), several separated by ``;``;
+- ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name": ..., "arguments": {...}}``.
+
+A template that reads ``tools`` gets them as that variable (and ``role: "tool"`` messages as
+they are); one that does not (gemma-3's, the defaults) gets a generic prompt: a system message
+listing the functions and asking for the hermes format, tool results as user turns in
+``<tool_response>`` tags, earlier calls as assistant text. ``tool_choice`` ``"required"`` and
+a named function are enforced by a grammar (the arguments validate against the function's
+parameters schema); ``"auto"`` leaves the text free and parses a call if the model writes one;
+``"none"`` sends no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputs
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def parse_tools(tools: list[Any]) -> list[Tool]:
+    """The request's ``tools``; ValueError naming what is wrong ("tools[i]...")."""
+    out = []
+    for i, entry in enumerate(tools):
+        fn = entry.get("function") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or entry.get("type") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ValueError(f"tools[{i}].function.name must be 1-64 of [A-Za-z0-9_.-]")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out.append(Tool(name, str(fn.get("description") or ""), params))
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise ValueError("tools must have distinct function names")
+    return out
+
+
+def chosen_tools(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], str]:
+    """(the tools offered, the mode: "none", "auto", "required" or "named")."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice != "none" and not tools:
+            raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+        return (tools if tool_choice != "none" else []), tool_choice
+    name = None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+    match = [t for t in tools if t.name == name]
+    if not match:
+        raise ValueError(
+            "tool_choice must be none, auto, required or {'type': 'function', 'function': "
+            f"{{'name': ...}}}} naming one of the tools; got {tool_choice!r}"
+        )
+    return match, "named"
+
+
+def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputs:
+    """One call (or, with parallel calls, one or more) of these tools in the hermes format,
+    the arguments valid under each function's parameters schema."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    # JSON as json.dumps writes it, no free whitespace (structured/compiler.py says why).
+    schema = {
+        **schema,
+        "x-guidance": {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+            "lenient": False,
+        },
+    }
+    call = f'"{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return StructuredOutputs(grammar=f"{start}\ncall: {call}")
+
+
+def template_reads_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+def pick_parser(chat_template: str | None, configured: str | None) -> str:
+    if configured:
+        return configured
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def generic_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+    """The conversation for a template that knows no tools: the functions in a system message,
+    earlier calls as assistant text and tool results as user turns."""
+    listing = "\n".join(json.dumps(t.as_dict()["function"]) for t in tools)
+    instructions = (
+        "To call a function, reply with only\n"
+        f'{CALL_OPEN}\n{{"name": <name>, "arguments": <arguments object>}}\n{CALL_CLOSE}\n'
+        f"Functions:\n{listing}"
+    )
+    out: list[dict[str, Any]] = []
+    if messages and messages[0]["role"] == "system":
+        out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{instructions}"})
+        messages = messages[1:]
+    else:
+        out.append({"role": "system", "content": instructions})
+    for m in messages:
+        if m["role"] == "tool":
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            )
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [
+                f'{CALL_OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                f"{c['function']['arguments']}}}\n{CALL_CLOSE}"
+                for c in m["tool_calls"]
+            ]
+            text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
+            out.append({"role": "assistant", "content": text})
+        else:
+            out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
+    return out
+
+
+def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
+    """(the content outside calls, or None; the calls) of a model's output. Text that only
+    looks like a call but does not parse stays content."""
+    found: list[tuple[str, Any]] = []
+    content = text
+    if parser == "hermes":
+        pattern = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
+        for m in pattern.finditer(text):
+            call = _json(m.group(1))
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                found.append((call["name"], call.get("arguments", {})))
+        if found:
+            content = pattern.sub("", text)
+    elif parser == "mistral" and "[TOOL_CALLS]" in text:
+        before, _, after = text.partition("[TOOL_CALLS]")
+        calls = _json(after.strip())
+        if isinstance(calls, list) and all(isinstance(c, dict) and "name" in c for c in calls):
+            found = [(c["name"], c.get("arguments", {})) for c in calls]
+            content = before
+    elif parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>")
+        parts = [_json(p) for p in body.split(";")] if body.startswith("{") else []
+        if parts and all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in parts):
+            found = [(p["name"], p.get("parameters", p.get("arguments", {}))) for p in parts]
+            content = ""
+    calls = [
+        ToolCall(
+            f"call_{uuid.uuid4().hex[:24]}",
+            name,
+            args if isinstance(args, str) else json.dumps(args),
+        )
+        for name, args in found
+    ]
+    content = content.strip() if calls else text
+    return (content or None), calls
+
+
+def may_be_call_start(text: str, parser: str) -> bool:
+    """Whether streamed text so far could still begin a tool call (so it is held back)."""
+    marker = {"hermes": CALL_OPEN, "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+    head = text.lstrip()
+    return (
+        head.startswith(marker)
+        or marker.startswith(head)
+        or (parser == "llama3_json" and "<|python_tag|>".startswith(head[:14]))
+    )
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
