@@ -153,6 +153,24 @@ def test_argmax_is_exact_with_ties(cpu, ref) -> None:
     assert torch.equal(cpu.argmax(x), ref.argmax(x))
 
 
+def test_token_bitmask_matches_the_torch_twin(cpu, ref) -> None:
+    """Words of all ones (skipped), all zeros (filled), mixed bits, and a vocabulary that ends
+    inside a word; only the listed rows change."""
+    g = torch.Generator().manual_seed(6)
+    vocab = 1003
+    logits = torch.randn(3, vocab, generator=g)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32, generator=g)
+    bitmask[0, :10] = -1
+    bitmask[0, 10:20] = 0
+    ours, want = logits.clone(), logits.clone()
+    cpu.apply_token_bitmask_(ours, bitmask, [0, 2])
+    ref.apply_token_bitmask_(want, bitmask, [0, 2])
+    assert torch.equal(ours, want)
+    assert torch.equal(ours[1], logits[1])
+    allowed = [(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+    assert [bool(x) for x in torch.isfinite(want[0]).tolist()] == [bool(a) for a in allowed]
+
+
 def _packed(n: int, k: int, seed: int):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     return Int4QuantMethod(group_size=32).quantize(w, None).weight

@@ -81,3 +81,10 @@ class KernelBackend(ABC):
     @abstractmethod
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) (the first index among ties), long."""
+
+    @abstractmethod
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+    ) -> None:
+        """In ``rows`` of logits [num_rows, vocab], set the tokens a grammar disallows to -inf:
+        bit t % 32 of ``bitmask[row, t // 32]`` (int32 words) is 0 (structured/bitmask.py)."""

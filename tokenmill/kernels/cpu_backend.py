@@ -135,6 +135,14 @@ class CpuKernelBackend(TorchKernelBackend):
                 return out
         return x.argmax(dim=-1)
 
+    def apply_token_bitmask_(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+    ) -> None:
+        if not (lib.is_dense_f32(logits) and bitmask.is_contiguous()):
+            return super().apply_token_bitmask_(logits, bitmask, rows)
+        for row in rows:
+            lib.apply_bitmask(logits[row], bitmask[row])
+
 
 def _tiled_float_gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.shape

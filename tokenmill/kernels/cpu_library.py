@@ -110,6 +110,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_add.restype = None
     lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.tm_argmax_rows.restype = _int
+    lib.tm_apply_bitmask.argtypes = [_ptr, _ptr, _i64]
+    lib.tm_apply_bitmask.restype = None
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
@@ -403,6 +405,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if lib.tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()) != 0:
         return None
     return out
+
+
+def apply_bitmask(row: torch.Tensor, mask: torch.Tensor) -> None:
+    """row[t] = -inf where bit t of mask (int32 words) is 0, in place: a dense float32 row."""
+    lib = library()
+    assert lib is not None
+    lib.tm_apply_bitmask(row.data_ptr(), mask.data_ptr(), row.numel())
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
