@@ -44,3 +44,28 @@ def test_rollback_undoes_speculative_tokens_and_the_end_is_not_counted(compiler)
     assert not matcher.is_finished
     assert matcher.accept(ids[1:]) == len(ids) - 1
     assert matcher.accept(tok.encode("no", add_special_tokens=False)) == 0  # refused
+
+
+def test_auto_tool_grammar_is_free_until_a_call_starts(compiler) -> None:
+    """tool_choice "auto": any text passes; once "<tool_call>" is written, only a call of the
+    offered function with schema-valid arguments can follow."""
+    from tokenmill.server.tools import Tool, auto_grammar
+
+    tool = Tool("f", "", {"type": "object", "properties": {"x": {"type": "integer"}},
+                          "required": ["x"], "additionalProperties": False})  # fmt: skip
+    tok = compiler.tokenizer
+    matcher = compiler.compile(auto_grammar([tool])).matcher()
+    free = tok.encode("Sure, let me check. ", add_special_tokens=False)
+    assert matcher.accept(free) == len(free)
+    opening = tok.encode("<tool_call>\n", add_special_tokens=False)
+    assert matcher.accept(opening) == len(opening)
+    bad = tok.encode('{"name": "g"', add_special_tokens=False)
+    taken = matcher.accept(bad)
+    assert taken < len(bad)  # another function's name is refused ...
+    matcher.rollback(taken)  # ... after its common prefix, taken back
+    good = tok.encode(
+        '{"name": "f", "arguments": {"x": 3}}\n</tool_call>', add_special_tokens=False
+    )
+    assert matcher.accept(good) == len(good)
+    after = tok.encode(" Done.", add_special_tokens=False)
+    assert matcher.accept(after) == len(after)

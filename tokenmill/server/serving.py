@@ -240,6 +240,9 @@ class OpenAIServing:
             grammar = tools_mod.call_grammar(tools, parallel)
             params = dataclasses.replace(params, structured_outputs=grammar)
             parser = "hermes"  # the grammar writes that format
+        elif params.structured_outputs is None and parser == "hermes":
+            # "auto": a call, once the model starts one, follows the functions' schemas.
+            params = dataclasses.replace(params, structured_outputs=tools_mod.auto_grammar(tools))
         if tools_mod.template_reads_tools(template):
             return params, messages, {"tools": [t.as_dict() for t in tools]}, parser
         if not self._logged_generic_tools:

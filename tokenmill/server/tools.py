@@ -12,8 +12,9 @@ they are); one that does not (gemma-3's, the defaults) gets a generic prompt: a 
 listing the functions and asking for the hermes format, tool results as user turns in
 ``<tool_response>`` tags, earlier calls as assistant text. ``tool_choice`` ``"required"`` and
 a named function are enforced by a grammar (the arguments validate against the function's
-parameters schema); ``"auto"`` leaves the text free and parses a call if the model writes one;
-``"none"`` sends no tools.
+parameters schema); under ``"auto"`` the text is free until the model writes ``<tool_call>``,
+and the call that follows is constrained the same way (hermes format only); ``"none"`` sends
+no tools.
 """
 
 from __future__ import annotations
@@ -108,6 +109,29 @@ def chosen_tools(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], str]:
 def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputs:
     """One call (or, with parallel calls, one or more) of these tools in the hermes format,
     the arguments valid under each function's parameters schema."""
+    call = f'"{CALL_OPEN}\\n" %json {json.dumps(_call_schema(tools))} "\\n{CALL_CLOSE}"'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return StructuredOutputs(grammar=f"{start}\ncall: {call}")
+
+
+def auto_grammar(tools: list[Tool]) -> StructuredOutputs:
+    """Free text, until the model writes ``<tool_call>``: from there on a valid call (the
+    arguments following the function's schema), then free text again. llguidance's
+    structural tags: a lazy lexeme triggers the call's grammar."""
+    from llguidance import StructTag
+
+    tag = StructTag(
+        trigger=CALL_OPEN,
+        begin=CALL_OPEN + "\n",
+        grammar=_call_schema(tools),
+        end="\n" + CALL_CLOSE,
+    )
+    # NOTE: "<tool_call>" is plain text to most tokenizers (gemma's among them), not a
+    # special token: assume_special off.
+    return StructuredOutputs(grammar=StructTag.to_grammar([tag], assume_special=False))
+
+
+def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     options = [
         {
             "type": "object",
@@ -119,7 +143,7 @@ def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputs:
     ]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     # JSON as json.dumps writes it, no free whitespace (structured/compiler.py says why).
-    schema = {
+    return {
         **schema,
         "x-guidance": {
             "whitespace_flexible": False,
@@ -128,9 +152,6 @@ def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputs:
             "lenient": False,
         },
     }
-    call = f'"{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return StructuredOutputs(grammar=f"{start}\ncall: {call}")
 
 
 def template_reads_tools(chat_template: str | None) -> bool:
