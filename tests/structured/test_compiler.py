@@ -9,11 +9,16 @@ import pytest
 
 from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.structured import GrammarCompiler
-from tokenmill.structured.bitmask import allocate_bitmask, fill_row, is_allowed
+from tokenmill.structured.bitmask import allocate_bitmask, fill_row
 from tokenmill.tokenizer import load_tokenizer
 
 VOCAB = 262144
 EOS = (1, 106)
+
+
+def is_allowed(bitmask, row: int, token_id: int) -> bool:
+    """Bit token_id % 32 of word token_id // 32 of the row."""
+    return bool((int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1)
 
 
 @pytest.fixture(scope="module")

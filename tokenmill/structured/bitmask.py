@@ -21,7 +21,3 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 def fill_row(bitmask: torch.Tensor, row: int, matcher: GrammarMatcher) -> None:
     words = bitmask[row]
     matcher.fill_bitmask(words.data_ptr(), words.numel() * words.element_size())
-
-
-def is_allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
-    return bool((int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1)
