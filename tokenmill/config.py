@@ -18,7 +18,43 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gemma-3-270m"
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (
+    "gemma3",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+)
+# Hugging Face model_type -> architecture.
+_HF_MODEL_TYPES = {
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+# GGUF general.architecture -> architecture (llama.cpp writes Mixtral as "llama" with experts).
+_GGUF_ARCHITECTURES = {
+    "gemma3": "gemma3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+# Whether the top-k routing weights are rescaled to sum to 1 where a GGUF does not say (llama.cpp
+# fixes it per architecture, as the families' configs do: Mixtral and Qwen3-MoE yes).
+_GGUF_NORM_TOPK = {"llama": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 # "auto": the model dtype; "int8" / "fp8": quantized, one float32 scale per token per KV head.
@@ -41,6 +77,26 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (moe/): each token runs ``top_k`` of ``num_experts``
+    expert MLPs, chosen and weighted by a softmax router.
+
+    ``renormalize``: the top-k weights are rescaled to sum to 1 (Mixtral, Qwen3-MoE), which is
+    the same as a softmax over the top-k logits; otherwise they stay the full softmax's (Qwen2-MoE,
+    OLMoE). ``shared_intermediate_size``: Qwen2-MoE's shared expert, which every token runs,
+    scaled by a sigmoid gate (0: none). ``sparse_layers``: per layer, whether its MLP is the MoE
+    (else a dense MLP of the model's ``intermediate_size``: Qwen's ``decoder_sparse_step`` and
+    ``mlp_only_layers``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    shared_intermediate_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +134,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sparse MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); None: every MLP is dense.
+    moe: MoEConfig | None = None
+    # OLMoE: q and k are RMS-normalized over all their heads at once (Qwen3 and Gemma 3 norm each
+    # head), and q/k/v clipped to ±clip_qkv when set.
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None
     source: ModelSource | None = None
 
     def __post_init__(self) -> None:
@@ -102,14 +164,7 @@ class ModelConfig:
         if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma3ForConditionalGeneration)
             cfg = {**cfg["text_config"], "eos_token_id": cfg.get("eos_token_id")}
         model_type = cfg.get("model_type", "")
-        arch = {
-            "gemma3_text": "gemma3",
-            "gemma3": "gemma3",
-            "llama": "llama",
-            "mistral": "mistral",
-            "qwen2": "qwen2",
-            "qwen3": "qwen3",
-        }.get(model_type)
+        arch = _HF_MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
@@ -126,9 +181,9 @@ class ModelConfig:
             if not layer_types:
                 pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
                 layer_types = _gemma3_layer_types(num_layers, pattern)
-        elif arch == "mistral":
+        elif arch in ("mistral", "mixtral"):
             layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
-        elif arch in ("qwen2", "qwen3"):
+        elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             if not cfg.get("use_sliding_window", False):
                 sliding_window = None
                 layer_types = (FULL_ATTENTION,) * num_layers
@@ -164,12 +219,15 @@ class ModelConfig:
             tie_word_embeddings=cfg.get(
                 "tie_word_embeddings", arch == "gemma3"
             ),  # Gemma ties by default
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=_hf_moe(cfg, arch, num_layers),
+            qk_norm_full=arch == "olmoe",
+            clip_qkv=cfg.get("clip_qkv"),
             source=ModelSource(model_dir, "hf"),
         )
 
@@ -177,11 +235,12 @@ class ModelConfig:
     def from_gguf(cls, path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it."""
         gguf_arch = metadata.get("general.architecture")
-        if gguf_arch not in ("gemma3", "llama", "qwen2", "qwen3"):
+        if gguf_arch not in _GGUF_ARCHITECTURES:
             raise ValueError(
-                f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
-                "supported: gemma3, llama (incl. Mistral), qwen2, qwen3"
+                f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+                "gemma3, llama (incl. Mistral and Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, olmoe"
             )
+        arch = _GGUF_ARCHITECTURES[gguf_arch]
 
         def get(key: str, default: Any = None) -> Any:
             return metadata.get(f"{gguf_arch}.{key}", default)
@@ -213,6 +272,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
+            moe=_gguf_moe(get, arch, num_layers, tensor_names),
             source=ModelSource(path, "gguf"),
         )
         if gguf_arch == "gemma3":
@@ -228,18 +288,66 @@ class ModelConfig:
                 query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
                 **common,
             )
-        if gguf_arch == "llama" and sliding_window:
+        if arch == "llama" and common["moe"] is not None:
+            arch = "mixtral"
+        if arch in ("llama", "mixtral") and sliding_window:
             return cls(
-                architecture="mistral",
+                architecture="mistral" if arch == "llama" else arch,
                 sliding_window=int(sliding_window),
                 layer_types=(SLIDING_ATTENTION,) * num_layers,
                 **common,
             )
         return cls(
-            architecture=gguf_arch,
-            attention_bias=gguf_arch == "qwen2" and "blk.0.attn_q.bias" in tensor_names,
+            architecture=arch,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm_full=arch == "olmoe",
             **common,
         )
+
+
+def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
+    """The sparse MLPs of a Hugging Face config (None for a dense architecture)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return None
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if arch == "mixtral":  # every layer sparse, weights always renormalized
+        step, dense_only, renormalize = 1, (), True
+    else:
+        step = cfg.get("decoder_sparse_step") or 1
+        dense_only = tuple(cfg.get("mlp_only_layers") or ())
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+    sparse = tuple(
+        i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    )
+    return MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        # Mixtral's experts are intermediate_size wide; Qwen's and OLMoE's dense layers are.
+        intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        renormalize=renormalize,
+        sparse_layers=sparse,
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> MoEConfig | None:
+    """The sparse MLPs of a GGUF (llama.cpp's ``expert_*`` keys); a layer is sparse where its
+    stacked expert tensors are."""
+    num_experts = int(get("expert_count", 0) or 0)
+    if num_experts == 0:
+        if arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
+            raise ValueError(f"GGUF architecture {arch!r} without expert_count")
+        return None
+    sparse = tuple(f"blk.{i}.ffn_gate_exps.weight" in tensor_names for i in range(num_layers))
+    norm = get("expert_weights_norm")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(get("expert_used_count")),
+        intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+        renormalize=_GGUF_NORM_TOPK[arch] if norm is None else bool(norm),
+        sparse_layers=sparse,
+        shared_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+    )
 
 
 def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:

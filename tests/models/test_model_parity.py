@@ -1,4 +1,5 @@
-"""Each architecture's tiny random model matches transformers, through the whole engine.
+"""Each architecture's tiny random model (the mixtures of experts too) matches transformers,
+through the whole engine.
 
 Logprobs (log-softmax of the logits) are compared at every generated position: the first comes
 from a prefill, the rest from decode steps. Tolerance: 1e-4 absolute, fp32.
@@ -16,7 +17,17 @@ from tokenmill.engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.model_runner import kv_bytes_per_block
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHS = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+]
 ATOL = 1e-4
 _HF: dict[str, object] = {}
 

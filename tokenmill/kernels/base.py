@@ -79,6 +79,37 @@ class KernelBackend(ABC):
         """Rows ``ids`` of a packed table in float32 [*ids.shape, dim], times ``scale``."""
 
     @abstractmethod
+    def moe_route(
+        self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture-of-experts router: for x [T, H] and a float router weight [E, H], the
+        ``top_k`` experts of each token by softmax(x routerᵀ) (ties to the lower index), as
+        (weights float32 [T, k], expert ids int64 [T, k]), highest first; ``renormalize``:
+        the k weights rescaled to sum to 1."""
+
+    @abstractmethod
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        gate_up: PackedWeight,
+        down: PackedWeight,
+        act: str,
+        act_int8: bool,
+        counts: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Σ_j weights[t, j] · down_e(act(gate_e x_t) · up_e x_t), e = ids[t, j], float32 [T, H],
+        for experts stacked in packed weights: ``gate_up`` holds E experts' [gate | up] rows
+        ([E·2I, H]: expert e's rows e·2I ..), ``down`` their down projections ([E·H, I]). Each
+        expert runs once, on the tokens routed to it; an expert no token chose costs nothing.
+        ``counts`` (int64 [E]), if given, gains the number of tokens each expert ran (router
+        statistics). ``shared`` [T, H] with ``shared_gate`` [H] (Qwen2-MoE's shared expert's
+        output and its gate): adds sigmoid(x_t · shared_gate) · shared[t]."""
+
+    @abstractmethod
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) (the first index among ties), long."""
 

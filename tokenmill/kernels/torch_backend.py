@@ -4,16 +4,12 @@ the readable twin and test oracle of each fast kernel."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.base import KernelBackend
-from tokenmill.quant.packed import reference_matmul
-
-if TYPE_CHECKING:
-    from tokenmill.quant.packed import PackedWeight
+from tokenmill.quant.packed import PackedWeight, reference_matmul
 
 # Byte value -> its 8 bits as flags: a bitmask row is unpacked by one gather of its bytes.
 _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]
@@ -93,6 +89,42 @@ class TorchKernelBackend(KernelBackend):
         h = w.dequantize(ids.reshape(-1)).reshape(*ids.shape, -1)
         return h if scale is None else h * torch.tensor(scale, dtype=h.dtype)
 
+    def moe_route(
+        self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x.float(), router.float()), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        gate_up: PackedWeight,
+        down: PackedWeight,
+        act: str,
+        act_int8: bool,
+        counts: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden, inter = x.shape[1], down.shape[1]
+        num_experts = down.shape[0] // hidden
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gu = self.packed_matmul(xs, expert_rows(gate_up, e, 2 * inter), None, act_int8)
+            h = self.act_and_mul(gu, act)
+            return self.packed_matmul(h, expert_rows(down, e, hidden), None, act_int8)
+
+        y = grouped_experts(x.float(), weights, ids, num_experts, expert, counts)
+        if shared is not None:
+            gate = torch.sigmoid(x.float() @ shared_gate.float())
+            y = y + gate[:, None] * shared.float()
+        return y
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
@@ -105,6 +137,44 @@ class TorchKernelBackend(KernelBackend):
             allowed = _BYTE_BITS[bitmask[row].view(torch.uint8).long()].view(-1)[:vocab]
             out = logits[row]
             torch.where(allowed.to(out.device), out, out.new_tensor(float("-inf")), out=out)
+
+
+def expert_rows(w: PackedWeight, expert: int, rows: int) -> PackedWeight:
+    """Expert ``expert``'s ``rows`` rows of a stacked packed weight: views, no copy."""
+    part = slice(expert * rows, (expert + 1) * rows)
+    offsets = None if w.offsets is None else w.offsets[part]
+    return PackedWeight(
+        w.kind, w.codes[part], w.scales[part], offsets, w.group, (rows, w.shape[1]), w.zero
+    )
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_j weights[t, j] · expert(ids[t, j], x_t) over x [T, H]: the (token, choice) pairs are
+    sorted by expert, each expert that any token chose runs once on its tokens' rows
+    (``expert(e, rows)``), and the weighted outputs are added back to their tokens. A Python loop
+    over the active experts, never over tokens."""
+    flat = ids.reshape(-1)
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    if counts is not None:
+        counts += per_expert
+    order = torch.argsort(flat, stable=True)
+    tokens = order // ids.shape[1]
+    rows = x[tokens]
+    outputs = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(per_expert.tolist()):
+        if n:
+            outputs[start : start + n] = expert(e, rows[start : start + n])
+            start += n
+    outputs *= weights.reshape(-1)[order, None].to(outputs.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, outputs)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

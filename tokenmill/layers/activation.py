@@ -20,14 +20,15 @@ _ACT_NAMES = {
 }
 
 
-def _backend_act(name: str) -> str:
+def backend_act(name: str) -> str:
+    """The kernel backends' name of a Hugging Face activation."""
     if name not in _ACT_NAMES:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACT_NAMES)}")
     return _ACT_NAMES[name]
 
 
 def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return ACTIVATIONS[_backend_act(name)]
+    return ACTIVATIONS[backend_act(name)]
 
 
 class ActAndMul(nn.Module):
@@ -36,7 +37,7 @@ class ActAndMul(nn.Module):
 
     def __init__(self, name: str) -> None:
         super().__init__()
-        self.act = _backend_act(name)
+        self.act = backend_act(name)
         self.kernels: KernelBackend = TorchKernelBackend()
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.kernels import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers.linear import FusedLinear, default_weight_loader
+from tokenmill.moe import FusedMoE
 from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.packed import PackedWeight
 
@@ -70,7 +71,7 @@ class CausalLM(nn.Module):
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.nbytes(module.quant_state)
-            if isinstance(module, FusedLinear):
+            if isinstance(module, (FusedLinear, FusedMoE)):
                 total += module.packed_nbytes()
         return total
 
@@ -115,9 +116,11 @@ class CausalLM(nn.Module):
         """
         # Popped as they are filled: no reference outlives a parameter a quantizer drops.
         loaders = self._weight_loaders()
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         for name, tensor in weights:
             if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
                 name = "model." + name.removeprefix("model.language_model.")
+            name = self.checkpoint_name(name)
             load = loaders.pop(name, None)
             if load is None:
                 if "rotary_emb" in name or name.startswith(
@@ -136,13 +139,25 @@ class CausalLM(nn.Module):
             del load, tensor
             if on_loaded is not None:
                 on_loaded(name)
-        if loaders:
-            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(loaders)[:8])}")
+        # Experts come per expert or stacked: each FusedMoE says which of its tensors are absent.
+        missing = [n for n in loaders if n.rpartition(".experts.")[0] + ".experts" not in experts]
+        for prefix, module in experts.items():
+            missing += module.missing_tensors(prefix)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing)[:8])}")
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's modules carry it (a family whose
+        checkpoints name a module otherwise renames it here)."""
+        return name
 
     def _weight_loaders(self) -> dict[str, Callable[[torch.Tensor | PackedWeight, Any], None]]:
         """Checkpoint tensor name -> the call that loads it (tensor, packed_method)."""
         loaders: dict[str, Callable[[torch.Tensor | PackedWeight, Any], None]] = {}
         for layer_name, layer, fused, part in self._checkpoint_layers():
+            if isinstance(layer, FusedMoE):  # per-expert and stacked tensors
+                loaders |= layer.checkpoint_loaders(layer_name)
+                continue
             for param_name, param in layer.named_parameters(recurse=False):
                 if fused is not None:
                     load = functools.partial(_load_part, fused, param_name, part)

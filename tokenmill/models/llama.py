@@ -3,10 +3,13 @@
     h = x + Attn(RMSNorm(x));  out = h + MLP(RMSNorm(h)),   MLP = down(act(gate(h)) * up(h))
 
 Qwen2 adds biases to q/k/v; Qwen3 drops them and RMS-normalizes each head of q and k before
-RoPE; Mistral attends within a sliding window.
+RoPE; Mistral attends within a sliding window. The mixture-of-experts families (models/moe.py)
+keep this block and swap its MLP.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,6 +35,8 @@ class LlamaAttention(nn.Module):
     """q/k/v projections, optional per-head QK-norm, RoPE, paged attention, output projection.
 
     ``qk_norm`` is the norm class for QK-norm (Qwen3: RMSNorm, Gemma 3: GemmaRMSNorm), or None.
+    OLMoE norms q and k over all their heads at once (``config.qk_norm_full``) and may clip
+    q, k and v to ±``config.clip_qkv``.
     """
 
     def __init__(
@@ -52,12 +57,17 @@ class LlamaAttention(nn.Module):
             c.hidden_size, c.head_dim, self.num_heads, self.num_kv_heads, bias=c.attention_bias
         )
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
-        if qk_norm is None and c.architecture == "qwen3":
+        if qk_norm is None and c.architecture in ("qwen3", "qwen3_moe", "olmoe"):
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
+        self.qk_norm_full = c.qk_norm_full
+        self.clip_qkv = c.clip_qkv
         if qk_norm is not None:
-            self.q_norm = qk_norm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = qk_norm(c.head_dim, c.rms_norm_eps)
+            q_dim, k_dim = c.head_dim, c.head_dim
+            if c.qk_norm_full:
+                q_dim, k_dim = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+            self.q_norm = qk_norm(q_dim, c.rms_norm_eps)
+            self.k_norm = qk_norm(k_dim, c.rms_norm_eps)
         self.rotary = rotary
         self.attn = Attention(
             layer_idx,
@@ -71,10 +81,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x)
+        if self.has_qk_norm and self.qk_norm_full:  # one [1, heads·dim] row per token
+            q, k = self.q_norm(q.view(n, 1, -1)), self.k_norm(k.view(n, 1, -1))
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
+        if self.has_qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, fwd)  # [num_tokens, num_heads, head_dim]
@@ -82,11 +96,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = Linear(size, config.hidden_size)
         self.act = get_act_fn(config.hidden_act)
         self.act_and_mul = ActAndMul(config.hidden_act)
 
@@ -98,12 +112,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.kernels: KernelBackend = TorchKernelBackend()  # the residual adds'; bound at load
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
@@ -112,14 +132,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int) -> None:
+    """Embedding, decoder layers, final norm. ``make_mlp(layer_idx)``, if given, builds each
+    layer's MLP (a mixture of experts, models/moe.py); None keeps LlamaMLP."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_position: int,
+        make_mlp: Callable[[int], nn.Module | None] | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, make_mlp(i) if make_mlp else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -2,7 +2,9 @@
 
 GGUF tensors are renamed to the Hugging Face names the model files use, and two llama.cpp
 conventions are undone: Gemma norm weights are stored as 1 + w, and Llama-family q/k rows are
-permuted for llama.cpp's interleaved RoPE.
+permuted for llama.cpp's interleaved RoPE. A mixture of experts' stacked 3-D tensors
+(``ffn_gate_exps`` [E, I, H]) keep their block format as one packed [E·I, H] weight, named
+``mlp.experts.gate_proj.weight`` (moe/experts.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
+from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
@@ -46,7 +49,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    # Mixtures of experts: the router, the stacked experts, Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Tensors kept float whatever their type in the file: the routers (tiny, and they pick experts).
+_FLOAT_ONLY = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
@@ -100,6 +114,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, FusedLinear):  # which parts share a matmul, from what they hold
             module.group_parts_()
+        elif isinstance(module, FusedMoE):  # packed experts into stacks, gate with up
+            module.stack_()
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
@@ -134,6 +150,10 @@ class _StreamingQuantizer:
         # By checkpoint names: a fused layer's parts are packed one by one, each by the method
         # for its own name (int4 keeps k_proj / v_proj int8).
         for layer_name, layer in model.checkpoint_layers():
+            if isinstance(layer, FusedMoE):  # packed once it has every expert
+                for name in layer.checkpoint_loaders(layer_name):
+                    self.pending[name] = (layer, set())
+                continue
             quantizable = isinstance(layer, Linear) or (
                 isinstance(layer, Embedding) and model.config.tie_word_embeddings
             )
@@ -148,6 +168,11 @@ class _StreamingQuantizer:
         if entry is None:
             return
         module, names = entry
+        if isinstance(module, FusedMoE):
+            if module.fully_loaded:
+                experts = name.rpartition(".experts.")[0] + ".experts"
+                module.quantize_(self.method.method_for(experts, False))
+            return
         if not any(n in self.pending for n in names):
             is_head = isinstance(module, Embedding) or name.startswith("lm_head.")
             module_name = name.rpartition(".")[0]
@@ -182,16 +207,26 @@ def _iter_gguf(
             continue
         data = gguf_file.tensor_bytes(tensor)
         weight: torch.Tensor | PackedWeight
-        if keep_packed and tensor.ggml_type in BLOCK_CODES and len(tensor.shape) == 2:
+        float_only = any(f".{part}." in tensor.name for part in _FLOAT_ONLY)
+        if (
+            keep_packed
+            and tensor.ggml_type in BLOCK_CODES
+            and len(tensor.shape) in (2, 3)
+            and not float_only
+        ):
             with warnings.catch_warnings():  # a read-only map: the bytes are only read
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(data).reshape(-1)  # no copy of the file's bytes
-            weight = pack_gguf(raw, tensor.ggml_type, tensor.shape)
+            # A stack of experts [E, N, K] is packed as its E·N rows.
+            rows = tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) == 3 else 1)
+            weight = pack_gguf(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
         else:
             weight = dequantize(data, tensor.ggml_type, tensor.shape)
+            if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
+                weight = weight.reshape(1, -1)  # llama.cpp stores the [1, H] gate as [H]
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
-        if config.architecture in ("llama", "mistral"):
+        if config.architecture in ("llama", "mistral", "mixtral"):
             if name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_attention_heads)
             elif name.endswith("k_proj.weight"):
@@ -206,6 +241,10 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
         return "model.norm.weight"
     if gguf_name == "output.weight":
         return "lm_head.weight"
+    m = re.fullmatch(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight", gguf_name)
+    if m:  # older Mixtral files: a tensor per expert
+        layer, part, expert = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part[4:]}_proj.weight"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not m:
         return None

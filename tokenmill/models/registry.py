@@ -14,6 +14,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mistral": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "qwen2": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "qwen3": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "mixtral": ("tokenmill.models.moe", "MoeForCausalLM"),
+    "qwen2_moe": ("tokenmill.models.moe", "MoeForCausalLM"),
+    "qwen3_moe": ("tokenmill.models.moe", "MoeForCausalLM"),
+    "olmoe": ("tokenmill.models.moe", "MoeForCausalLM"),
 }
 
 
