@@ -1,5 +1,5 @@
 """Builds the optional C kernels (tokenmill/csrc: packed-weight matmul, decode-step ops,
-decode-step graphs);
+decode-step graphs, mixture-of-experts layers);
 metadata is in pyproject.
 
 The extension is optional: where it cannot be built (no C compiler), tokenmill installs anyway
@@ -23,6 +23,7 @@ setup(
                 "tokenmill/csrc/qgemm.c",
                 "tokenmill/csrc/decode_ops.c",
                 "tokenmill/csrc/graph.c",
+                "tokenmill/csrc/moe.c",
             ],
             depends=["tokenmill/csrc/simd.h"],
             extra_compile_args=compile_args,

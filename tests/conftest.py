@@ -78,7 +78,7 @@ def _tiny_hf_config(arch: str):
             **(moe | dict(num_hidden_layers=3, num_experts_per_tok=4)),
             num_experts=8,
             moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
+            shared_expert_intermediate_size=64,
             mlp_only_layers=[1],
             norm_topk_prob=False,
         )

@@ -20,7 +20,7 @@ ROOT = Path(tokenmill.__file__).parent
 LEVEL1 = {"config", "request", "sampling_params", "outputs", "tokenizer"}
 # Level 3: torch building blocks; they may use each other.
 # (_qgemm is the C extension built from tokenmill/csrc, loaded by the kernels package.)
-LEVEL3 = {"kernels", "layers", "attention", "quant", "spec", "structured", "_qgemm"}
+LEVEL3 = {"kernels", "layers", "attention", "quant", "moe", "spec", "structured", "_qgemm"}
 PUBLIC_ENGINE = LEVEL1 | {"engine"}
 ALLOWED: dict[str, set[str]] = {
     **{name: LEVEL1 for name in LEVEL1},

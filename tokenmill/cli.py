@@ -57,6 +57,8 @@ _ENGINE_FLAG_HELP = {
     "draft_model": "draft: the proposing model (alias, .gguf or HF dir; the target's vocabulary)",
     "draft_num_layers": "draft: keep only the draft model's first N layers (early exit); "
     "without --draft-model, the target's own first N layers",
+    "moe_router_stats": "mixtures of experts: count the tokens each expert runs, per layer, "
+    "in /metrics (tokenmill:moe_expert_tokens)",
 }
 
 

@@ -533,6 +533,9 @@ class EngineArgs:
     # the target's own first layers (a self-draft).
     draft_model: str | None = None
     draft_num_layers: int | None = None
+    # Mixtures of experts: count the tokens each expert of each layer runs, for /metrics
+    # (tokenmill:moe_expert_tokens) and EngineStats.expert_tokens. Off by default: debugging.
+    moe_router_stats: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -158,3 +158,6 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Mixtures of experts with EngineArgs.moe_router_stats: layer -> the tokens each of its
+    # experts has run since the engine started (a prefill's tokens and a decode's alike).
+    expert_tokens: dict[int, tuple[int, ...]] | None = None

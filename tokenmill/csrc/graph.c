@@ -40,10 +40,12 @@ enum {
     OP_ADD,
     OP_GATHER,
     OP_KV_WRITE_Q8,
+    OP_MOE_ROUTE,
+    OP_MOE_EXPERTS,
 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
-/* The kernels of qgemm.c and decode_ops.c. */
+/* The kernels of qgemm.c, decode_ops.c and moe.c. */
 int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
              const void *scales, const float *offsets, int64_t G, const float *bias, float *y,
              int act_int8);
@@ -59,6 +61,12 @@ int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cache, const 
                    const int64_t *block_table, const int64_t *seq_lens, int64_t nd, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t window,
                    float scale, float *out, int kv_f16);
+void tm_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E,
+                  int64_t k, int renorm, float *weights, int64_t *ids);
+int tm_moe_experts(int64_t T, int64_t H, const float *x, int64_t k, const float *weights,
+                   const int64_t *ids, const int64_t *desc, int act, int act_mode,
+                   int64_t *counts, const float *shared, const float *shared_gate, float *out,
+                   uint8_t *work);
 
 /* out[i] = table row ids[i] (dequantized) * mult; K-element rows. */
 TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
@@ -276,6 +284,13 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
             break;
         case OP_KV_WRITE:
             tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8), (int)a[9]);
+            break;
+        case OP_MOE_ROUTE:
+            tm_moe_route(P(0), a[1], a[2], P(3), a[4], a[5], (int)a[6], P(7), P(8));
+            break;
+        case OP_MOE_EXPERTS:
+            rc = tm_moe_experts(a[0], a[1], P(2), a[3], P(4), P(5), P(6), (int)a[7], (int)a[8],
+                                P(9), P(10), P(11), P(12), P(13));
             break;
         default:
             return -1;

@@ -237,6 +237,7 @@ class LLMEngine:
             spec_decode=dataclasses.replace(
                 sched.spec, accepted_per_pos=list(sched.spec.accepted_per_pos)
             ),
+            expert_tokens=self.executor.router_stats(),
         )
 
     def shutdown(self) -> None:

@@ -39,5 +39,10 @@ class Executor(ABC):
         """Run one step: forward pass, logits, sampling."""
 
     @abstractmethod
+    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
+        """Mixtures of experts with EngineArgs.moe_router_stats: layer -> tokens per expert
+        so far; None otherwise."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Release the workers (their model and KV cache); the executor is unusable after."""

@@ -22,6 +22,9 @@ class UniProcExecutor(Executor):
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         return self._worker.execute(sched_out)
 
+    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
+        return self._worker.router_stats()
+
     def shutdown(self) -> None:
         self.worker = None
 

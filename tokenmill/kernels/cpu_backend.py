@@ -9,7 +9,9 @@ kernel call is recorded for decode-step graphs (worker/decode_graph.py).
 The packed matmul chooses among three paths: the C kernel (int8 activations at every size, or
 float activations below FLOAT_GEMM_MIN_ROWS), row tiles expanded to float32 for torch's float
 GEMM (float activations, many rows: prefill), or the torch reference (layouts the kernel does
-not read).
+not read). A mixture-of-experts layer's experts run in one C call on the same terms (int8
+activations at every size, float ones below FLOAT_GEMM_MIN_ROWS (token, choice) pairs), else
+in the torch twin, which calls packed_matmul per expert.
 """
 
 from __future__ import annotations
@@ -126,6 +128,39 @@ class CpuKernelBackend(TorchKernelBackend):
             return lib.embed_rows(w, ids, 1.0 if scale is None else scale)
         return super().packed_embedding(w, ids, scale)
 
+    def moe_route(
+        self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_experts = router.shape[0]
+        if (
+            x.dim() == 2
+            and router.shape == (num_experts, x.shape[1])
+            and 0 < top_k <= num_experts <= lib.MOE_MAX_EXPERTS
+            and lib.is_dense_f32(x, router)
+        ):
+            return lib.moe_route(x, router, top_k, renormalize)
+        return super().moe_route(x, router, top_k, renormalize)
+
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        gate_up: PackedWeight,
+        down: PackedWeight,
+        act: str,
+        act_int8: bool,
+        counts: torch.Tensor | None = None,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        args = (x, weights, ids, gate_up, down, act, act_int8, counts, shared, shared_gate)
+        # Float activations over many rows: packed_matmul's float GEMM would be faster than the
+        # kernel; torch's twin (one packed_matmul per expert) takes it.
+        if _fits_moe_kernel(*args) and (act_int8 or ids.numel() < FLOAT_GEMM_MIN_ROWS):
+            return lib.moe_experts(*args)
+        return super().moe_experts(*args)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         # torch's CPU argmax is scalar: ~0.4 ms a row over a 262k vocabulary, a few % of a
         # decode step.
@@ -142,6 +177,51 @@ class CpuKernelBackend(TorchKernelBackend):
             return super().apply_token_bitmask_(logits, bitmask, rows)
         for row in rows:
             lib.apply_bitmask(logits[row], bitmask[row])
+
+
+def _fits_moe_kernel(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: PackedWeight,
+    down: PackedWeight,
+    act: str,
+    act_int8: bool,
+    counts: torch.Tensor | None,
+    shared: torch.Tensor | None,
+    shared_gate: torch.Tensor | None,
+) -> bool:
+    """Whether lib.moe_experts reads these: dense float32 / int64 CPU tensors, and stacked
+    weights the packed kernel reads whose experts lie at one stride (contiguous tensors)."""
+    if x.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        return False
+    hidden, inter = x.shape[1], down.shape[1]
+    num_experts = down.shape[0] // hidden
+    dense_ints = all(
+        t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous()
+        for t in (ids, *([counts] if counts is not None else []))
+    )
+    floats = [x, weights] + ([shared, shared_gate] if shared is not None else [])
+    stacked = all(
+        t is None or t.is_contiguous()
+        for w in (gate_up, down)
+        for t in (w.codes, w.scales, w.offsets)
+    )
+    return (
+        act in lib.ACTIVATIONS
+        and inter % 8 == 0
+        and num_experts > 0
+        and gate_up.shape == (num_experts * 2 * inter, hidden)
+        and down.shape == (num_experts * hidden, inter)
+        and (counts is None or counts.shape == (num_experts,))
+        and (shared is None or (shared.shape == x.shape and shared_gate is not None))
+        and (shared_gate is None or shared_gate.shape == (hidden,))
+        and dense_ints
+        and lib.is_dense_f32(*floats)
+        and stacked
+        and lib.supports(gate_up)
+        and lib.supports(down)
+    )
 
 
 def _tiled_float_gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 qgemm.c: the packed-weight matmul; decode_ops.c: RMSNorm, RoPE and paged decode attention;
 graph.c: embedding rows, act(gate) * up, K/V cache writes, and the replay of recorded calls;
-all on float32 CPU tensors. The extension is built by ``pip install`` where a C compiler exists;
-it needs AVX2 and FMA at run time. ``available()`` says whether it can be used. The wrappers
+moe.c: a mixture-of-experts router and its routed experts; all on float32 CPU tensors. The
+extension is built by ``pip install`` where a C compiler exists; it needs AVX2 and FMA at run
+time. ``available()`` says whether it can be used. The wrappers
 check nothing: the CPU backends (kernels/cpu_backend.py, attention/backends/cpu_backend.py)
 call them only on inputs that fit (``is_dense_f32``, ``has_dense_heads``, ``supports``), after
 checking ``available()`` once, when they are created.
@@ -19,6 +20,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tokenmill.kernels.recording import (
@@ -29,6 +31,8 @@ from tokenmill.kernels.recording import (
     OP_GATHER,
     OP_KV_WRITE,
     OP_KV_WRITE_Q8,
+    OP_MOE_EXPERTS,
+    OP_MOE_ROUTE,
     OP_QGEMM,
     OP_RMSNORM,
     OP_ROPE,
@@ -46,6 +50,7 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
+MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
 
 
 @functools.cache
@@ -112,6 +117,13 @@ def library() -> ctypes.CDLL | None:
     lib.tm_argmax_rows.restype = _int
     lib.tm_apply_bitmask.argtypes = [_ptr, _ptr, _i64]
     lib.tm_apply_bitmask.restype = None
+    lib.tm_moe_route.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _int, _ptr, _ptr]
+    lib.tm_moe_route.restype = None
+    lib.tm_moe_experts.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int]
+    lib.tm_moe_experts.argtypes += [_ptr] * 5
+    lib.tm_moe_experts.restype = _int
+    lib.tm_moe_work_bytes.argtypes = [_i64] * 5
+    lib.tm_moe_work_bytes.restype = _i64
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
@@ -432,3 +444,100 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> t
         OP_GATHER, lib.tm_gather_rows, ids, ids.numel(), table.shape[1], table, float(scale), out
     )
     return out.reshape(*ids.shape, table.shape[1])
+
+
+def moe_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` experts of each token of x [T, H] by softmax(x routerᵀ) (router [E, H],
+    E <= MOE_MAX_EXPERTS; both dense float32), highest first, ties to the lower index: (weights
+    float32 [T, k], ids int64 [T, k]); ``renormalize``: the k weights rescaled to sum to 1."""
+    lib = library()
+    assert lib is not None
+    num_tokens, hidden = x.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    launch(
+        OP_MOE_ROUTE,
+        lib.tm_moe_route,
+        x,
+        num_tokens,
+        hidden,
+        router,
+        router.shape[0],
+        top_k,
+        int(renormalize),
+        weights,
+        ids,
+    )
+    return weights, ids
+
+
+def moe_work_bytes(num_tokens: int, hidden: int, inter: int, num_experts: int, top_k: int) -> int:
+    """Bytes of the scratch buffer ``moe_experts`` hands its kernel (the layout is moe.c's)."""
+    lib = library()
+    assert lib is not None
+    return lib.tm_moe_work_bytes(num_tokens, hidden, inter, num_experts, top_k)
+
+
+def _moe_descriptor(gate_up: PackedWeight, down: PackedWeight, num_experts: int) -> torch.Tensor:
+    """moe.c's descriptor of two stacked expert weights (int64 [18]): E, I, then per weight
+    its kind, codes / scales / offsets addresses, group and per-expert byte strides. Built in
+    numpy: a decode step being recorded runs no torch op outside the kernels. The addresses
+    point into the weights, which the model keeps alive."""
+    fields = [num_experts, down.shape[1]]
+    for w in (gate_up, down):
+        tensors = (w.codes, w.scales, w.offsets)
+        rows = w.shape[0] // num_experts
+        fields += [kind_code(w)]
+        fields += [0 if t is None else t.data_ptr() for t in tensors]
+        fields += [w.group]
+        fields += [0 if t is None else rows * t.stride(0) * t.element_size() for t in tensors]
+    return torch.from_numpy(np.array(fields, dtype=np.int64))
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: PackedWeight,
+    down: PackedWeight,
+    act: str,
+    act_int8: bool,
+    counts: torch.Tensor | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_j weights[t, j] · down_e(act(gate_e x_t) · up_e x_t), e = ids[t, j], float32 [T, H]
+    (KernelBackend.moe_experts) with the C kernels, for dense float32 x, weights, shared and
+    shared_gate, int64 ids and counts, and contiguous stacked weights that ``supports``."""
+    lib = library()
+    assert lib is not None
+    num_tokens, hidden = x.shape
+    inter, top_k = down.shape[1], ids.shape[1]
+    num_experts = down.shape[0] // hidden
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    work = torch.empty(
+        moe_work_bytes(num_tokens, hidden, inter, num_experts, top_k), dtype=torch.uint8
+    )
+    rc = launch(
+        OP_MOE_EXPERTS,
+        lib.tm_moe_experts,
+        num_tokens,
+        hidden,
+        x,
+        top_k,
+        weights,
+        ids,
+        _moe_descriptor(gate_up, down, num_experts),
+        ACTIVATIONS[act],
+        int(act_int8),
+        counts,
+        shared,
+        shared_gate,
+        out,
+        work,
+    )
+    if rc != 0:
+        raise MemoryError("moe experts' matmul could not allocate its activation buffer")
+    return out

@@ -25,7 +25,9 @@ import torch
     OP_ADD,
     OP_GATHER,
     OP_KV_WRITE_Q8,
-) = range(1, 11)
+    OP_MOE_ROUTE,
+    OP_MOE_EXPERTS,
+) = range(1, 13)
 OP_WIDTH = 20
 OP_NAMES = {
     OP_QGEMM: "matmul",
@@ -38,6 +40,8 @@ OP_NAMES = {
     OP_ADD: "add",
     OP_GATHER: "embedding (float)",
     OP_KV_WRITE_Q8: "kv write (int8/fp8)",
+    OP_MOE_ROUTE: "moe route",
+    OP_MOE_EXPERTS: "moe experts",
 }
 
 

@@ -93,7 +93,9 @@ class TorchKernelBackend(KernelBackend):
         self, x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(F.linear(x.float(), router.float()), dim=-1)
-        weights, ids = torch.topk(probs, top_k, dim=-1)
+        # A stable sort, not torch.topk: topk does not break ties to the lower index on CPU.
+        weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+        weights, ids = weights[..., :top_k].contiguous(), ids[..., :top_k].contiguous()
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids

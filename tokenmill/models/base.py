@@ -75,6 +75,14 @@ class CausalLM(nn.Module):
                 total += module.packed_nbytes()
         return total
 
+    def expert_layers(self) -> dict[int, FusedMoE]:
+        """Decoder layer index -> its experts, for the layers whose MLP is a mixture."""
+        return {
+            _layer_index(name): module
+            for name, module in self.named_modules()
+            if isinstance(module, FusedMoE)
+        }
+
     def checkpoint_layers(self) -> Iterator[tuple[str, nn.Module]]:
         """Each layer that holds a checkpoint tensor's parameters, by its checkpoint name
         (``model.layers.0.self_attn.k_proj``): the parts of fused layers, each on its own. The

@@ -197,6 +197,16 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
             family.add_metric(self._labels, value)
             yield family
+        if s.expert_tokens is not None:  # EngineArgs.moe_router_stats
+            experts = CounterMetricFamily(
+                "tokenmill:moe_expert_tokens",
+                "Tokens each expert of a mixture-of-experts layer has run.",
+                labels=(*LABELS, "layer", "expert"),
+            )
+            for layer, counts in s.expert_tokens.items():
+                for expert, count in enumerate(counts):
+                    experts.add_metric([*self._labels, str(layer), str(expert)], count)
+            yield experts
         per_pos = CounterMetricFamily(
             "tokenmill:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",

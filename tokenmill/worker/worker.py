@@ -59,6 +59,13 @@ class Worker:
                 f"got {args.kernel_backend!r}"
             )
         self.model = self._load(model_config, max_model_len, quantization)
+        # Router statistics: each sparse layer counts its experts' tokens (before any decode
+        # graph records the counters' address).
+        self._expert_counts: dict[int, torch.Tensor] = {}
+        if args.moe_router_stats:
+            for layer, experts in self.model.expert_layers().items():
+                experts.counts = torch.zeros(experts.num_experts, dtype=torch.int64)
+                self._expert_counts[layer] = experts.counts
         # A draft model proposes beside this one; each KV block the budget pays for has its twin
         # in the draft's cache.
         self.draft: Worker | None = None
@@ -115,6 +122,12 @@ class Worker:
             args.prompt_lookup_min,
             args.prompt_lookup_max,
         )
+
+    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
+        """Layer -> tokens each expert has run, with EngineArgs.moe_router_stats."""
+        if not self._expert_counts:
+            return None
+        return {layer: tuple(c.tolist()) for layer, c in self._expert_counts.items()}
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         if self.runner is None:
