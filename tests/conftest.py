@@ -65,19 +65,20 @@ def _tiny_hf_config(arch: str):
         return tf.Gemma3TextConfig(
             **TINY_COMMON, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=16
         )
-    # Mixtures of experts: 8 experts of width 32, top-2 (Qwen2-MoE top-4 with a shared expert
-    # and a dense layer; Qwen3-MoE a dense layer by decoder_sparse_step).
+    # Mixtures of experts: 8 experts of width 64 (the C kernels' rows are multiples of 64),
+    # top-2 (Qwen2-MoE top-4 with a shared expert and a dense layer; Qwen3-MoE a dense layer
+    # by decoder_sparse_step; OLMoE experts of TINY_COMMON's width).
     moe = dict(num_hidden_layers=2, num_experts_per_tok=2)
     if arch == "mixtral":
         return tf.MixtralConfig(
-            **(TINY_COMMON | dict(intermediate_size=32)), **moe, num_local_experts=8
+            **(TINY_COMMON | dict(intermediate_size=64)), **moe, num_local_experts=8
         )
     if arch == "qwen2_moe":
         return tf.Qwen2MoeConfig(
             **TINY_COMMON,
             **(moe | dict(num_hidden_layers=3, num_experts_per_tok=4)),
             num_experts=8,
-            moe_intermediate_size=32,
+            moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
             mlp_only_layers=[1],
             norm_topk_prob=False,
@@ -87,7 +88,7 @@ def _tiny_hf_config(arch: str):
             **TINY_COMMON,
             **(moe | dict(num_hidden_layers=3)),
             num_experts=8,
-            moe_intermediate_size=32,
+            moe_intermediate_size=64,
             decoder_sparse_step=2,
             norm_topk_prob=True,
         )

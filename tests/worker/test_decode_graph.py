@@ -49,9 +49,12 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch", ["gemma3", "llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+)
 def test_replayed_decodes_equal_eager_ones(tiny_model_dir, arch) -> None:
-    # int8 weights: every op of these decode steps has a C kernel (qwen2's q/k/v biases too).
+    # int8 weights: every op of these decode steps has a C kernel (qwen2's q/k/v biases too,
+    # and the mixtures' routers and experts).
     graphed, eager = _engines(tiny_model_dir(arch), quantization="int8")
     prompts = _prompts(4, seed=1)
     for together in (False, True):
