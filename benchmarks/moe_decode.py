@@ -101,6 +101,7 @@ def write_f16(path: Path, moe: bool, seed: int) -> None:
         w.add_tensor(b + "ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         if moe:
             router = rng.standard_normal((EXPERTS, HIDDEN), dtype=np.float32) / np.sqrt(HIDDEN)
+            router = router.astype(np.float32)
             w.add_tensor(b + "ffn_gate_inp.weight", router)
             w.add_tensor(b + "ffn_gate_exps.weight", matrix(EXPERTS, EXPERT_WIDTH, HIDDEN))
             w.add_tensor(b + "ffn_up_exps.weight", matrix(EXPERTS, EXPERT_WIDTH, HIDDEN))

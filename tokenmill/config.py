@@ -332,13 +332,17 @@ def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None
 
 def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> MoEConfig | None:
     """The sparse MLPs of a GGUF (llama.cpp's ``expert_*`` keys); a layer is sparse where its
-    stacked expert tensors are."""
+    expert tensors are: stacked, or one per expert (older Mixtral files)."""
     num_experts = int(get("expert_count", 0) or 0)
     if num_experts == 0:
         if arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
             raise ValueError(f"GGUF architecture {arch!r} without expert_count")
         return None
-    sparse = tuple(f"blk.{i}.ffn_gate_exps.weight" in tensor_names for i in range(num_layers))
+    sparse = tuple(
+        f"blk.{i}.ffn_gate_exps.weight" in tensor_names
+        or f"blk.{i}.ffn_gate.0.weight" in tensor_names
+        for i in range(num_layers)
+    )
     norm = get("expert_weights_norm")
     return MoEConfig(
         num_experts=num_experts,

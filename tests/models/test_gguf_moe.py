@@ -100,8 +100,12 @@ def hf_config(arch: str):
     return tf.OlmoeConfig(**common, intermediate_size=EXPERT, num_experts=NUM_EXPERTS)
 
 
-def write_moe_gguf(path: Path, arch: str, expert_type: T, seed: int = 0) -> torch.nn.Module:
-    """A GGUF of random weights, and transformers' model of the weights it stands for."""
+def write_moe_gguf(
+    path: Path, arch: str, expert_type: T, seed: int = 0, per_expert: bool = False
+) -> torch.nn.Module:
+    """A GGUF of random weights, and transformers' model of the weights it stands for.
+    ``per_expert``: a 2-D tensor per expert (``blk.0.ffn_gate.3.weight``, older Mixtral files)
+    instead of the stacks."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -158,14 +162,22 @@ def write_moe_gguf(path: Path, arch: str, expert_type: T, seed: int = 0) -> torc
                 stacks = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
                 shape = state[name].shape
                 rows = shape[1] // len(stacks)
-                refs = [
-                    add(
-                        f"blk.{layer}.{EXPERT_NAMES[proj]}.weight",
-                        rng.normal(0.0, 0.1, size=(shape[0], rows, shape[2])).astype(np.float32),
-                        expert_type,
+                refs = []
+                for proj in stacks:
+                    w = rng.normal(0.0, 0.1, size=(shape[0], rows, shape[2])).astype(np.float32)
+                    if not per_expert:
+                        name_ = f"blk.{layer}.{EXPERT_NAMES[proj]}.weight"
+                        refs.append(add(name_, w, expert_type))
+                        continue
+                    part = EXPERT_NAMES[proj].removesuffix("_exps")
+                    refs.append(
+                        np.stack(
+                            [
+                                add(f"blk.{layer}.{part}.{e}.weight", w[e], expert_type)
+                                for e in range(shape[0])
+                            ]
+                        )
                     )
-                    for proj in stacks
-                ]
                 state[name] = torch.from_numpy(np.ascontiguousarray(np.concatenate(refs, 1)))
                 continue
             w = weight(name)
@@ -264,6 +276,15 @@ def test_logprobs_match_transformers(moe_gguf, arch, expert_type, engine_args, a
     assert bound <= atol[0] and err.mean() <= atol[1], (
         f"{arch} {expert_type.name} {engine_args}: max {err.max():.2e}, mean {err.mean():.2e}"
     )
+
+
+@pytest.mark.parametrize("expert_type", [T.Q8_0, T.Q4_K])
+def test_a_tensor_per_expert_loads_into_stacks(tmp_path, expert_type) -> None:
+    """Older Mixtral GGUFs hold ``blk.N.ffn_gate.E.weight``: stacked at load, then the same."""
+    path = tmp_path / "mixtral-per-expert.gguf"
+    hf = write_moe_gguf(path, "mixtral", expert_type, per_expert=True)
+    err = _prompt_logprob_errors(path, hf, packed_activations="float32")
+    assert err.max() <= FLOAT_ATOL[0] and err.mean() <= FLOAT_ATOL[1]
 
 
 def test_stacked_experts_stay_packed(moe_gguf) -> None:
