@@ -14,7 +14,9 @@ Measured in one run, alternating rounds (median of ``--rounds``):
     decode-step graphs and eagerly (--enforce-eager), and llama.cpp's llama-bench tg128 where
     it is built (shared/peers/build-llamacpp.sh);
   - output tokens/s of 32 concurrent requests (32-token prompts, 64 new tokens), and for the MoE
-    the tokens each expert ran (router statistics): min and max share per layer.
+    the tokens each expert ran (router statistics): min and max share per layer;
+  - one MoE layer's time (router and experts) at 1 and 32 tokens: the fast path (the C
+    kernels) against the loop-over-experts reference (moe/reference.py) on its float weights.
 
     python benchmarks/moe_decode.py [--type Q4_K|Q8_0] [--rounds 3]
 """
@@ -221,6 +223,40 @@ def llama_bench(path: Path) -> float | None:
     return float(json.loads(out)[0]["avg_ts"])
 
 
+def layer_times(engine: LLMEngine) -> None:
+    """ms of layer 0's MoE MLP, fast path against the reference over its dequantized stacks."""
+    import torch
+
+    from tokenmill.kernels.torch_backend import expert_rows
+    from tokenmill.moe.reference import reference_moe
+
+    block = engine.executor.worker.model.model.layers[0].mlp
+    stacks, width = block.experts.packed, EXPERT_WIDTH
+    gate_up = torch.stack(
+        [expert_rows(stacks["gate_up"], e, 2 * width).dequantize() for e in range(EXPERTS)]
+    )
+    down = torch.stack(
+        [expert_rows(stacks["down"], e, HIDDEN).dequantize() for e in range(EXPERTS)]
+    )
+    router = block.gate.weight
+
+    def best_ms(fn, reps: int = 20) -> float:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * min(times)
+
+    for tokens in (1, 32):
+        x = torch.randn(tokens, HIDDEN)
+        fast = best_ms(lambda x=x: block(x))
+        ref = best_ms(lambda x=x: reference_moe(x, router, TOP_K, True, gate_up, down, "silu"))
+        print(
+            f"  {tokens:2d} tokens: fast {fast:6.2f} ms  reference {ref:6.2f} ms  ({ref / fast:.1f}x)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--type", default="Q4_K", choices=("Q4_K", "Q8_0"))
@@ -280,6 +316,8 @@ def main() -> None:
         ran = np.array(counts) - np.array(before.get(layer, (0,) * EXPERTS))
         share = ran / ran.sum()
         print(f"  layer {layer}: {share.min():.3f}-{share.max():.3f}  (uniform {1 / EXPERTS:.3f})")
+    print("\nOne MoE layer (router + experts), best of 20:")
+    layer_times(engines["moe", False])
 
 
 if __name__ == "__main__":
