@@ -52,6 +52,14 @@ _GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
 }
+# llama.cpp's llama_ftype (general.file_type) -> its name.
+_GGUF_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
+}  # fmt: skip
 # Whether the top-k routing weights are rescaled to sum to 1 where a GGUF does not say (llama.cpp
 # fixes it per architecture, as the families' configs do: Mixtral and Qwen3-MoE yes).
 _GGUF_NORM_TOPK = {"llama": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
@@ -140,6 +148,8 @@ class ModelConfig:
     # head), and q/k/v clipped to ±clip_qkv when set.
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    # A GGUF's llama.cpp file type ("Q4_K_M", "F16", ...; general.file_type), else None.
+    file_type: str | None = None
     source: ModelSource | None = None
 
     def __post_init__(self) -> None:
@@ -273,6 +283,7 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             moe=_gguf_moe(get, arch, num_layers, tensor_names),
+            file_type=_GGUF_FILE_TYPES.get(metadata.get("general.file_type", -1)),
             source=ModelSource(path, "gguf"),
         )
         if gguf_arch == "gemma3":
@@ -472,6 +483,7 @@ class WorkerInfo:
     dtype: str
     quantization: str | None
     weight_nbytes: int
+    num_parameters: int  # weights' elements, packed ones counted as the floats they stand for
     kv_bytes_per_block: int  # all layers: K and V (and their scales)
     num_kv_blocks: int  # blocks that fit the kv_cache_memory budget, the null block included
 

@@ -103,6 +103,7 @@ class EngineInfo:
     """What an engine serves, fixed once it is built: for the server, benchmarks and logs."""
 
     model: str  # as the user named it (alias, path)
+    model_path: str  # the GGUF file or Hugging Face directory it resolved to
     architecture: str
     vocab_size: int
     max_model_len: int
@@ -111,6 +112,9 @@ class EngineInfo:
     dtype: str
     quantization: str | None  # None: float weights in ``dtype``
     weight_nbytes: int
+    num_parameters: int
+    weight_format: str  # "gguf" or "hf" (a Hugging Face directory)
+    file_type: str | None  # a GGUF's llama.cpp file type ("Q4_K_M"), else None
     kv_cache_dtype: str  # "auto" stores K/V in ``dtype``
     block_size: int
     num_kv_blocks: int  # usable blocks (the null block excluded)

@@ -285,6 +285,7 @@ def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> 
     cache = config.cache_config
     return EngineInfo(
         model=args.model,
+        model_path=str(worker.model_config.source.path) if worker.model_config.source else "",
         architecture=worker.model_config.architecture,
         vocab_size=worker.model_config.vocab_size,
         max_model_len=worker.max_model_len,
@@ -293,6 +294,9 @@ def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> 
         dtype=worker.dtype,
         quantization=worker.quantization,
         weight_nbytes=worker.weight_nbytes,
+        num_parameters=worker.num_parameters,
+        weight_format=worker.model_config.source.format if worker.model_config.source else "hf",
+        file_type=worker.model_config.file_type,
         kv_cache_dtype=cache.kv_cache_dtype,
         block_size=cache.block_size,
         num_kv_blocks=cache.num_blocks - 1,  # block 0 is the null block

@@ -75,6 +75,19 @@ class CausalLM(nn.Module):
                 total += module.packed_nbytes()
         return total
 
+    def num_parameters(self) -> int:
+        """Elements of every weight: float parameters, and packed weights by their shapes."""
+        total = sum(p.numel() for p in self.parameters())
+        for module in self.modules():
+            state = getattr(module, "quant_state", None)
+            if state is not None:
+                total += _numel(state.weight.shape)
+            if isinstance(module, FusedLinear):
+                total += sum(_numel(g.state.weight.shape) for g in module.groups if g.state)
+            elif isinstance(module, FusedMoE):
+                total += sum(_numel(w.shape) for w in module.packed.values())
+        return total
+
     def expert_layers(self) -> dict[int, FusedMoE]:
         """Decoder layer index -> its experts, for the layers whose MLP is a mixture."""
         return {
@@ -189,6 +202,13 @@ def _load_whole(layer: nn.Module, param_name: str, tensor: Any, packed_method: A
 
 def _load_plain(param: nn.Parameter, tensor: Any, packed_method: Any) -> None:
     default_weight_loader(param, tensor)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _layer_index(name: str) -> int:

@@ -8,6 +8,8 @@ Routes:
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
     GET  /metrics       Prometheus text format
     GET  /version
+    POST /api/chat, POST /api/generate, GET /api/tags, GET /api/ps, POST /api/show,
+    GET  /api/version                                      Ollama's API (server/ollama.py)
 
 Bodies are read here, capped at ``max_body_bytes`` (413), and parsed strictly by the protocol
 models (400 naming the field); FastAPI's own body parsing (422) is not used.
@@ -31,6 +33,7 @@ from tokenmill.server.auth import APIKeyMiddleware
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
+from tokenmill.server.ollama import ChatRequest, GenerateRequest, OllamaServing, ShowRequest
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +57,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     state = ServerState(config, load_engine)
     metrics = ServerMetrics(config.served_model_name, state.stats)
     serving = OpenAIServing(state, metrics)
+    ollama = OllamaServing(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -151,6 +155,32 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     async def detokenize(request: Request) -> JSONResponse:
         body = await read_body(request, DetokenizeRequest)
         return JSONResponse((await serving.detokenize(body)).model_dump(mode="json"))
+
+    # ---- Ollama's API ------------------------------------------------------------------------
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: Request) -> Response:
+        return await ollama.chat(await read_body(request, ChatRequest), request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: Request) -> Response:
+        return await ollama.generate(await read_body(request, GenerateRequest), request)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> JSONResponse:
+        return JSONResponse(ollama.tags())
+
+    @app.get("/api/ps")
+    async def ollama_ps() -> JSONResponse:
+        return JSONResponse(ollama.ps())
+
+    @app.post("/api/show")
+    async def ollama_show(request: Request) -> JSONResponse:
+        return JSONResponse(ollama.show(await read_body(request, ShowRequest)))
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict[str, str]:
+        return {"version": __version__}
 
     return app
 

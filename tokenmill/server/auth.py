@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.server.errors import error_body
+from tokenmill.server.errors import error_body_for
 
 EXEMPT_PATHS = ("/health",)
 
@@ -37,7 +37,8 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         response = JSONResponse(
-            error_body(
+            error_body_for(
+                scope["path"],
                 401,
                 "missing or invalid API key: send it as 'Authorization: Bearer <key>' "
                 "or 'X-Api-Key: <key>'",

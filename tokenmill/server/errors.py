@@ -1,4 +1,5 @@
-"""OpenAI-style errors: one exception type, one body shape, handlers for the app.
+"""OpenAI-style errors: one exception type, one body shape, handlers for the app (and
+Ollama's ``{"error": message}`` on its /api/ routes).
 
 Every error the server sends has the body ``{"error": {"message", "type", "param", "code"}}``.
 ``code`` is a short snake_case string, as OpenAI's are; ``param`` names the request field at fault
@@ -56,8 +57,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The response to a request for ``path`` (Ollama's error shape on its routes)."""
+        body = error_body_for(path, self.status, self.message, param=self.param, code=self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -71,6 +74,19 @@ def error_body(
             "code": code,
         }
     }
+
+
+# Ollama's routes (server/ollama.py) answer errors as Ollama does: {"error": message}.
+OLLAMA_PREFIX = "/api/"
+
+
+def error_body_for(
+    path: str, status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The error body a client of ``path`` expects: Ollama's on /api/, else OpenAI's."""
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": message}
+    return error_body(status, message, param=param, code=code)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -155,8 +171,8 @@ def _is_path_part(part: object) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -169,7 +185,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message, code = str(exc.detail), None
         return JSONResponse(
-            error_body(exc.status_code, message, code=code),
+            error_body_for(request.url.path, exc.status_code, message, code=code),
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
@@ -177,7 +193,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s %s", request.method, request.url.path)
+        message = f"internal server error: {type(exc).__name__}"
         return JSONResponse(
-            error_body(500, f"internal server error: {type(exc).__name__}", code="internal_error"),
+            error_body_for(request.url.path, 500, message, code="internal_error"),
             status_code=500,
         )

@@ -65,12 +65,12 @@ T = TypeVar("T")
 _DONE = "data: [DONE]\n\n"
 
 
-class _Aborted(Exception):
+class Aborted(Exception):
     """The engine aborted a request the client still waits for (shutdown deadline)."""
 
 
 @dataclass
-class _Run:
+class Run:
     """One HTTP request's engine requests (one per prompt) and their bookkeeping."""
 
     request_id: str
@@ -93,7 +93,7 @@ class _Run:
         self.trackers[prompt_idx].observe(out)
         self.finals[prompt_idx] = out
         if any(c.finish_reason == "abort" for c in out.outputs):
-            raise _Aborted()
+            raise Aborted()
 
     def close(self) -> None:
         self.ticket.release()
@@ -166,13 +166,13 @@ class OpenAIServing:
         body.check(self.config)
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
-        prepared = await asyncio.to_thread(_prepare_all, engine, prompts, params, {}, "prompt")
-        run = self._start(engine, "cmpl", prepared, body.cache_salt)
+        prepared = await asyncio.to_thread(prepare_all, engine, prompts, params, {}, "prompt")
+        run = self.start(engine, "cmpl", prepared, body.cache_salt)
         chunks = _CompletionChunks(run, body, engine)
         if body.stream:
-            return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
+            return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
         try:
-            finals = await _unless_disconnected(raw, self._collect(run))
+            finals = await unless_disconnected(raw, self._collect(run))
         finally:
             run.close()  # also when the collecting task was cancelled before it started
         if finals is None:
@@ -197,15 +197,15 @@ class OpenAIServing:
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from None
             renames = {"max_tokens": body.max_tokens_name, "logprobs": "top_logprobs"}
-            return _prepare_all(engine, [ids], params, renames, "messages")
+            return prepare_all(engine, [ids], params, renames, "messages")
 
         prepared = await asyncio.to_thread(prepare)
-        run = self._start(engine, "chatcmpl", prepared, body.cache_salt)
+        run = self.start(engine, "chatcmpl", prepared, body.cache_salt)
         chunks = _ChatChunks(run, body, parser)
         if body.stream:
-            return _SSEResponse(self._sse(run, chunks, body.include_usage), on_close=run.close)
+            return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
         try:
-            finals = await _unless_disconnected(raw, self._collect(run))
+            finals = await unless_disconnected(raw, self._collect(run))
         finally:
             run.close()  # also when the collecting task was cancelled before it started
         if finals is None:
@@ -255,13 +255,13 @@ class OpenAIServing:
 
     # ---- running --------------------------------------------------------------------------
 
-    def _start(
+    def start(
         self,
         engine: AsyncEngine,
         prefix: str,
         prepared: list[PreparedRequest],
         cache_salt: str | None = None,
-    ) -> _Run:
+    ) -> Run:
         ticket = self.state.admit(len(prepared))  # 429 / 503 before any engine work
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams = [
@@ -273,58 +273,58 @@ class OpenAIServing:
             for i, p in enumerate(prepared)
         ]
         trackers = [self.metrics.track() for _ in prepared]
-        return _Run(
+        return Run(
             request_id, int(time.time()), self.config.served_model_name, prepared, streams,
             trackers, ticket,
         )  # fmt: skip
 
-    async def _collect(self, run: _Run) -> list[RequestOutput]:
+    async def _collect(self, run: Run) -> list[RequestOutput]:
         try:
-            async with contextlib.aclosing(_merge(run.streams)) as events:
+            async with contextlib.aclosing(merge_streams(run.streams)) as events:
                 async for prompt_idx, out in events:
                     run.record(prompt_idx, out)
-        except _Aborted:
+        except Aborted:
             raise APIError(
                 503, "the request was aborted: the server is shutting down", code="aborted"
             ) from None
         except Exception as e:
-            raise self._engine_error(e) from None
+            raise self.engine_error(e) from None
         finally:
             run.close()
         return [out for out in run.finals if out is not None]
 
     async def _sse(
-        self, run: _Run, chunks: _CompletionChunks | _ChatChunks, include_usage: bool
+        self, run: Run, chunks: _CompletionChunks | _ChatChunks, include_usage: bool
     ) -> AsyncIterator[str]:
         try:
             for event in chunks.start():
                 yield event
             try:
-                async with contextlib.aclosing(_merge(run.streams)) as events:
+                async with contextlib.aclosing(merge_streams(run.streams)) as events:
                     async for prompt_idx, out in events:
                         aborted = False
                         try:
                             run.record(prompt_idx, out)
-                        except _Aborted:
+                        except Aborted:
                             aborted = True
                         for event in chunks.output(prompt_idx, out):
                             yield event
                         if aborted:
-                            raise _Aborted()
+                            raise Aborted()
                 if include_usage:
                     yield chunks.usage([o for o in run.finals if o is not None])
-            except _Aborted:
+            except Aborted:
                 yield _sse_error(
                     APIError(503, "the request was aborted: the server is shutting down",
                              code="aborted")
                 )  # fmt: skip
             except Exception as e:
-                yield _sse_error(self._engine_error(e))
+                yield _sse_error(self.engine_error(e))
             yield _DONE
         finally:
             run.close()
 
-    def _engine_error(self, error: Exception) -> APIError:
+    def engine_error(self, error: Exception) -> APIError:
         if isinstance(error, APIError):
             return error
         if isinstance(error, EngineOverloadedError):
@@ -343,7 +343,7 @@ class OpenAIServing:
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _prepare_all(
+def prepare_all(
     engine: AsyncEngine,
     prompts: list[str | list[int]],
     params: SamplingParams,
@@ -360,7 +360,7 @@ def _prepare_all(
     return prepared
 
 
-async def _merge(
+async def merge_streams(
     streams: list[AsyncIterator[RequestOutput]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several engine streams as they come, tagged with the stream's index.
@@ -400,7 +400,7 @@ async def _merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Await ``work``; if the client disconnects first, cancel it (aborting its engine
     requests) and return None."""
     task = asyncio.ensure_future(work)
@@ -428,15 +428,20 @@ async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]])
         pass
 
 
-class _SSEResponse(StreamingResponse):
-    """An SSE StreamingResponse that always closes its event generator and then calls
-    ``on_close``: a stream abandoned while a chunk was being sent aborts its engine requests
+class StreamBody(StreamingResponse):
+    """A streamed response (SSE; Ollama's NDJSON with ``media_type``) that always closes its
+    event generator and then calls ``on_close``: a stream abandoned while a chunk was being sent aborts its engine requests
     at once, and one never started still releases its admission."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        on_close: Callable[[], None],
+        media_type: str = "text/event-stream",
+    ) -> None:
         super().__init__(
             events,
-            media_type="text/event-stream",
+            media_type=media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._on_close = on_close
@@ -457,7 +462,7 @@ def _sse_error(error: APIError) -> str:
 
 def _usage_event(
     chunk_cls: type[ChatCompletionChunk] | type[CompletionChunk],
-    run: _Run,
+    run: Run,
     finals: list[RequestOutput],
 ) -> str:
     """The SSE event with only usage and timings, sent last when include_usage is set."""
@@ -553,7 +558,7 @@ class _ChatChunks:
     is parsed, and calls go out as ``delta.tool_calls`` (each whole, as one piece the openai
     SDK assembles) with finish_reason "tool_calls", or the held text as content."""
 
-    def __init__(self, run: _Run, body: ChatCompletionRequest, parser: str | None = None) -> None:
+    def __init__(self, run: Run, body: ChatCompletionRequest, parser: str | None = None) -> None:
         self.run = run
         self.logprobs = body.logprobs
         self.include_usage = body.include_usage
@@ -664,7 +669,7 @@ class _ChatChunks:
 class _CompletionChunks:
     """Text completion chunks and the final response (one or more prompts, n choices each)."""
 
-    def __init__(self, run: _Run, body: CompletionRequest, engine: AsyncEngine) -> None:
+    def __init__(self, run: Run, body: CompletionRequest, engine: AsyncEngine) -> None:
         self.run = run
         self.logprobs = body.logprobs is not None
         self.include_usage = body.include_usage

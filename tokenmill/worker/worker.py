@@ -83,6 +83,7 @@ class Worker:
             dtype=dtype_name,
             quantization=quantization,
             weight_nbytes=self.model.weight_nbytes(),
+            num_parameters=self.model.num_parameters(),
             kv_bytes_per_block=per_block,
             num_kv_blocks=self._num_kv_blocks(per_block),
         )
