@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "entrypoints": PUBLIC_ENGINE,
     "bench": PUBLIC_ENGINE | {"entrypoints"},
     "server": PUBLIC_ENGINE,
-    "cli": PUBLIC_ENGINE | {"server", "bench"},
+    "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints"},
 }
 NO_TORCH = LEVEL1 | {"core", "executor", "engine"}
 # Modules of torch packages that torch-free ones import (their package's __init__ included).

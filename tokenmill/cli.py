@@ -225,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--choice", action="append", help="output one of these (repeatable)")
     fmt.add_argument("--grammar", metavar="FILE", help="output of this Lark or GBNF grammar")
 
+    chat = sub.add_parser("chat", help="chat with the model in the terminal (Ctrl-D leaves)")
+    add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.add_argument("--max-tokens", type=int, default=None, help="default: up to the context")
+    chat.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
+
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
@@ -244,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(ns, str(log_level).lower())
         if ns.command == "generate":
             return _generate(ns)
+        if ns.command == "chat":
+            return _chat(ns)
         if ns.command == "bench":
             from tokenmill.bench.cli import run_bench
 
@@ -346,6 +356,22 @@ def _generate(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    from tokenmill.engine import LLMEngine
+    from tokenmill.entrypoints.chat import run_chat
+
+    engine = LLMEngine(engine_args_from(ns))
+    if engine.tokenizer.chat_template is None:
+        raise ValueError(f"{ns.model!r} has no chat template; use tokenmill generate")
+    settings = {
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "max_tokens": ns.max_tokens,
+        "seed": ns.sampling_seed,
+    }
+    return run_chat(engine, ns.system, settings)
 
 
 if __name__ == "__main__":
