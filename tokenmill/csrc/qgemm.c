@@ -1,5 +1,6 @@
 /*
- * Packed-weight matmul for CPUs with AVX2 + FMA: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias).
+ * Packed-weight matmul for CPUs with AVX2 + FMA: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias); the
+ * int8 mode's dot products run on AVX512-VNNI or AVX-VNNI where the CPU has it (below).
  *
  * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0) and optionally a float32 offset
@@ -24,6 +25,11 @@
  * 128 (the top bit flipped), against activations of 7 bits (below): 1.32 cycles. The zero point
  * comes back exactly: sum (code + z) · x - z · sum x, with the integer sums of each lane's x
  * taken when x is quantized.
+ * With VNNI, vpdpbusd does a maddubs + madd in one instruction, summing its 4 products in int32
+ * (no int16 sums to bound): the same integer sums, so the same results, bit for bit; "q8" then
+ * always runs unsigned (code + 128), against 8-bit activations too. tm_qgemm_isa says which
+ * runs, chosen once at load (TOKENMILL_ISA=avx2 forces AVX2): 1.2-1.3x on "q4", 1.2-1.8x on
+ * "q8" with act_int8 = 1, from 8 rows (Zen 5; benchmarks/qgemm_isa.py).
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
  *
  * Two ways to treat the activations, chosen per call:
@@ -52,9 +58,15 @@
 #include <string.h>
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
+#define TM_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TM_TARGET_AVX512VNNI \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
 #define TM_INLINE static inline __attribute__((always_inline))
 #ifndef TM_PREFETCH
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
+#endif
+#ifndef TM_XPREFETCH
+#define TM_XPREFETCH 1024 /* bytes ahead in a tile's activations, where they overflow L1 */
 #endif
 #define RA_MAX 8 /* activation rows per pass over a weight row */
 #define MCHUNK 64 /* activation rows per tile of work */
@@ -64,6 +76,34 @@ int tm_cpu_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
 }
+
+/* The instructions of the int8 mode's dot products (ISA_NAMES): maddubs + madd, or VNNI's
+ * vpdpbusd (4 products u8 · s8 added into an int32 lane in one instruction, no int16 sums) in
+ * its VEX (AVX-VNNI) or EVEX form (AVX512-VNNI on 256-bit vectors, AVX512VL; the compiler then
+ * also has 32 vector registers). The integer sums are the same on each (maddubs never
+ * saturates here) and so is the float work after them: results are bit-identical. */
+enum { ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, NUM_ISAS };
+static const char *const ISA_NAMES[NUM_ISAS] = {"avx2", "avxvnni", "avx512vnni"};
+static int qgemm_isa = ISA_AVX2;
+
+/* Chosen once, at load: the fastest the CPU runs, or TOKENMILL_ISA's where the CPU runs that
+ * (TOKENMILL_ISA=avx2: the AVX2 path, for tests and A/B timings). */
+__attribute__((constructor)) static void choose_isa(void) {
+    __builtin_cpu_init();
+    const int runs[NUM_ISAS] = {
+        1, __builtin_cpu_supports("avxvnni"),
+        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+            __builtin_cpu_supports("avx512bw")};
+    const char *want = getenv("TOKENMILL_ISA");
+    for (int isa = 0; isa < NUM_ISAS; isa++)
+        if (runs[isa] && (!want || !strcmp(want, ISA_NAMES[isa]))) qgemm_isa = isa;
+    if (want && strcmp(want, ISA_NAMES[qgemm_isa]))
+        for (int isa = 0; isa < NUM_ISAS; isa++) /* not one this CPU runs: the fastest */
+            if (runs[isa]) qgemm_isa = isa;
+}
+
+/* Which of ISA_NAMES the int8 mode runs. */
+const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
 
 TM_TARGET static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -175,10 +215,10 @@ TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d, float
 /* An x row -> int8 codes in lane order + each block's chunk scales by lane. Vector v of the row
  * goes to q + v · vstride, block b's scales to d8 + b · dstride: rows of a tile interleave
  * (tile_int8 reads each activation row's vectors at one stride from one pointer). With zs
- * ("u8" weights), zs + b · dstride · 2 gets -z times the sum of each lane's codes over the
- * block's first half of vectors, then over its second half (split: G = 16 splits there), or,
- * not split, over the whole block: the tile's integer sums start from these as they are (one
- * load a row and block, no integer ops). */
+ * (a zero point z), zs + b · dstride · (split ? 2 : 1) gets -z times the sum of each lane's
+ * codes over the block's first half of vectors, then over its second half (split: G = 16
+ * splits there), or, not split, over the whole block: the tile's integer sums start from these
+ * as they are (one load a row and block, no integer ops). */
 TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, int64_t vstride,
                                          float *d8, int64_t dstride, int32_t *zs, int z,
                                          int split, float qmax) {
@@ -199,7 +239,7 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
             }
         }
         for (int l = 0; l < 8; l++) d8[b * dstride + l] = d[l % t];
-        int32_t *zb = zs ? zs + b * dstride * 2 : NULL;
+        int32_t *zb = zs ? zs + b * dstride * (split ? 2 : 1) : NULL;
         for (int l = 0; zb && l < 8; l++) {
             zb[l] = -z * (split ? sums[0][l] : sums[0][l] + sums[1][l]);
             if (split) zb[8 + l] = -z * sums[1][l];
@@ -289,19 +329,59 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
     }
 }
 
+/* NOTE: the VNNI forms are not always_inline: GCC inlines a function only into one whose target
+ * includes its own, which tile_int8 (AVX2) is not; it does once tile_int8 sits in
+ * block_int8_<isa> of that target, and in the other instances the branches calling them fold
+ * away. */
+TM_TARGET_AVXVNNI static inline __m256i dpbusd_vex(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
+
+TM_TARGET_AVX512VNNI static inline __m256i dpbusd_evex(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, u, s);
+}
+
+/* acc + in each int32 lane the sum of its 4 products u · s (unsigned by signed bytes). AVX2:
+ * maddubs sums pairs of products in int16 (exact here: the header's bounds), madd the pairs. */
+TM_TARGET TM_INLINE __m256i dot1(const int ISA, __m256i acc, __m256i u, __m256i s) {
+    if (ISA == ISA_AVX512VNNI) return dpbusd_evex(acc, u, s);
+    if (ISA == ISA_AVXVNNI) return dpbusd_vex(acc, u, s);
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, p);
+}
+
+/* dot1 of two pairs of vectors. AVX2, for codes <= 63 only: the two maddubs sums add in int16
+ * (2 · 2 · 63 · 127 < 2^15) before one madd. */
+TM_TARGET TM_INLINE __m256i dot2(const int ISA, __m256i acc, __m256i u0, __m256i s0, __m256i u1,
+                                 __m256i s1) {
+    if (ISA != ISA_AVX2) return dot1(ISA, dot1(ISA, acc, u0, s0), u1, s1);
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* A tile's activations are one stream of RA · K bytes, read again for each weight row: past
+ * 32 KiB (K > 4096 at 8 rows) they come from L2 each time, where the VNNI loops, denser in
+ * loads, stall on them: prefetched TM_XPREFETCH ahead, 1.2x there (K = 7168, "q4"), AVX2 about
+ * the same. `bytes`: what the step from p reads. */
+TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
+    for (int j = 0; on && j < bytes; j += 64)
+        _mm_prefetch((const char *)(p + TM_XPREFETCH + j), _MM_HINT_T0);
+}
+
 /*
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
- * 8; else the first 8 only). KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128).
- * Inlined into one copy per (KIND, G16, F16, RA), so the inner loops have no branches on them.
+ * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128).
+ * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
+ * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
-TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16, const int RA,
-                                   int gshift, int64_t K, const uint8_t *row, const void *s,
-                                   const int8_t *xq, const float *xd8, const int32_t *xz,
-                                   float *out, int64_t ostride) {
+TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16, const int F16,
+                                   const int RA, int gshift, int64_t K, const uint8_t *row,
+                                   const void *s, const int8_t *xq, const float *xd8,
+                                   const int32_t *xz, float *out, int64_t ostride) {
     const int64_t nc = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const int xpf = RA > 1 && RA * K > 32768; /* prefetch_x */
     __m256 facc[RA_MAX];
     for (int i = 0; i < RA; i++) facc[i] = _mm256_setzero_ps();
     int64_t b = 0;
@@ -310,7 +390,7 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
         __m256i ia[RA_MAX], ib[RA_MAX];
         if (KIND != 1 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
             for (int i = 0; i < RA; i++) {
-                const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * 16);
+                const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * (G16 ? 16 : 8));
                 ia[i] = _mm256_loadu_si256(zi);
                 ib[i] = G16 ? _mm256_loadu_si256(zi + 1) : _mm256_setzero_si256();
             }
@@ -323,16 +403,15 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
                     _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
                     _mm_prefetch((const char *)(src + 32 + TM_PREFETCH), _MM_HINT_T0);
                 }
+                prefetch_x(xpf, xq + (c0 + u) * RA * 32, 2 * RA * 32);
                 __m256i w0 = _mm256_loadu_si256((const __m256i *)src);
                 __m256i w1 = _mm256_loadu_si256((const __m256i *)(src + 32));
                 for (int i = 0; i < RA; i++) {
                     const int8_t *xv = xq + ((c0 + u) * RA + i) * 32;
-                    __m256i p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)xv)),
-                        _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(xv + RA * 32))));
-                    p = _mm256_madd_epi16(p, ones);
-                    if (G16 && u >= t / 2) ib[i] = _mm256_add_epi32(ib[i], p);
-                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
+                    if (G16 && u >= t / 2) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                    else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
                 }
             }
         } else if (KIND == 2) { /* G = 16 over 2 chunks: one vector a half */
@@ -340,14 +419,14 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
                 __m256i w = code_vector(0, row, c0, u);
                 for (int i = 0; i < RA; i++) {
                     __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
-                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-                    if (u) ib[i] = _mm256_add_epi32(ib[i], p);
-                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                    if (u) ib[i] = dot1(ISA, ib[i], w, x);
+                    else ia[i] = dot1(ISA, ia[i], w, x);
                 }
             }
         } else if (KIND == 0 || KIND == 3) {
             for (int u = 0; u < t; u++) {
                 if (RA == 1) _mm_prefetch((const char *)(row + c0 * 32 + u * 32 + TM_PREFETCH), _MM_HINT_T0);
+                prefetch_x(xpf, xq + (c0 + u) * RA * 32, RA * 32);
                 __m256i w = code_vector(0, row, c0, u), aw;
                 if (KIND == 3) /* code + 128 as an unsigned byte: the top bit flipped */
                     w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
@@ -355,11 +434,9 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
                     aw = _mm256_sign_epi8(w, w);
                 for (int i = 0; i < RA; i++) {
                     __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
-                    __m256i p = KIND == 3 ? _mm256_maddubs_epi16(w, x)
-                                          : _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
-                    p = _mm256_madd_epi16(p, ones);
-                    if (G16 && u >= t / 2) ib[i] = _mm256_add_epi32(ib[i], p);
-                    else ia[i] = _mm256_add_epi32(ia[i], p);
+                    __m256i wu = KIND == 3 ? w : aw, xs = KIND == 3 ? x : _mm256_sign_epi8(x, w);
+                    if (G16 && u >= t / 2) ib[i] = dot1(ISA, ib[i], wu, xs);
+                    else ia[i] = dot1(ISA, ia[i], wu, xs);
                 }
             }
         } else {
@@ -367,16 +444,14 @@ TM_TARGET TM_INLINE void tile_int8(const int KIND, const int G16, const int F16,
             for (int v = 0; v < t / 2; v++) {
                 const uint8_t *src = row + c0 * 16 + v * 32;
                 if (RA == 1) _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+                prefetch_x(xpf, xq + (c0 + 2 * v) * RA * 32, 2 * RA * 32);
                 __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
                 __m256i lo = _mm256_and_si256(bytes, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
                 for (int i = 0; i < RA; i++) {
                     const int8_t *xv = xq + ((c0 + 2 * v) * RA + i) * 32;
-                    /* codes <= 15: two maddubs sums fit int16 (2 · 2 · 15 · 127) */
-                    __m256i p = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xv)),
-                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xv + RA * 32))));
-                    ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, ones));
+                    ia[i] = dot2(ISA, ia[i], lo, _mm256_loadu_si256((const __m256i *)xv), hi,
+                                 _mm256_loadu_si256((const __m256i *)(xv + RA * 32)));
                 }
             }
         }
@@ -473,37 +548,52 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
  * rows; m0 starts a tile) into out[(m - m0) · ostride + n - n0]: a tile of activation rows at
  * a time over all the rows of the block (its weights stay in L1/L2). A row's result is the
  * same in every tile size. */
+#define TM_TILE(KIND, G16, F16, RA)                                                           \
+    tile_int8(ISA, KIND, G16, F16, RA, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride)
 #define TM_TILES(KIND, G16, F16)                                                              \
     for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
         ra = tile_rows(M, m, G16 ? 4 : 8);                                                    \
         const int8_t *xt = xq + m * K;                                                        \
         const float *dt = xd8 + m * nblk * 8;                                                 \
-        const int32_t *zt = xz ? xz + m * nblk * 16 : NULL;                                   \
+        const int32_t *zt = xz ? xz + m * nblk * (G16 ? 16 : 8) : NULL;                       \
         float *o = out + (m - m0) * ostride;                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *row = w + n * wrow;                                                \
             const void *s = row_scales(scales, n, ng, F16);                                   \
-            if (ra == 8 && !(G16))                                                            \
-                tile_int8(KIND, G16, F16, 8, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
-            else if (ra == 4)                                                                 \
-                tile_int8(KIND, G16, F16, 4, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
-            else if (ra == 2)                                                                 \
-                tile_int8(KIND, G16, F16, 2, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
-            else                                                                              \
-                tile_int8(KIND, G16, F16, 1, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride); \
+            if (ra == 8 && !(G16)) TM_TILE(KIND, G16, F16, 8);                                \
+            else if (ra == 4) TM_TILE(KIND, G16, F16, 4);                                     \
+            else if (ra == 2) TM_TILE(KIND, G16, F16, 2);                                     \
+            else TM_TILE(KIND, G16, F16, 1);                                                  \
         }                                                                                     \
     }
 
-TM_TARGET static void block_int8(int kind, int f16, int64_t G, int64_t M, int64_t K,
-                                 const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
-                                 int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,
-                                 const int32_t *xz, int64_t nblk, float *out, int64_t ostride) {
+#define TM_BLOCK_INT8_ARGS                                                                    \
+    int kind, int f16, int64_t G, int64_t M, int64_t K, const uint8_t *w, const void *scales, \
+        int64_t n0, int64_t n1, int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,   \
+        const int32_t *xz, int64_t nblk, float *out, int64_t ostride
+
+TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
     TM_BY_LAYOUT(TM_TILES, kind, f16, G);
 }
 #undef TM_TILES
-#undef TM_TILE_ROWS
+#undef TM_TILE
+
+/* block_int8 compiled once per ISA, each for its instruction set: BLOCK_INT8[isa]. */
+#define TM_BLOCK_INT8(NAME, TARGET, ISA)                                                      \
+    TARGET static void NAME(TM_BLOCK_INT8_ARGS) {                                             \
+        block_int8(ISA, kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, out, \
+                   ostride);                                                                  \
+    }
+TM_BLOCK_INT8(block_int8_avx2, TM_TARGET, ISA_AVX2)
+TM_BLOCK_INT8(block_int8_avxvnni, TM_TARGET_AVXVNNI, ISA_AVXVNNI)
+TM_BLOCK_INT8(block_int8_avx512vnni, TM_TARGET_AVX512VNNI, ISA_AVX512VNNI)
+typedef void block_int8_fn(TM_BLOCK_INT8_ARGS);
+static block_int8_fn *const BLOCK_INT8[] = {block_int8_avx2, block_int8_avxvnni,
+                                            block_int8_avx512vnni};
+#undef TM_BLOCK_INT8
+#undef TM_BLOCK_INT8_ARGS
 
 /* Sums of x over each group of G elements (the offsets' share). */
 static void group_sums(const float *x, int64_t K, int64_t G, float *out) {
@@ -536,11 +626,14 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     /* act_int8 = 2: "q8" codes run as unsigned bytes code + 128 (KIND 3, zero point 128, as
      * "u8"): maddubs then needs no sign flip per product pair (an isolated loop: 1.32 cycles a
      * pair of vectors, 2.05 with the flip), and one sum of two products, at most 2 · 255 · 64 <
-     * 2^15, stays exact with activations in [-64, 64]: 7 bits instead of 8. */
-    const int ikind = kind == 0 && act_int8 == 2 ? 3 : kind;
+     * 2^15, stays exact with activations in [-64, 64]: 7 bits instead of 8. With VNNI, whose
+     * sums of products are int32, they run so against 8-bit activations too (act_int8 = 1):
+     * the same integer sums as the sign flips give, one instruction less a vector and row. */
+    const int ikind = kind == 0 && (act_int8 == 2 || qgemm_isa != ISA_AVX2) ? 3 : kind;
     const int zx = ikind == 3 ? 128 : kind == 2 ? z : 0; /* the zero point the sums remove */
-    const float qmax = ikind == 3 ? 64.0f : 127.0f;
+    const float qmax = kind == 0 && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
+    const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;
     float *xd8 = NULL, *xs = NULL, *xp = NULL;
     int32_t *xz = NULL;
@@ -548,7 +641,7 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     if (act_int8) {
         xq = malloc((size_t)(M * K));
         xd8 = malloc(sizeof(float) * (size_t)(M * nblk * 8));
-        if (zx) xz = malloc(sizeof(int32_t) * (size_t)(M * nblk * 16));
+        if (zx) xz = malloc(sizeof(int32_t) * (size_t)(M * nblk * zw));
         if (!xq || !xd8 || (zx && !xz)) goto fail;
         const int most = G == 16 ? 4 : 8;
 #pragma omp parallel for schedule(static) if (M >= 16)
@@ -557,7 +650,7 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             const int ra = tile_rows(M, m0, most);
             quantize_row_lanes(x + m * K, K, xq + m0 * K + (m - m0) * 32, ra * 32,
                                xd8 + m0 * nblk * 8 + (m - m0) * 8, ra * 8,
-                               xz ? xz + m0 * nblk * 16 + (m - m0) * 16 : NULL, zx, G == 16, qmax);
+                               xz ? xz + m0 * nblk * zw + (m - m0) * zw : NULL, zx, G == 16, qmax);
         }
     }
     if (!act_int8) {
@@ -592,7 +685,8 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
             const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
             if (act_int8)
-                block_int8(ikind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, ybuf, nb);
+                BLOCK_INT8[qgemm_isa](ikind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz,
+                                      nblk, ybuf, nb);
             else
                 block_float(kind, f16, z, G, K, w, scales, n0, n1, m0, m1, xp, ybuf, nb);
             for (int64_t m = m0; m < m1; m++) {

@@ -4,10 +4,11 @@ qgemm.c: the packed-weight matmul; decode_ops.c: RMSNorm, RoPE and paged decode 
 graph.c: embedding rows, act(gate) * up, K/V cache writes, and the replay of recorded calls;
 moe.c: a mixture-of-experts router and its routed experts; all on float32 CPU tensors. The
 extension is built by ``pip install`` where a C compiler exists; it needs AVX2 and FMA at run
-time. ``available()`` says whether it can be used. The wrappers
-check nothing: the CPU backends (kernels/cpu_backend.py, attention/backends/cpu_backend.py)
-call them only on inputs that fit (``is_dense_f32``, ``has_dense_heads``, ``supports``), after
-checking ``available()`` once, when they are created.
+time, and runs the packed matmul's int8 dot products on AVX512-VNNI or AVX-VNNI where the CPU
+has it (``isa()``; the results are bit-identical). ``available()`` says whether it can be used.
+The wrappers check nothing: the CPU backends (kernels/cpu_backend.py,
+attention/backends/cpu_backend.py) call them only on inputs that fit (``is_dense_f32``,
+``has_dense_heads``, ``supports``), after checking ``available()`` once, when they are created.
 
 Every call goes through ``recording.launch``, so a decode step's calls can be recorded and
 replayed (kernels/graph.py).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,6 +70,13 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.tm_qgemm.argtypes = QGEMM_ARGTYPES
     lib.tm_qgemm.restype = _int
+    lib.tm_qgemm_isa.argtypes = []
+    lib.tm_qgemm_isa.restype = ctypes.c_char_p
+    isa = lib.tm_qgemm_isa().decode()
+    logger.info("packed matmul: int8 dot products on %s", isa)
+    wanted = os.environ.get("TOKENMILL_ISA")
+    if wanted and wanted != isa:
+        logger.warning("TOKENMILL_ISA=%s is not a path this CPU runs; %s runs", wanted, isa)
     lib.tm_dequant_rows.argtypes = [_i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr]
     lib.tm_dequant_rows.restype = None
     lib.tm_rmsnorm.argtypes = [
@@ -132,6 +141,14 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def isa() -> str | None:
+    """The instructions the packed matmul's int8 mode runs on: "avx512vnni", "avxvnni" or
+    "avx2" (chosen at load: the fastest the CPU has, or ``TOKENMILL_ISA``'s); None where the
+    kernels are not available."""
+    lib = library()
+    return None if lib is None else lib.tm_qgemm_isa().decode()
 
 
 def supports(w: PackedWeight) -> bool:
