@@ -21,7 +21,9 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with running_server(tiny_model_dir("llama"), api_keys=(API_KEY,)) as srv:
+    with running_server(
+        tiny_model_dir("llama"), engine_overrides={"max_model_len": 512}, api_keys=(API_KEY,)
+    ) as srv:
         yield srv
 
 
@@ -37,7 +39,7 @@ def test_list_show_ps_and_version(client: ollama.Client, server) -> None:
     assert model.details.parameter_size.endswith("M") and model.size > 0
     shown = client.show(MODEL_NAME)
     assert shown.modelinfo["general.architecture"] == "llama"
-    assert shown.modelinfo["llama.context_length"] == 256
+    assert shown.modelinfo["llama.context_length"] == 512
     assert shown.modelinfo["general.parameter_count"] > 0
     assert "completion" in shown.capabilities
     assert shown.template  # the chat template the model is prompted with
@@ -172,3 +174,67 @@ def test_a_stream_left_early_frees_its_request(client: ollama.Client, server) ->
         line for line in metrics.splitlines() if line.startswith("tokenmill:num_requests_running")
     ]
     assert running and running[0].endswith(" 0.0")
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_chat_with_tools_prompts_them_and_takes_their_results(client: ollama.Client) -> None:
+    plain = client.chat(MODEL_NAME, messages=MESSAGES, options=GREEDY)
+    with_tools = client.chat(MODEL_NAME, messages=MESSAGES, tools=[WEATHER], options=GREEDY)
+    assert with_tools.prompt_eval_count > plain.prompt_eval_count + 20  # the functions
+    turns = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"sky": "clear"}', "tool_name": "get_weather"},
+    ]
+    answer = client.chat(MODEL_NAME, messages=turns, tools=[WEATHER], options=GREEDY)
+    assert answer.done and answer.eval_count == 8
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(MODEL_NAME, messages=MESSAGES, tools=[{"type": "function"}])
+    assert exc.value.status_code == 400
+
+
+def test_tool_calls_in_the_output_become_message_tool_calls() -> None:
+    """The final object parses held-back text into Ollama's tool_calls (arguments as objects);
+    plain text streams as it comes."""
+    from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from tokenmill.server.ollama import _Chunks
+
+    def output(text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id="r",
+            prompt=None,
+            prompt_token_ids=[1],
+            outputs=[CompletionOutput(index=0, text=text, token_ids=[5], finish_reason="stop")],
+            finished=True,
+            metrics=RequestMetrics(arrival_time=0.0, first_token_time=0.1, finished_time=0.2),
+        )
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    chunks = _Chunks("m", [1], chat=True, parser="hermes")
+    sent = [chunks.streamed(piece) for piece in (call[:9], call[9:30], call[30:])]
+    assert sent == ["", "", ""]  # held: it may be (and is) a call
+    final = chunks.final(output(call), "")
+    assert final["message"]["content"] == ""
+    assert final["message"]["tool_calls"] == [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    chunks = _Chunks("m", [1], chat=True, parser="hermes")
+    assert chunks.streamed("Hello") == "Hello"  # cannot begin a call: streams at once
+    assert "tool_calls" not in chunks.final(output("Hello"), "")["message"]

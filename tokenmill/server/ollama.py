@@ -4,7 +4,8 @@
     GET  /api/tags, GET /api/ps, POST /api/show, GET /api/version
 
 Requests run through the OpenAI routes' machinery: the same admission limits (429), auth,
-metrics and engine streams. What differs is the wire format (ollama/docs/api.md): ``options``
+metrics and engine streams; ``tools`` on /api/chat are OpenAI's tool_choice "auto"
+(server/tools.py), calls answered as ``message.tool_calls`` with arguments as objects. What differs is the wire format (ollama/docs/api.md): ``options``
 carry the sampling parameters (num_predict is max_tokens, repeat_penalty the repetition
 penalty), ``format`` is "json" or a JSON schema (structured outputs), durations are in
 nanoseconds, and errors are ``{"error": message}`` (server/errors.py answers that way on /api/).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -35,6 +37,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.server import tools as tools_mod
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.serving import (
     Aborted,
@@ -95,7 +98,8 @@ class Message(BaseModel):
     role: str
     content: str = ""
     images: list[str] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_name: str | None = None  # a tool message: the function that answered
 
 
 class ChatRequest(_OllamaRequest):
@@ -213,26 +217,38 @@ class OllamaServing:
     async def chat(self, body: ChatRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
         self._check_model(body.model)
-        if body.tools:
-            raise bad_request(
-                "tools on /api/chat are not supported yet; use /v1/chat/completions",
-                param="tools",
-            )
         if any(m.images for m in body.messages):
             raise bad_request("images are not supported: the model reads text", param="images")
         if not body.messages:  # Ollama's way to load a model: nothing to generate
             return JSONResponse(self._loaded(body, {"message": _message("")}))
         messages = [_chat_message(m) for m in body.messages]
+        template_kwargs: dict[str, Any] = {}
+        parser, calls_format = None, None
+        if body.tools:  # Ollama's tool calling is OpenAI's tool_choice "auto"
+            try:
+                tools = tools_mod.parse_tools(body.tools)
+            except ValueError as e:
+                raise bad_request(str(e), param="tools") from None
+            template = engine.tokenizer.chat_template
+            parser = tools_mod.pick_parser(template, self.config.tool_call_parser)
+            if tools_mod.template_reads_tools(template):
+                template_kwargs = {"tools": [t.as_dict() for t in tools]}
+            else:  # a generic system prompt in the Hermes format (server/tools.py)
+                messages, parser = tools_mod.generic_messages(messages, tools), "hermes"
+            if parser == "hermes" and body.format is None:
+                calls_format = tools_mod.auto_grammar(tools)  # a started call follows its schema
 
         def prepare() -> tuple[list[int], PreparedRequest]:
             try:
-                ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+                ids = engine.tokenizer.encode_chat(
+                    messages, add_generation_prompt=True, **template_kwargs
+                )
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from None
-            return ids, self._prepare(engine, body, ids, "messages")
+            return ids, self._prepare(engine, body, ids, "messages", calls_format)
 
         ids, prepared = await asyncio.to_thread(prepare)
-        return await self._respond(engine, body, raw, ids, prepared, chat=True)
+        return await self._respond(engine, body, raw, ids, prepared, chat=True, parser=parser)
 
     async def generate(self, body: GenerateRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
@@ -269,9 +285,16 @@ class OllamaServing:
         return await self._respond(engine, body, raw, ids, prepared, chat=False)
 
     def _prepare(
-        self, engine: AsyncEngine, body: _OllamaRequest, ids: list[int], prompt_param: str
+        self,
+        engine: AsyncEngine,
+        body: _OllamaRequest,
+        ids: list[int],
+        prompt_param: str,
+        calls_format: StructuredOutputs | None = None,
     ) -> PreparedRequest:
         params = self._sampling_params(body, len(ids), engine.info.max_model_len)
+        if calls_format is not None:
+            params = dataclasses.replace(params, structured_outputs=calls_format)
         renames = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
         return prepare_all(engine, [ids], params, renames, prompt_param)[0]
 
@@ -342,9 +365,10 @@ class OllamaServing:
         ids: list[int],
         prepared: PreparedRequest,
         chat: bool,
+        parser: str | None = None,
     ) -> Response:
         run = self.openai.start(engine, "ollama", [prepared])
-        chunks = _Chunks(body.model, ids, chat)
+        chunks = _Chunks(body.model, ids, chat, parser)
         if body.stream:
             return StreamBody(self._ndjson(run, chunks), on_close=run.close, media_type=NDJSON)
         try:
@@ -367,14 +391,15 @@ class OllamaServing:
         except Exception as e:
             raise self.openai.engine_error(e) from None
         assert last is not None
-        return chunks.final(last, last.outputs[0].text)
+        text = chunks.streamed(last.outputs[0].text)  # held back if it may be a tool call
+        return chunks.final(last, text)
 
     async def _ndjson(self, run: Run, chunks: _Chunks) -> AsyncIterator[str]:
         try:
             async with contextlib.aclosing(merge_streams(run.streams)) as events:
                 async for _, out in events:
                     run.record(0, out)
-                    delta = out.outputs[0].text_delta
+                    delta = chunks.streamed(out.outputs[0].text_delta)
                     if delta:
                         yield json.dumps(chunks.delta(delta)) + "\n"
                     if out.finished:
@@ -392,12 +417,33 @@ class OllamaServing:
 
 
 class _Chunks:
-    """The objects of one response: deltas, then the final one with counts and durations."""
+    """The objects of one response: deltas, then the final one with counts and durations.
 
-    def __init__(self, model: str, prompt_ids: list[int], chat: bool) -> None:
+    With tools (``parser`` set), text that may begin a tool call is held back (``streamed``);
+    the final object parses it into ``message.tool_calls`` (arguments as objects, Ollama's
+    shape), or sends it as content."""
+
+    def __init__(
+        self, model: str, prompt_ids: list[int], chat: bool, parser: str | None = None
+    ) -> None:
         self.model = model
         self.prompt_ids = prompt_ids
         self.chat = chat
+        self.parser = parser
+        self._held = ""
+        self._streaming = parser is None
+
+    def streamed(self, text: str) -> str:
+        """What of the new ``text`` goes out now (the rest is held until the end)."""
+        if self._streaming:
+            return text
+        self._held += text
+        assert self.parser is not None
+        if tools_mod.may_be_call_start(self._held, self.parser):
+            return ""
+        self._streaming = True  # plain text: what was held, then the rest as it comes
+        held, self._held = self._held, ""
+        return held
 
     def _base(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": _timestamp(datetime.datetime.now(datetime.UTC))}
@@ -407,7 +453,14 @@ class _Chunks:
         return {**self._base(), **content, "done": False}
 
     def final(self, out: RequestOutput, text: str) -> dict[str, Any]:
+        """The last object; ``text``: content not sent yet (besides what is held)."""
         completion = out.outputs[0]
+        calls: list[tools_mod.ToolCall] = []
+        if self._held:
+            assert self.parser is not None
+            content, calls = tools_mod.parse_tool_calls(self._held, self.parser)
+            text += content or ""
+            self._held = ""
         m = out.metrics
         ns = 1_000_000_000
         first = m.first_token_time or m.finished_time or m.arrival_time
@@ -423,6 +476,10 @@ class _Chunks:
             "eval_count": len(completion.token_ids),
             "eval_duration": int((end - first) * ns),
         }
+        if calls:
+            final["message"]["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls
+            ]
         if not self.chat:  # the tokens so far, for a follow-up's ``context``
             final["context"] = self.prompt_ids + list(completion.token_ids)
         return final
@@ -433,10 +490,27 @@ def _message(text: str) -> dict[str, Any]:
 
 
 def _chat_message(m: Message) -> dict[str, Any]:
+    """A message as the chat templates (and server/tools.py) read it: OpenAI's shape, an
+    earlier call's arguments as JSON text."""
     message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        message["tool_calls"] = m.tool_calls
+        message["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": call.get("function", {}).get("name", ""),
+                    "arguments": _json_text(call.get("function", {}).get("arguments", {})),
+                },
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_name:
+        message["name"] = m.tool_name
     return message
+
+
+def _json_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def _format(fmt: str | dict[str, Any] | None) -> StructuredOutputs | None:
