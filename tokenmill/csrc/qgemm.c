@@ -28,8 +28,8 @@
  * With VNNI, vpdpbusd does a maddubs + madd in one instruction, summing its 4 products in int32
  * (no int16 sums to bound): the same integer sums, so the same results, bit for bit; "q8" then
  * always runs unsigned (code + 128), against 8-bit activations too. tm_qgemm_isa says which
- * runs, chosen once at load (TOKENMILL_ISA=avx2 forces AVX2): 1.2-1.3x on "q4", 1.2-1.8x on
- * "q8" with act_int8 = 1, from 8 rows (Zen 5; benchmarks/qgemm_isa.py).
+ * runs, chosen once at load (TOKENMILL_ISA=avx2 forces AVX2): from 8 rows 1.2-1.35x on "q4",
+ * 1.15-1.75x on "q8" (Zen 5, one thread; benchmarks/qgemm_isa.py).
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
  *
  * Two ways to treat the activations, chosen per call:
@@ -38,7 +38,8 @@
  *                 int8 (maddubs) and only the per-chunk sums are float. The fast mode.
  *   act_int8 = 2: as 1, but against "q8" weights x is quantized to [-64, 64] (7 bits), so
  *                 that the codes can run unsigned: one maddubs sum of two products, at most
- *                 2 · 255 · 64, fits int16. 1.1-1.3x faster on "q8" at many rows.
+ *                 2 · 255 · 64, fits int16. 1.1-1.3x faster on "q8" at many rows on AVX2
+ *                 (with VNNI, act_int8 = 1 runs unsigned too: only the 7 bits differ).
  *   act_int8 = 0: x stays float32 (copied into lane order once per call); codes are widened
  *                 to float and multiplied with FMA, each lane's sums scaled once per block.
  *                 Exact up to float32 rounding.
@@ -58,9 +59,33 @@
 #include <string.h>
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
+/* The VNNI paths need a compiler that knows them (AVX-VNNI: GCC 11, AVX512-VNNI: GCC 8); an
+ * older one compiles them as AVX2 and they are never chosen (TM_RUNS_*). */
+#ifdef __has_include
+#if __has_include(<avxvnniintrin.h>)
+#define TM_HAS_AVXVNNI
+#endif
+#if __has_include(<avx512vnniintrin.h>)
+#define TM_HAS_AVX512VNNI
+#endif
+#endif
+#ifdef TM_HAS_AVXVNNI
 #define TM_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TM_RUNS_AVXVNNI __builtin_cpu_supports("avxvnni")
+#else
+#define TM_TARGET_AVXVNNI TM_TARGET
+#define TM_RUNS_AVXVNNI 0
+#endif
+#ifdef TM_HAS_AVX512VNNI
 #define TM_TARGET_AVX512VNNI \
     __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define TM_RUNS_AVX512VNNI                                                        \
+    (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && \
+     __builtin_cpu_supports("avx512bw"))
+#else
+#define TM_TARGET_AVX512VNNI TM_TARGET
+#define TM_RUNS_AVX512VNNI 0
+#endif
 #define TM_INLINE static inline __attribute__((always_inline))
 #ifndef TM_PREFETCH
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
@@ -90,16 +115,15 @@ static int qgemm_isa = ISA_AVX2;
  * (TOKENMILL_ISA=avx2: the AVX2 path, for tests and A/B timings). */
 __attribute__((constructor)) static void choose_isa(void) {
     __builtin_cpu_init();
-    const int runs[NUM_ISAS] = {
-        1, __builtin_cpu_supports("avxvnni"),
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-            __builtin_cpu_supports("avx512bw")};
+    const int runs[NUM_ISAS] = {1, TM_RUNS_AVXVNNI, TM_RUNS_AVX512VNNI};
     const char *want = getenv("TOKENMILL_ISA");
-    for (int isa = 0; isa < NUM_ISAS; isa++)
-        if (runs[isa] && (!want || !strcmp(want, ISA_NAMES[isa]))) qgemm_isa = isa;
-    if (want && strcmp(want, ISA_NAMES[qgemm_isa]))
-        for (int isa = 0; isa < NUM_ISAS; isa++) /* not one this CPU runs: the fastest */
-            if (runs[isa]) qgemm_isa = isa;
+    int fastest = ISA_AVX2, wanted = -1;
+    for (int isa = 0; isa < NUM_ISAS; isa++) {
+        if (!runs[isa]) continue;
+        fastest = isa;
+        if (want && !strcmp(want, ISA_NAMES[isa])) wanted = isa;
+    }
+    qgemm_isa = wanted >= 0 ? wanted : fastest;
 }
 
 /* Which of ISA_NAMES the int8 mode runs. */
@@ -334,11 +358,19 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
  * block_int8_<isa> of that target, and in the other instances the branches calling them fold
  * away. */
 TM_TARGET_AVXVNNI static inline __m256i dpbusd_vex(__m256i acc, __m256i u, __m256i s) {
+#ifdef TM_HAS_AVXVNNI
     return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return acc; /* never runs: TM_RUNS_AVXVNNI is 0 */
+#endif
 }
 
 TM_TARGET_AVX512VNNI static inline __m256i dpbusd_evex(__m256i acc, __m256i u, __m256i s) {
+#ifdef TM_HAS_AVX512VNNI
     return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return acc; /* never runs: TM_RUNS_AVX512VNNI is 0 */
+#endif
 }
 
 /* acc + in each int32 lane the sum of its 4 products u · s (unsigned by signed bytes). AVX2:
