@@ -198,6 +198,8 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q8_0": 1 + 2 / 32,  # int8 codes, float16 scale / 32
     "Q5_0": 1 + 2 / 32,  # byte codes, float16 scale / 32
     "Q4_0": 0.5 + (2 + 4) / 32,  # 4-bit codes, float16 scale and float32 offset / 32
+    "Q4_1": 0.5 + (2 + 4) / 32,  # the same
+    "Q5_1": 1 + (2 + 4) / 32,  # byte codes, float16 scale and float32 offset / 32
     "Q4_K": 0.5 + 8 / 32,  # 4-bit codes, float32 scale and offset / 32
     "Q5_K": 1 + 8 / 32,  # byte codes, float32 scale and offset / 32
     "Q6_K": 1 + 4 / 16,  # byte codes, float32 scale / 16

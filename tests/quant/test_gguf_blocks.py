@@ -10,7 +10,7 @@ from gguf.quants import dequantize as np_dequantize
 
 from tokenmill.quant.gguf_blocks import BLOCK_FORMATS
 
-TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _random_blocks(qtype: GGMLQuantizationType, num_blocks: int, seed: int) -> np.ndarray:
@@ -18,7 +18,8 @@ def _random_blocks(qtype: GGMLQuantizationType, num_blocks: int, seed: int) -> n
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(num_blocks, nbytes), dtype=np.uint8)
     # Keep the f16 scale fields finite and modest (random bytes can be inf/nan).
-    scale_offsets = {"Q6_K": [208]}.get(qtype.name, [0, 2] if qtype.name.endswith("_K") else [0])
+    two = qtype.name.endswith(("_K", "_1"))  # d and dmin / d and m
+    scale_offsets = {"Q6_K": [208]}.get(qtype.name, [0, 2] if two else [0])
     for off in scale_offsets:
         vals = rng.uniform(-0.1, 0.1, size=num_blocks).astype(np.float16)
         data[:, off : off + 2] = vals.view(np.uint8).reshape(num_blocks, 2)
@@ -43,7 +44,7 @@ def test_real_gguf_tensors_match(tmp_path) -> None:
 
     rng = np.random.default_rng(0)
     weights = rng.normal(0, 0.05, size=(8, 256)).astype(np.float32)
-    for name in ("Q4_0", "Q5_0", "Q8_0"):
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         qtype = GGMLQuantizationType[name]
         packed = np_quantize(weights, qtype)
         block, nbytes, fn = BLOCK_FORMATS[int(qtype)]

@@ -29,7 +29,9 @@ from tokenmill.quant.packed import (
 )
 from tokenmill.sampling_params import SamplingParams
 
-GGML_TYPES = {"Q4_0": 2, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GGML_TYPES = {
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+}  # fmt: skip
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="packed kernel not built here")
 
 
@@ -39,7 +41,7 @@ def _random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> torch.Ten
     n = rows * cols // elems
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
-    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type >= 12 else [0])
+    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type >= 12 or ggml_type in (3, 7) else [0])
     for off in scale_at:
         d = (torch.rand(n, generator=g) * 0.02).half()
         data[:, off : off + 2] = d.view(torch.uint8).reshape(n, 2)
@@ -54,10 +56,10 @@ def test_repacking_is_exact(name: str) -> None:
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight; 5- and 6-bit ones an unsigned byte, Q8_0 int8.
-    kinds = {"Q4_0": "q4", "Q4_K": "q4", "Q8_0": "q8"}
+    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8"}
     assert w.kind == kinds.get(name, "u8")
     # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants.
-    f16 = name in ("Q4_0", "Q5_0", "Q8_0")
+    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])

@@ -200,6 +200,8 @@ def _iter_gguf(
     come as PackedWeight (their codes and scales as stored), everything else as float."""
     assert config.source is not None
     gguf_file = GGUFFile(config.source.path)
+    if keep_packed:
+        _warn_unpacked_types(gguf_file)
     for tensor in gguf_file.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
@@ -232,6 +234,28 @@ def _iter_gguf(
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_key_value_heads)
         yield name, weight
+
+
+# Float types: computed as float32 (the packed kernels do not read them yet).
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
+    """Say which of the file's weight types are not kept packed: they are dequantized to
+    float32 (the torch paths compute them; several times the file's memory and time)."""
+    slow: dict[str, int] = {}
+    for t in gguf_file.tensors:
+        if len(t.shape) >= 2 and t.ggml_type not in BLOCK_CODES:
+            slow[t.type_name] = slow.get(t.type_name, 0) + 1
+    for type_name, count in sorted(slow.items()):
+        level = logging.INFO if type_name in _FLOAT_TYPES else logging.WARNING
+        logger.log(
+            level,
+            "%d %s weight tensors of %s are not kept packed: dequantized to float32",
+            count,
+            type_name,
+            gguf_file.path.name,
+        )
 
 
 def _hf_name(gguf_name: str, architecture: str) -> str | None:

@@ -1,4 +1,4 @@
-"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
 
 Every format is, per group of 16 or 32 elements, ``w = scale · code - offset`` with small
 integer codes. ``unpack_codes`` returns exactly that triple for whole blocks (raw bytes as a
@@ -8,7 +8,8 @@ numpy port, their test oracle): the scales are formed in float32 the same way, s
 codes elsewhere (quant/packed.py) loses nothing.
 
 Layouts (bytes): Q4_0 = f16 d | 16 nibble pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
-Q8_0 = f16 d | 32 int8. K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
+Q8_0 = f16 d | 32 int8; Q4_1 and Q5_1 as Q4_0 and Q5_0 with an f16 min m after d, unsigned
+codes, w = d · code + m (so the offset is -m). K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
 mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks.
 """
 
@@ -71,6 +72,18 @@ def codes_q5_0(blocks: torch.Tensor) -> BlockCodes:
     return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
+def codes_q4_1(blocks: torch.Tensor) -> BlockCodes:
+    q = _nibbles(blocks[:, 4:], 16).to(torch.int16)
+    return BlockCodes(q, _f16(blocks[:, :2]), -_f16(blocks[:, 2:4]), 32)
+
+
+def codes_q5_1(blocks: torch.Tensor) -> BlockCodes:
+    high = _bits(blocks[:, 4:8])
+    low = _nibbles(blocks[:, 8:], 16)
+    q = (low | (high << 4)).to(torch.int16)
+    return BlockCodes(q, _f16(blocks[:, :2]), -_f16(blocks[:, 2:4]), 32)
+
+
 def codes_q8_0(blocks: torch.Tensor) -> BlockCodes:
     q = blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16)
     return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
@@ -116,7 +129,9 @@ def codes_q6_k(blocks: torch.Tensor) -> BlockCodes:
 # ggml type id -> (elements per block, bytes per block, code unpacker)
 BLOCK_CODES: dict[int, tuple[int, int, Callable[[torch.Tensor], BlockCodes]]] = {
     2: (32, 18, codes_q4_0),
+    3: (32, 20, codes_q4_1),
     6: (32, 22, codes_q5_0),
+    7: (32, 24, codes_q5_1),
     8: (32, 34, codes_q8_0),
     12: (QK_K, 144, codes_q4_k),
     13: (QK_K, 176, codes_q5_k),

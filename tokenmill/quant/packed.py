@@ -176,14 +176,16 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
     return codes if inverse is None else codes[:, inverse]
 
 
-# ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_K unsigned 0..15): packed two a byte.
-FOUR_BIT_TYPES = (2, 12)
-# ggml types whose block scale is a float16 (Q4_0, Q5_0, Q8_0): kept float16, exactly. The
-# k-quants' scales are products (super-block scale times a small integer): float32.
-FLOAT16_SCALE_TYPES = (2, 6, 8)
+# ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 and Q4_K unsigned 0..15): packed
+# two a byte.
+FOUR_BIT_TYPES = (2, 3, 12)
+# ggml types whose block scale is a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): kept float16,
+# exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too). The k-quants'
+# scales are products (super-block scale times a small integer): float32.
+FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8)
 # ggml types whose codes fit 6 bits: stored as bytes code + zero ("u8"): Q5_0 (-16..15),
-# Q5_K (0..31), Q6_K (-32..31).
-BYTE_ZERO = {6: 16, 13: 0, 14: 32}
+# Q5_1 and Q5_K (0..31), Q6_K (-32..31).
+BYTE_ZERO = {6: 16, 7: 0, 13: 0, 14: 32}
 
 
 def from_block_codes(
