@@ -8,8 +8,9 @@ text into the same ids:
 - `tokenizer.ggml.model == "llama"`: SentencePiece BPE with byte fallback (`<0xNN>` tokens, `▁` for
   spaces). Merges are recovered from the vocabulary, best score first. Gemma files get Gemma's
   shape: spaces become `▁` in a normalizer (no prefix space), merges follow vocabulary order.
-- `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the file's merges and a split regex picked
-  by `tokenizer.ggml.pre`.
+- `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the file's merges, splitting text with the
+  regexes llama.cpp applies for `tokenizer.ggml.pre`. NOTE: for the names outside its short table
+  (deepseek-v3, falcon, starcoder, ...) transformers splits like GPT-2; tokenmill follows llama.cpp.
 
 Control tokens (type 3) become special added tokens and user-defined ones (type 4) plain added
 tokens, so text like "<start_of_turn>" is matched whole instead of being cut into pieces.
@@ -39,28 +40,222 @@ _TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# Split regexes for byte-level vocabularies, keyed by tokenizer.ggml.pre (llama.cpp's names).
-_LLAMA3_SPLIT = (
+# Split regexes for byte-level vocabularies, keyed by tokenizer.ggml.pre: every name llama.cpp
+# knows, with the regexes its BPE pre-tokenizer applies in turn (src/llama-vocab.cpp: the names in
+# `llama_vocab::impl::load`, the regexes in `llm_tokenizer_bpe`; the `LLAMA_VOCAB_PRE_TYPE_*` of
+# each group is in its comment). Each regex splits every piece the one before it left, keeping both
+# its matches and the text between them (tokenizers' "isolated"); then bytes become the GPT-2
+# alphabet. The HF model each name was hashed from is in llama.cpp's convert_hf_to_gguf_update.py.
+# NOTE: where llama.cpp runs a rewrite of the model's tokenizer.json regex that its std::regex can
+# digest ("(?:'[sS]|..." for "(?i:'s|...", lookahead tricks standing in for \p{Lu} and \p{Ll},
+# greedy for possessive quantifiers) and cites the original, the original is written here. Where it
+# runs a hand-written C++ splitter (kimi-k2, afmoe's digits), the regex that splitter implements.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
+_QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "falcon3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "megrez": _QWEN2_SPLIT,
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥\u3040-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# fmt: off
+_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    # DEFAULT (also what llama.cpp uses when a file has no tokenizer.ggml.pre): Falcon's split.
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    # GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING ("gpt2" is tokenmill's own alias)
+    **dict.fromkeys(
+        (
+            "gpt-2", "gpt2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+            "a.x-4.0", "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe",
+            "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling",
+        ),
+        (_GPT2,),
+    ),
+    # LLAMA3, DBRX, SMAUG, CHATGLM4
+    **dict.fromkeys(
+        (
+            "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+            "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4", "glm5",
+        ),
+        (_LLAMA3,),
+    ),
+    # JAIS2: llama3's, with whitespace runs cut at powers of two
+    "jais-2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)"
+        r"|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",
+    ),
+    # QWEN2, STABLELM2, HUNYUAN, SOLAR_OPEN, GROK_2
+    **dict.fromkeys(
+        (
+            "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+            "solar-open", "grok-2",
+        ),
+        (_QWEN2,),
+    ),
+    # QWEN35: qwen2's, with combining marks kept on their letters
+    "qwen35": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # UFAKZEKA: qwen2's without the English contractions
+    "ufakzeka": (
+        r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # LAGUNA: lines first, then qwen2's
+    "laguna": (r"[^\n]+|[\n]+", _QWEN2),
+    # MINICPM5
+    "minicpm5": (
+        r"\p{N}{1,3}",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # SEED_CODER
+    "seed-coder": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+        r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # BAILINGMOE
+    **dict.fromkeys(
+        ("bailingmoe", "bailingmoe2", "llada-moe"),
+        (
+            r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}"
+            r"| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+        ),
+    ),
+    # EXAONE_MOE
+    "exaone-moe": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",
+    ),
+    # STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA, MELLUM2: digits one by one
+    **dict.fromkeys(
+        (
+            "starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b",
+            "mellum2",
+        ),
+        (r"\p{N}", _GPT2),
+    ),
+    # FALCON
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
+    # CHAMELEON: its special-token shapes, whitespace, digits and punctuation, then GPT-2's
+    "chameleon": (
+        r"<sentinel:[0-9]+>",
+        r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+        r"([\t\n]|    |  )",
+        r"\p{N}",
+        r"[\p{P}!-/:-@\[-`{-~]",
+        _GPT2,
+    ),
+    # DEEPSEEK_LLM
+    # NOTE: letters that Unicode normalization would rewrite (U+1F7D to U+03CE, U+212A to "K",
+    # ...) are escaped, so an editor cannot silently turn a range inside out.
+    "deepseek-llm": (
+        r"[\r\n]",
+        r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-Ρ"
+        r"Σ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕ"
+        r"ἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌ"
+        r"ῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ"
+        r"\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇ"
+        r"Ꞌ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+        r"\s?[!-/:-~！-／：-～‘-‟\u3000-。]+",
+        r"\s+$",
+        r"[一-龥\u0800-一가-\ud7ff]+",
+        r"\p{N}+",
+    ),
+    # DEEPSEEK_CODER
+    "deepseek-coder": (
+        r"[\r\n]",
+        r"\s?\p{L}+",
+        r"\s?\p{P}+",
+        r"[一-龥\u0800-一가-\ud7ff]+",
+        r"\p{N}",
+    ),
+    # DEEPSEEK3_LLM, HUNYUAN_DENSE, JOYAI_LLM, HY_V4
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK3),
+    # SPARK2_5
+    "spark2_5": (
+        r"\p{N}{1,3}",
+        r"[一-龥\u3040-ゟ゠-ヿ]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
+        r"\p{N}",
+    ),
+    # YOUTU
+    "youtu": (
+        r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥\u3040-ゟ゠-ヿ]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # AFMOE: digit runs cut in threes from the right, CJK and other Asian scripts, then words
+    # NOTE: llama.cpp's source has U+8C48 for this class's U+F900, what Unicode normalization
+    # makes of it; the range would then take in Yi, Cyrillic and Latin extensions and more.
+    "afmoe": (
+        r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))",
+        r"[\u4e00-\u9fff\u3400-\u4dbf\uf900-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f"
+        r"\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f"
+        r"\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # PORO, BLOOM, GPT3_FINNISH
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_BLOOM,)),
+    # VIKING
+    "viking": (_BLOOM, r"\p{N}"),
+    # TEKKEN (Mistral Nemo, Pixtral 12B): gpt-4o's words, without contractions, digits one by one
+    "tekken": (
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # GPT4O, MINIMAX_M2
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O,)),
+    # TINY_AYA: digit runs cut in threes from the right, then gpt-4o's
+    **dict.fromkeys(("tiny_aya", "cohere2moe"), (r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O)),
+    # GRANITE_EMB_MULTI: llama.cpp cites no original; this is its lookahead form of gpt-4o's
+    "granite-embed-multi-97m": (
+        r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # KIMI_K2: Han runs on their own, gpt-4o-like words without Han
+    "kimi-k2": (
+        r"[\p{Han}]+"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    # SUPERBPE: digit runs, then cut in threes from the right
+    "superbpe": (r"\p{N}+", r"(?=(\d{3})+(?!\d))"),
 }
-# Names that mean GPT-2's own split, which `pre_tokenizers.ByteLevel(use_regex=True)` applies.
-_GPT2_SPLIT_NAMES = ("default", "gpt2", "gpt-2")
+# fmt: on
+# Names llama.cpp knows whose BPE runs on raw UTF-8 (SentencePiece-style "▁" spaces or plain
+# whitespace words), not on GPT-2's byte alphabet: GEMMA4, SARVAM_MOE, WHITESPACE.
+_RAW_UTF8_PRE_NAMES = ("gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace")
+# An unknown name falls back to the first entry whose hint it contains, else to GPT-2's split.
+_PRE_FALLBACKS = (("llama", "llama-bpe"), ("qwen", "qwen2"), ("deepseek", "deepseek-v3"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,20 +463,37 @@ def _build_byte_level(
     backend = BackendTokenizer(
         BPE(vocab, pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
     )
-    split = _PRE_TOKENIZER_SPLITS.get(pre or "default")
-    if split is not None:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    else:
-        if (pre or "default") not in _GPT2_SPLIT_NAMES:
-            logger.warning("Unknown tokenizer.ggml.pre %r; splitting text like GPT-2", pre)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            *(
+                pre_tokenizers.Split(Regex(split), behavior="isolated")
+                for split in _pre_tokenizer_splits(pre)
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _pre_tokenizer_splits(pre: str | None) -> tuple[str, ...]:
+    """The split regexes for a tokenizer.ggml.pre value; an unknown one gets the closest known."""
+    if not pre:
+        # llama.cpp does the same (and warns that generation quality will suffer).
+        logger.warning(
+            "GGUF file has no tokenizer.ggml.pre; splitting text like llama.cpp's 'default'"
+        )
+        return _PRE_TOKENIZER_SPLITS["default"]
+    if pre in _PRE_TOKENIZER_SPLITS:
+        return _PRE_TOKENIZER_SPLITS[pre]
+    if pre in _RAW_UTF8_PRE_NAMES:
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre {pre!r} is a BPE over raw UTF-8 text in llama.cpp, not over "
+            "GPT-2's byte alphabet; tokenmill does not rebuild it"
+        )
+    fallback = next((name for hint, name in _PRE_FALLBACKS if hint in pre.lower()), "gpt-2")
+    logger.warning("Unknown tokenizer.ggml.pre %r; splitting text like %r instead", pre, fallback)
+    return _PRE_TOKENIZER_SPLITS[fallback]
 
 
 def _add_marked_tokens(
