@@ -13,7 +13,8 @@ this parent process; the mean of the two, which the table shows: a shared VM's b
 drifts from minute to minute).
 Needs `pip install llama-cpp-python` (builds llama.cpp with the machine's gcc, ~8 minutes).
 
-    python benchmarks/vs_llamacpp.py [--quantization none|int8|int4] [--kv-cache-dtype int8]
+    python benchmarks/vs_llamacpp.py [--model FILE.gguf] [--quantization none|int8|int4]
+        [--kv-cache-dtype int8]   (--model: default the embedded gemma-3-270m)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
+def run_tokenmill(model: str, quantization: str | None, kv_cache_dtype: str) -> dict:
     import torch
 
     from tokenmill.bench.workload import run_to_completion
@@ -53,6 +54,7 @@ def run_tokenmill(quantization: str | None, kv_cache_dtype: str) -> dict:
 
     engine = LLMEngine(
         EngineArgs(
+            model=model,
             max_model_len=2048,
             kv_cache_memory="320MiB",
             quantization=quantization,
@@ -200,31 +202,32 @@ def _child(argv: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gemma-3-270m", help="a GGUF file (or the alias)")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--engine", choices=("tokenmill", "llamacpp"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine == "tokenmill":
-        print(json.dumps(run_tokenmill(args.quantization, args.kv_cache_dtype)))
+        print(json.dumps(run_tokenmill(args.model, args.quantization, args.kv_cache_dtype)))
         return
     if args.engine == "llamacpp":
         from tokenmill.config import ModelConfig, resolve_model
         from tokenmill.models.gguf_file import GGUFFile
 
-        source = resolve_model("gemma-3-270m")
+        source = resolve_model(args.model)
         gguf = GGUFFile(source.path)
         config = ModelConfig.from_gguf(source.path, gguf.metadata, gguf.tensor_names())
         out = run_llamacpp(str(source.path), config.vocab_size)
         out["bytes_per_token"] = _gguf_bytes_per_token(str(source.path), config)
         print(json.dumps(out))
         return
-    flags = ["--kv-cache-dtype", args.kv_cache_dtype]
+    flags = ["--model", args.model, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.quantization:
         flags += ["--quantization", args.quantization]
     runs = {}
     for name, argv in (
         ("tokenmill", ["--engine", "tokenmill", *flags]),
-        ("llama.cpp", ["--engine", "llamacpp"]),
+        ("llama.cpp", ["--engine", "llamacpp", "--model", args.model]),
     ):
         before = read_bandwidth_gbs()
         runs[name] = _child(argv)
