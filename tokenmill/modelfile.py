@@ -203,6 +203,8 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q4_K": 0.5 + 8 / 32,  # 4-bit codes, float32 scale and offset / 32
     "Q5_K": 1 + 8 / 32,  # byte codes, float32 scale and offset / 32
     "Q6_K": 1 + 4 / 16,  # byte codes, float32 scale / 16
+    "IQ4_NL": 0.5 + 2 / 32,  # 4-bit table indices, float16 scale / 32
+    "IQ4_XS": 0.5 + 4 / 32,  # 4-bit table indices, float32 scale / 32
 }
 FLOAT32_BYTES = 4.0
 # Tensors kept float whatever their type (norms, biases: 1-D) count as float32.

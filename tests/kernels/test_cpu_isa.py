@@ -4,7 +4,7 @@
 The path is chosen once per process, so the other paths run in a subprocess with
 TOKENMILL_ISA naming them, on the same inputs, and their outputs must equal this process's
 exactly: every packed layout, group size and row count (tiles of 8, 4, 2 and 1 rows, several
-blocks of 64 rows), "q8" with 8-bit and with 7-bit activations (q8_unsigned).
+blocks of 64 rows), "q8" and "n4" with 8-bit and with 7-bit activations (q8_unsigned).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.kernels import cpu_library as kernels
 from tokenmill.quant import Int4QuantMethod
-from tokenmill.quant.gguf_blocks import BLOCK_CODES
+from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES
 from tokenmill.quant.packed import PackedWeight, pack_codes, pack_gguf
 
 pytestmark = [
@@ -41,18 +41,20 @@ def _gguf(ggml_type: int, n: int, k: int) -> PackedWeight:
     blocks = n * k // elems
     g = torch.Generator().manual_seed(ggml_type)
     data = torch.randint(0, 256, (blocks, nbytes), dtype=torch.uint8, generator=g)
-    for off in {14: [208]}.get(ggml_type, [0, 2] if ggml_type >= 12 else [0]):
+    for off in {14: [208]}.get(ggml_type, [0, 2] if ggml_type in (12, 13) else [0]):
         d = (torch.rand(blocks, generator=g) * 0.02).half()
         data[:, off : off + 2] = d.view(torch.uint8).reshape(blocks, 2)
     return pack_gguf(data.reshape(-1), ggml_type, (n, k))
 
 
 def _synthetic(kind: str, group: int, n: int, k: int, f16: bool = False) -> PackedWeight:
-    """Random codes over the kind's whole range ("q8": -128..127, "q4": with offsets) in groups
-    no GGUF type has."""
+    """Random codes over the kind's whole range ("q8": -128..127, "q4": with offsets, "n4": the
+    table's 16) in groups no GGUF type has."""
     g = torch.Generator().manual_seed(group + k)
     low, high = (-128, 128) if kind == "q8" else (0, 16)
     codes = torch.randint(low, high, (n, k), generator=g)
+    if kind == "n4":
+        codes = torch.tensor(IQ4_KVALUES)[codes]
     scales = torch.rand(n, k // group, generator=g) * 0.02
     offsets = torch.rand(n, k // group, generator=g) * 0.1 if kind == "q4" else None
     scales = scales.half() if f16 else scales
@@ -75,12 +77,16 @@ LAYOUTS = {
     "Q4_K q4 G32 offsets K4608": lambda: _gguf(12, 40, 4608),
     "Q5_K u8 z0 G32 offsets": lambda: _gguf(13, 40, 768),
     "Q6_K u8 z32 G16": lambda: _gguf(14, 40, 768),
+    "IQ4_NL n4 f16 G32": lambda: _gguf(20, 40, 640),
+    "IQ4_XS n4 G32": lambda: _gguf(23, 40, 768),
+    "IQ4_XS n4 G32 K4608": lambda: _gguf(23, 40, 4608),
     "q8 G16": lambda: _synthetic("q8", 16, 40, 640),
     "q8 f16 G64": lambda: _synthetic("q8", 64, 40, 192, f16=True),
     "q8 G128": lambda: _synthetic("q8", 128, 40, 640),
     "q8 G256 K4608": lambda: _synthetic("q8", 256, 40, 4608),
     "q4 G64 offsets": lambda: _synthetic("q4", 64, 40, 640),
     "q4 G256 offsets": lambda: _synthetic("q4", 256, 40, 768),
+    "n4 f16 G64": lambda: _synthetic("n4", 64, 40, 192, f16=True),
     "int4 G128": lambda: _int4(128, 40, 640),
 }
 
@@ -104,7 +110,7 @@ def _cases() -> list[tuple[str, int, bool, PackedWeight, torch.Tensor]]:
         assert kernels.supports(w), name
         for m in ROWS:
             x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m)) * 2
-            for unsigned in (False, True) if w.kind == "q8" else (False,):
+            for unsigned in (False, True) if w.kind in ("q8", "n4") else (False,):
                 cases.append((name, m, unsigned, w, x))
     return cases
 

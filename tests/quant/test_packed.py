@@ -14,7 +14,7 @@ from tokenmill.kernels import cpu_library as kernels
 from tokenmill.kernels.cpu_backend import CpuKernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
-from tokenmill.quant.gguf_blocks import BLOCK_CODES
+from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES
 from tokenmill.quant.packed import (
     PackedWeight,
     activation_levels,
@@ -31,6 +31,7 @@ from tokenmill.sampling_params import SamplingParams
 
 GGML_TYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+    "IQ4_NL": 20, "IQ4_XS": 23,
 }  # fmt: skip
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="packed kernel not built here")
 
@@ -41,7 +42,7 @@ def _random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> torch.Ten
     n = rows * cols // elems
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
-    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type >= 12 or ggml_type in (3, 7) else [0])
+    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type in (3, 7, 12, 13) else [0])
     for off in scale_at:
         d = (torch.rand(n, generator=g) * 0.02).half()
         data[:, off : off + 2] = d.view(torch.uint8).reshape(n, 2)
@@ -55,11 +56,14 @@ def test_repacking_is_exact(name: str) -> None:
     w = pack_gguf(raw.reshape(-1), t, (24, 512))
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
-    # 4-bit formats keep half a byte a weight; 5- and 6-bit ones an unsigned byte, Q8_0 int8.
-    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8"}
+    # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5- and 6-bit ones an
+    # unsigned byte, Q8_0 int8.
+    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
     assert w.kind == kinds.get(name, "u8")
-    # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants.
-    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    assert w.codes.numel() == (24 * 256 if w.kind in ("q4", "n4") else 24 * 512)
+    # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants and
+    # IQ4_XS (products of the super-block scale and a sub-block's).
+    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
@@ -103,11 +107,13 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("k", [64, 192, 640, 96])
-@pytest.mark.parametrize("kind", ["q8", "q4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "n4"])
 def test_stored_codes_round_trip(k: int, kind: str) -> None:
     """Codes go into the kernel's lane order (or stay in element order for rows not in 64s)
-    and come back in element order."""
+    and come back in element order ("n4": stored as indices, given back as the table's codes)."""
     codes = torch.randint(-127 if kind == "q8" else 0, 128 if kind == "q8" else 16, (5, k))
+    if kind == "n4":
+        codes = torch.tensor(IQ4_KVALUES)[codes]
     stored = pack_codes(codes, kind)
     assert stored.shape == (5, k if kind == "q8" else k // 2)
     assert torch.equal(unpack_codes(stored, kind, k), codes.to(torch.int16))
@@ -130,20 +136,22 @@ def test_a_rows_result_does_not_depend_on_its_batch(act_int8: bool) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("code", [127, -128])
-def test_int8_codes_at_their_extremes_sum_exactly(code: int) -> None:
-    """The kernel multiplies "q8" codes as bytes code + 128 with maddubs, whose pair sums
-    saturate at 2^15: against activations quantized to [-64, 64] (activation_levels) even the
-    largest codes times the largest activations, 2 · 255 · 64, stay exact."""
+@pytest.mark.parametrize(("kind", "code"), [("q8", 127), ("q8", -128), ("n4", -127), ("n4", 113)])
+@pytest.mark.parametrize("unsigned", [True, False])
+def test_int8_codes_at_their_extremes_sum_exactly(kind: str, code: int, unsigned: bool) -> None:
+    """The kernel multiplies "q8" codes (and "n4" codes, looked up) as bytes code + 128 with
+    maddubs, whose pair sums saturate at 2^15: against activations quantized to [-64, 64]
+    (activation_levels) even the largest codes times the largest activations, 2 · 255 · 64,
+    stay exact; with 8-bit activations they run with sign flips (AVX2) or in int32 (VNNI)."""
     k = 640
     codes = torch.full((3, k), code)
-    w = PackedWeight("q8", pack_codes(codes, "q8"), torch.ones(3, k // 32), None, 32, (3, k))
+    w = PackedWeight(kind, pack_codes(codes, kind), torch.ones(3, k // 32), None, 32, (3, k))
     x = torch.full((2, k), 1.0)
     x[1] = -1.0
-    y = kernels.qgemm(x, w, None, act_int8=True, q8_unsigned=True)
+    y = kernels.qgemm(x, w, None, act_int8=True, q8_unsigned=unsigned)
     torch.testing.assert_close(y, x @ w.dequantize().T, rtol=0, atol=0)
-    _, d = quantize_activations(x, activation_levels(w, q8_unsigned=True))
-    assert torch.equal(d, torch.full_like(d, 1 / 64))
+    _, d = quantize_activations(x, activation_levels(w, q8_unsigned=unsigned))
+    assert torch.equal(d, torch.full_like(d, 1 / 64 if unsigned else 1 / 127))
 
 
 @needs_kernel

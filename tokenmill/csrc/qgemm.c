@@ -3,10 +3,11 @@
  * int8 mode's dot products run on AVX512-VNNI or AVX-VNNI where the CPU has it (below).
  *
  * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
- * where the file's own scales are float16: Q8_0, Q5_0, Q4_0) and optionally a float32 offset
- * per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit 2: bytes
- * holding code + z, 0..63 ("u8", z in bits 8-15); else int8 codes ("q8"); bit 1: float16
- * scales.
+ * where the file's own scales are float16: Q8_0, Q5_0, Q4_0, IQ4_NL) and optionally a float32
+ * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit
+ * 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit 3: 4-bit indices, stored as
+ * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); else int8 codes
+ * ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -17,7 +18,9 @@
  * chunk scales are applied once per block, 8 chunks at a time (the multiplier ports, which
  * also run the float work, are what bounds this kernel).
  *   "q8", "u8": code vector u is the 32 bytes at 32·u in the block;
- *   "q4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the high.
+ *   "q4", "n4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the
+ *   high. "n4" indices become int8 codes with one pshufb against the table (iq4_codes), and
+ *   are then multiplied exactly as "q8" codes are, sign flips, unsigned code + 128 and all.
  * maddubs multiplies unsigned by signed bytes. "q4" and "u8" bytes are unsigned already and
  * small enough (<= 63: 2 · 2 · 63 · 127 < 2^15) that two maddubs sums add in int16 before one
  * madd: 0.85 cycles a pair of 32-byte vectors. "q8" codes take a sign flip per product pair
@@ -156,6 +159,31 @@ TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0
     return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
 }
 
+/* IQ4's codes (quant/gguf_blocks.py: IQ4_KVALUES), index 0..15 -> int8. */
+#define TM_IQ4_KVALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
+
+/* "n4": 32 indices 0..15 -> their int8 codes (pshufb looks up within each 128-bit half). */
+TM_TARGET TM_INLINE __m256i iq4_codes(__m256i idx) {
+    return _mm256_shuffle_epi8(_mm256_setr_epi8(TM_IQ4_KVALUES, TM_IQ4_KVALUES), idx);
+}
+
+/* Code vector u as bytes for tile_int8 / widen_codes' KIND (0 "q8", 1 "q4", 2 "u8", 3 "q8" run
+ * unsigned, 4 "n4", 5 "n4" run unsigned): "n4" indices looked up, signed like "q8". */
+TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0, int u) {
+    if (kind == 4 || kind == 5) return iq4_codes(code_vector(1, row, c0, u));
+    return code_vector(kind == 1, row, c0, u);
+}
+
+/* Bytes a row of K codes takes for a KIND (kind_vector). */
+static inline int64_t row_bytes(int kind, int64_t K) {
+    return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
+}
+
+/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8" or 4 "n4" (the weight's layout). */
+static inline int layout_kind(int kind) {
+    return kind & 1 ? 1 : kind & 4 ? 2 : kind & 8 ? 4 : 0;
+}
+
 /* Scale i of a row's scales (float16 or float32). */
 TM_TARGET TM_INLINE float scale_at(const void *s, int64_t i, int f16) {
     return f16 ? _cvtsh_ss(((const uint16_t *)s)[i]) : ((const float *)s)[i];
@@ -272,8 +300,8 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 }
 
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below); G16 for
- * 16-element groups (the k-quants: float32 scales); F16 for float16 scales. */
+ * unsigned (below), 4 "n4", 5 "n4" run unsigned; G16 for 16-element groups (the k-quants:
+ * float32 scales; never "q4" or "n4"); F16 for float16 scales. */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
         if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                             \
@@ -284,6 +312,10 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
         else if ((kind) == 3 && (G) == 16) EXPAND(3, 1, 0)                                    \
         else if ((kind) == 3 && (f16)) EXPAND(3, 0, 1)                                        \
         else if ((kind) == 3) EXPAND(3, 0, 0)                                                 \
+        else if ((kind) == 4 && (f16)) EXPAND(4, 0, 1)                                        \
+        else if ((kind) == 4) EXPAND(4, 0, 0)                                                 \
+        else if ((kind) == 5 && (f16)) EXPAND(5, 0, 1)                                        \
+        else if ((kind) == 5) EXPAND(5, 0, 0)                                                 \
         else if ((G) == 16) EXPAND(0, 1, 0)                                                   \
         else if (f16) EXPAND(0, 0, 1)                                                         \
         else EXPAND(0, 0, 0)                                                                  \
@@ -304,12 +336,14 @@ static inline int64_t tile_start(int64_t M, int64_t m, int most) {
     return m0;
 }
 
-/* Code vector u's 32 codes as 4 int32 vectors (vector k: lanes 2k, 2k + 1), zero point removed. */
+/* Code vector u's 32 codes (kind_vector) as 4 int32 vectors (vector k: lanes 2k, 2k + 1), zero
+ * point removed. */
 TM_TARGET TM_INLINE void widen_codes(int kind, int z, __m256i codes, __m256i wi[4]) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const int is_signed = kind == 0 || kind == 4 || kind == 5;
     for (int k = 0; k < 4; k++) {
-        wi[k] = kind == 0 ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
+        wi[k] = is_signed ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
         if (z) wi[k] = _mm256_sub_epi32(wi[k], _mm256_set1_epi32(z));
     }
 }
@@ -338,7 +372,7 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
         }
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
-            widen_codes(kind, z, code_vector(kind == 1, row, c0, u), wi);
+            widen_codes(kind, z, kind_vector(kind, row, c0, u), wi);
             const int h = g16 && u >= t / 2;
             for (int k = 0; k < 4; k++) {
                 __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), lane_pair(sc[h], k));
@@ -404,7 +438,8 @@ TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
- * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128).
+ * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
+ * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3).
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
  * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
@@ -455,18 +490,19 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
                     else ia[i] = dot1(ISA, ia[i], w, x);
                 }
             }
-        } else if (KIND == 0 || KIND == 3) {
+        } else if (KIND != 1) { /* int8 codes: "q8", or "n4" looked up */
+            const int unsig = KIND == 3 || KIND == 5, vbytes = KIND >= 4 ? 16 : 32;
             for (int u = 0; u < t; u++) {
-                if (RA == 1) _mm_prefetch((const char *)(row + c0 * 32 + u * 32 + TM_PREFETCH), _MM_HINT_T0);
+                if (RA == 1) _mm_prefetch((const char *)(row + (c0 + u) * vbytes + TM_PREFETCH), _MM_HINT_T0);
                 prefetch_x(xpf, xq + (c0 + u) * RA * 32, RA * 32);
-                __m256i w = code_vector(0, row, c0, u), aw;
-                if (KIND == 3) /* code + 128 as an unsigned byte: the top bit flipped */
+                __m256i w = kind_vector(KIND, row, c0, u), aw;
+                if (unsig) /* code + 128 as an unsigned byte: the top bit flipped */
                     w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
                 else
                     aw = _mm256_sign_epi8(w, w);
                 for (int i = 0; i < RA; i++) {
                     __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
-                    __m256i wu = KIND == 3 ? w : aw, xs = KIND == 3 ? x : _mm256_sign_epi8(x, w);
+                    __m256i wu = unsig ? w : aw, xs = unsig ? x : _mm256_sign_epi8(x, w);
                     if (G16 && u >= t / 2) ib[i] = dot1(ISA, ib[i], wu, xs);
                     else ia[i] = dot1(ISA, ia[i], wu, xs);
                 }
@@ -538,7 +574,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             for (int k = 0; k < 4; k++) sk[h][k] = lane_pair(sc[h], k);
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
-            widen_codes(KIND, KIND == 2 ? z : 0, code_vector(KIND == 1, row, c0, u), wi);
+            widen_codes(KIND, KIND == 2 ? z : 0, kind_vector(KIND, row, c0, u), wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -556,7 +592,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
                                   int64_t m0, int64_t m1, const float *xp, float *out,
                                   int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
+    const int64_t ng = K / G, wrow = row_bytes(kind, K);
     /* x rows RA_MAX at a time (each weight row widened once for all), then 4, 2, 1 */
 #define TM_ROWS(KIND, G16, F16)                                                               \
     for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
@@ -606,7 +642,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
 
 TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
+    const int64_t ng = K / G, wrow = row_bytes(kind, K);
     TM_BY_LAYOUT(TM_TILES, kind, f16, G);
 }
 #undef TM_TILES
@@ -654,16 +690,19 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
                        const uint8_t *w, const void *scales, const float *offsets, int64_t G,
                        const float *bias, float *y, int act_int8) {
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
-    kind = kind & 1 ? 1 : kind & 4 ? 2 : 0; /* tile_int8's KIND: "q8", "q4", "u8" */
+    kind = layout_kind(kind);
     /* act_int8 = 2: "q8" codes run as unsigned bytes code + 128 (KIND 3, zero point 128, as
      * "u8"): maddubs then needs no sign flip per product pair (an isolated loop: 1.32 cycles a
      * pair of vectors, 2.05 with the flip), and one sum of two products, at most 2 · 255 · 64 <
      * 2^15, stays exact with activations in [-64, 64]: 7 bits instead of 8. With VNNI, whose
      * sums of products are int32, they run so against 8-bit activations too (act_int8 = 1):
-     * the same integer sums as the sign flips give, one instruction less a vector and row. */
-    const int ikind = kind == 0 && (act_int8 == 2 || qgemm_isa != ISA_AVX2) ? 3 : kind;
-    const int zx = ikind == 3 ? 128 : kind == 2 ? z : 0; /* the zero point the sums remove */
-    const float qmax = kind == 0 && act_int8 == 2 ? 64.0f : 127.0f;
+     * the same integer sums as the sign flips give, one instruction less a vector and row.
+     * "n4" codes, int8 once looked up, run as "q8" do (KIND 5: unsigned). */
+    const int int8_codes = kind == 0 || kind == 4;
+    const int unsig = int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
+    const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
+    const int zx = unsig ? 128 : kind == 2 ? z : 0; /* the zero point the sums remove */
+    const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;
@@ -759,8 +798,8 @@ TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, cons
                                const void *scales, const float *offsets, int64_t G,
                                float *out) {
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
-    kind = kind & 1 ? 1 : kind & 4 ? 2 : 0;
-    const int64_t ng = K / G, wrow = kind == 1 ? K / 2 : K;
+    kind = layout_kind(kind);
+    const int64_t ng = K / G, wrow = row_bytes(kind, K);
 #pragma omp parallel for schedule(static) if (n1 - n0 > 1)
     for (int64_t n = n0; n < n1; n++)
         dequant_row(kind, f16, z, K, G, w + n * wrow, row_scales(scales, n, ng, f16),

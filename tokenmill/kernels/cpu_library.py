@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1, "u8": 4}
+_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
@@ -156,8 +156,8 @@ def supports(w: PackedWeight) -> bool:
     n, k = w.shape
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
-    # float16 scales come from Q8_0 / Q5_0 / Q4_0 only: 32-element groups; 16-element groups
-    # from Q6_K only (byte codes, "u8").
+    # float16 scales come from Q8_0 / Q5_0 / Q4_0 / IQ4_NL only: 32-element groups;
+    # 16-element groups from Q6_K only (byte codes, "u8").
     scales_ok = w.scales.dtype == torch.float32 or (
         w.scales.dtype == torch.float16 and w.group % 32 == 0
     )
@@ -167,14 +167,14 @@ def supports(w: PackedWeight) -> bool:
         and k % 64 == 0
         and group_ok
         and scales_ok
-        and not (w.kind == "q4" and w.group == 16)
+        and not (w.kind in ("q4", "n4") and w.group == 16)
         and w.codes.device.type == "cpu"
     )
 
 
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
-    bits 8-15), bit 1 for float16 scales."""
+    bits 8-15), bit 3 for "n4" indices (4-bit, into IQ4's table), bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 
@@ -188,7 +188,8 @@ def qgemm(
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 with the C kernel (for ``supports(w)``), into
     ``out`` when given (float32, contiguous, [M, N]). ``q8_unsigned`` (with int8 activations):
-    "q8" codes run as unsigned bytes against 7-bit activations, faster (packed.activation_levels).
+    "q8" (and "n4") codes run as unsigned bytes against 7-bit activations, faster
+    (packed.activation_levels).
     """
     lib = library()
     assert lib is not None  # the backend checked supports(w)

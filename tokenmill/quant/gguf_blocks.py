@@ -1,4 +1,5 @@
-"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+IQ4_NL, IQ4_XS.
 
 Every format is, per group of 16 or 32 elements, ``w = scale · code - offset`` with small
 integer codes. ``unpack_codes`` returns exactly that triple for whole blocks (raw bytes as a
@@ -10,7 +11,10 @@ codes elsewhere (quant/packed.py) loses nothing.
 Layouts (bytes): Q4_0 = f16 d | 16 nibble pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
 Q8_0 = f16 d | 32 int8; Q4_1 and Q5_1 as Q4_0 and Q5_0 with an f16 min m after d, unsigned
 codes, w = d · code + m (so the offset is -m). K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
-mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks.
+mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks. IQ4_NL is Q4_0's layout whose
+4-bit indices pick a code from a fixed non-uniform table (IQ4_KVALUES); IQ4_XS puts 8 such
+32-element sub-blocks in a 256-element super-block: f16 d | u16 high scale bits | 4 bytes low
+scale bits | 128 bytes of nibble pairs, sub-block scale d · (ls - 32) with a 6-bit ls.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 QK_K = 256
+# IQ4_NL / IQ4_XS: the code each 4-bit index stands for (ggml's kvalues_iq4nl), ascending.
+IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(slots=True)
@@ -126,6 +132,26 @@ def codes_q6_k(blocks: torch.Tensor) -> BlockCodes:
     return BlockCodes(q, _f16(blocks[:, 208:210]) * scales, None, 16)
 
 
+def iq4_values(idx: torch.Tensor) -> torch.Tensor:
+    """IQ4 indices 0..15 (any integer dtype) -> their codes, int16."""
+    table = torch.tensor(IQ4_KVALUES, dtype=torch.int16, device=idx.device)
+    return table[idx.long()]
+
+
+def codes_iq4_nl(blocks: torch.Tensor) -> BlockCodes:
+    q = iq4_values(_nibbles(blocks[:, 2:], 16))
+    return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
+
+
+def codes_iq4_xs(blocks: torch.Tensor) -> BlockCodes:
+    low = _nibbles(blocks[:, 4:8], 1).to(torch.int32)  # [n, 8]: sub-block j in byte j / 2
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]: 2 bits each
+    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
+    ls = (low | (high << 4)) - 32
+    q = iq4_values(_nibbles(blocks[:, 8:], 16))
+    return BlockCodes(q, _f16(blocks[:, :2]) * ls.float(), None, 32)
+
+
 # ggml type id -> (elements per block, bytes per block, code unpacker)
 BLOCK_CODES: dict[int, tuple[int, int, Callable[[torch.Tensor], BlockCodes]]] = {
     2: (32, 18, codes_q4_0),
@@ -136,6 +162,8 @@ BLOCK_CODES: dict[int, tuple[int, int, Callable[[torch.Tensor], BlockCodes]]] = 
     12: (QK_K, 144, codes_q4_k),
     13: (QK_K, 176, codes_q5_k),
     14: (QK_K, 210, codes_q6_k),
+    20: (32, 18, codes_iq4_nl),
+    23: (QK_K, 136, codes_iq4_xs),
 }
 
 

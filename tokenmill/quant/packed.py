@@ -3,19 +3,22 @@
     w[n, k] = scales[n, k // G] · code[n, k] - offsets[n, k // G]
 
 One layout serves every packed scheme: GGUF's block formats are repacked into it at load with
-their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0, Q4_0, so
-the output head reads half the scale bytes), and int8 / int4 are quantized into it. ``kind``
-says how codes are stored:
+their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0, Q4_0,
+IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quantized into it.
+``kind`` says how codes are stored:
   "q8": int8 codes [N, K] (GGUF Q8_0; int8);
   "u8": bytes code + ``zero``, 0..63 [N, K] (GGUF Q5_0: zero 16, Q6_K: 32, Q5_K: 0): the
         kernel multiplies them unsigned, cheaper than signed codes (csrc/qgemm.c);
-  "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4).
+  "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4);
+  "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
+        (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8".
 Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
 csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chunks of 32 so
-that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" then packs each pair of
-32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
-element order ("q4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
-Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order.
+that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" and "n4" then pack each pair
+of 32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
+element order ("q4", "n4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
+Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order
+("n4": the table's codes, not the indices).
 The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
 ``reference_matmul`` is its pure-torch twin, the torch kernel backend's path and the oracle of
 the tests.
@@ -28,13 +31,13 @@ from functools import lru_cache
 
 import torch
 
-from tokenmill.quant.gguf_blocks import BLOCK_CODES, BlockCodes
+from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES, BlockCodes, iq4_values
 
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q4"
-    codes: torch.Tensor  # int8 [N, K], uint8 [N, K] ("u8") or uint8 [N, K // 2] ("q4")
+    kind: str  # "q8" | "u8" | "q4" | "n4"
+    codes: torch.Tensor  # int8 [N, K], uint8 [N, K] ("u8") or uint8 [N, K // 2] ("q4", "n4")
     scales: torch.Tensor  # float32 or float16 [N, K // G]
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
@@ -146,8 +149,11 @@ def _element_order(k: int, device: torch.device) -> torch.Tensor | None:
 
 def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
     """Integer codes [N, K] in element order -> stored codes ("q8": int8 [N, K]; "u8": code +
-    zero as uint8 [N, K]; "q4": codes 0..15 as uint8 [N, K/2])."""
+    zero as uint8 [N, K]; "q4": codes 0..15 as uint8 [N, K/2]; "n4": codes of IQ4_KVALUES,
+    stored as their indices as "q4")."""
     n, k = codes.shape
+    if kind == "n4":
+        codes = _iq4_indices(codes)
     order = lane_order(k)
     if order is not None:
         codes = codes[:, order.to(codes.device)]
@@ -165,24 +171,38 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
 def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torch.Tensor:
     """``pack_codes`` undone: int16 codes [N, K] in element order."""
     n = stored.shape[0]
-    if kind != "q4":
+    if kind not in ("q4", "n4"):
         codes = stored.to(torch.int16) - zero
     else:
         half = 32 if k % 64 == 0 else 16
         pairs = stored.reshape(n, -1, 1, half)
         shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
         codes = ((pairs >> shifts) & 0x0F).reshape(n, k).to(torch.int16)
+        if kind == "n4":
+            codes = iq4_values(codes)
     inverse = _element_order(k, stored.device)
     return codes if inverse is None else codes[:, inverse]
+
+
+def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
+    """Codes of IQ4_KVALUES -> their indices 0..15 (ValueError for any other code)."""
+    table = torch.tensor(IQ4_KVALUES, dtype=torch.int16, device=codes.device)
+    codes = codes.to(torch.int16)
+    idx = torch.searchsorted(table, codes).clamp_(max=15)
+    if not torch.equal(table[idx], codes):
+        raise ValueError('"n4" codes must be values of IQ4_KVALUES')
+    return idx
 
 
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 and Q4_K unsigned 0..15): packed
 # two a byte.
 FOUR_BIT_TYPES = (2, 3, 12)
-# ggml types whose block scale is a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): kept float16,
-# exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too). The k-quants'
-# scales are products (super-block scale times a small integer): float32.
-FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8)
+# ggml types whose 4-bit indices pick a code from a table (IQ4_NL, IQ4_XS): "n4".
+IQ4_TYPES = (20, 23)
+# ggml types whose block scale is a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): kept
+# float16, exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too). The
+# k-quants' and IQ4_XS's scales are products (super-block scale times a small integer): float32.
+FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8, 20)
 # ggml types whose codes fit 6 bits: stored as bytes code + zero ("u8"): Q5_0 (-16..15),
 # Q5_1 and Q5_K (0..31), Q6_K (-32..31).
 BYTE_ZERO = {6: 16, 7: 0, 13: 0, 14: 32}
@@ -195,12 +215,17 @@ def from_block_codes(
     four_bit: bool,
     f16_scales: bool = False,
     zero: int | None = None,
+    table: bool = False,
 ) -> PackedWeight:
     """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order); byte
-    codes as "u8" with ``zero`` where given (6-bit codes), else "q8"."""
+    codes as "u8" with ``zero`` where given (6-bit codes), else "q8"; with ``table`` (IQ4) the
+    codes, values of IQ4_KVALUES, as "n4"."""
     codes = bc.codes.reshape(rows, cols)
     scales = bc.scales.reshape(rows, -1).contiguous()
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
+    if table:
+        scales = scales.half() if f16_scales else scales
+        return PackedWeight("n4", pack_codes(codes, "n4"), scales, offsets, bc.group, (rows, cols))
     if not four_bit:
         scales = scales.half() if f16_scales else scales
         if zero is not None:
@@ -224,12 +249,11 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     blocks = raw.reshape(rows, cols // elems * nbytes)
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
     four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
-    zero = BYTE_ZERO.get(ggml_type)
+    zero, table = BYTE_ZERO.get(ggml_type), ggml_type in IQ4_TYPES
     out: PackedWeight | None = None
     for start, part in zip(range(0, rows, chunk), blocks.split(chunk)):
-        p = from_block_codes(
-            unpack(part.reshape(-1, nbytes)), len(part), cols, four_bit, f16_scales, zero
-        )
+        bc = unpack(part.reshape(-1, nbytes))
+        p = from_block_codes(bc, len(part), cols, four_bit, f16_scales, zero, table)
         if out is None:  # filled in place: a list of parts and a cat held the tensor twice
             out = PackedWeight(
                 p.kind,
@@ -347,8 +371,9 @@ def _round_to_grid(w: torch.Tensor, s: torch.Tensor, lo: torch.Tensor) -> torch.
 
 def activation_levels(w: PackedWeight, q8_unsigned: bool) -> int:
     """The largest int8 activation code the kernel's int8 mode uses against ``w``: 64 for "q8"
-    weights run unsigned (codes + 128, no sign flip per product; csrc/qgemm.c), else 127."""
-    return 64 if q8_unsigned and w.kind == "q8" else 127
+    (and "n4", whose table codes run as "q8") weights run unsigned (codes + 128, no sign flip
+    per product; csrc/qgemm.c), else 127."""
+    return 64 if q8_unsigned and w.kind in ("q8", "n4") else 127
 
 
 def quantize_activations(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
