@@ -157,3 +157,40 @@ def test_bad_tool_requests_are_400s(client: openai.OpenAI, extra, param) -> None
             model=MODEL_NAME, messages=MESSAGES, max_tokens=5, extra_body=extra
         )
     assert exc.value.body["param"] == param
+
+
+LLAMA3_TEMPLATE = (
+    "{% if tools %}Functions: {{ tools | tojson }}\n"
+    'Call one as {"name": ..., "parameters": ...} (or after <|python_tag|>).\n{% endif %}'
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+)
+
+
+def test_a_llama3_template_gets_calls_in_its_own_format(tiny_model_dir, tmp_path) -> None:
+    """A template that reads tools and speaks Llama 3's JSON calls (<|python_tag|>): the
+    grammar writes {"name", "parameters"} objects, which come back as tool_calls."""
+    import shutil
+
+    model = tmp_path / "llama3-tools"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = LLAMA3_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with running_server(model, engine_overrides={"max_model_len": 512}) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        full = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=90,
+            tool_choice={"type": "function", "function": {"name": "weather"}}, seed=3,
+        )  # fmt: skip
+        (choice,) = full.choices
+        assert choice.finish_reason == "tool_calls"
+        check_calls(choice.message.tool_calls, {"weather"})
+        for seed in range(4):
+            auto = client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=60, seed=seed
+            )
+            (choice,) = auto.choices
+            if choice.message.tool_calls:  # a reply that began with "{" is a valid call
+                check_calls(choice.message.tool_calls, {"weather"})
+            elif choice.finish_reason == "stop":
+                assert not (choice.message.content or "").lstrip().startswith("{")

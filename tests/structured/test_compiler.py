@@ -74,3 +74,40 @@ def test_auto_tool_grammar_is_free_until_a_call_starts(compiler) -> None:
     assert matcher.accept(good) == len(good)
     after = tok.encode(" Done.", add_special_tokens=False)
     assert matcher.accept(after) == len(after)
+
+
+def test_llama3_json_tool_grammars(compiler) -> None:
+    """Llama 3's format: a reply that begins with "{" is a call {"name", "parameters"} of an
+    offered function (several joined by "; "); any other reply is free text. tool_choice
+    required writes calls only."""
+    from tokenmill.server.tools import Tool, auto_grammar, call_grammar, parse_tool_calls
+
+    tool = Tool("f", "", {"type": "object", "properties": {"x": {"type": "integer"}},
+                          "required": ["x"], "additionalProperties": False})  # fmt: skip
+    tok = compiler.tokenizer
+
+    def taken(spec: StructuredOutputs, text: str) -> tuple[int, int, bool]:
+        """(tokens accepted, tokens, whether the end of sequence may follow)."""
+        matcher = compiler.compile(spec).matcher()
+        ids = tok.encode(text, add_special_tokens=False)
+        n = matcher.accept(ids)
+        bitmask = allocate_bitmask(1, VOCAB)
+        fill_row(bitmask, 0, matcher)
+        return n, len(ids), is_allowed(bitmask, 0, EOS[0])
+
+    calls = '{"name": "f", "parameters": {"x": 3}}; {"name": "f", "parameters": {"x": 4}}'
+    n, total, done = taken(auto_grammar([tool], "llama3_json"), calls)
+    assert n == total and done
+    content, parsed = parse_tool_calls(calls, "llama3_json")
+    assert content is None and [c.arguments for c in parsed] == ['{"x": 3}', '{"x": 4}']
+    n, total, _ = taken(auto_grammar([tool], "llama3_json"), "It is sunny {today}.")
+    assert n == total  # free text
+    n, total, _ = taken(
+        auto_grammar([tool], "llama3_json"), '{"name": "f", "parameters": {"x": "a"'
+    )
+    assert n < total  # a started call follows the schema
+    required = call_grammar([tool], parallel=False, fmt="llama3_json")
+    n, total, done = taken(required, '{"name": "f", "parameters": {"x": 1}}')
+    assert n == total and done
+    n, total, _ = taken(required, "No call.")
+    assert n < total

@@ -235,8 +235,9 @@ class OllamaServing:
                 template_kwargs = {"tools": [t.as_dict() for t in tools]}
             else:  # a generic system prompt in the Hermes format (server/tools.py)
                 messages, parser = tools_mod.generic_messages(messages, tools), "hermes"
-            if parser == "hermes" and body.format is None:
-                calls_format = tools_mod.auto_grammar(tools)  # a started call follows its schema
+            if parser in tools_mod.CONSTRAINED_FORMATS and body.format is None:
+                # A started call follows its schema.
+                calls_format = tools_mod.auto_grammar(tools, parser)
 
         def prepare() -> tuple[list[int], PreparedRequest]:
             try:

@@ -228,7 +228,13 @@ class OpenAIServing:
         if not tools:
             return params, messages, {}, None
         template = engine.tokenizer.chat_template
-        parser = tools_mod.pick_parser(template, self.config.tool_call_parser)
+        reads_tools = tools_mod.template_reads_tools(template)
+        # A template without tools gets the generic prompt, which teaches Hermes' format.
+        parser = (
+            tools_mod.pick_parser(template, self.config.tool_call_parser)
+            if reads_tools
+            else "hermes"
+        )
         if mode in ("required", "named"):
             if params.structured_outputs is not None:
                 raise bad_request(
@@ -237,13 +243,14 @@ class OpenAIServing:
                 )
             # A named function is called once; "required" may call several when allowed.
             parallel = mode == "required" and body.parallel_tool_calls is not False
-            grammar = tools_mod.call_grammar(tools, parallel)
+            parser = tools_mod.constrained_format(parser)  # the format the grammar writes
+            grammar = tools_mod.call_grammar(tools, parallel, parser)
             params = dataclasses.replace(params, structured_outputs=grammar)
-            parser = "hermes"  # the grammar writes that format
-        elif params.structured_outputs is None and parser == "hermes":
+        elif params.structured_outputs is None and parser in tools_mod.CONSTRAINED_FORMATS:
             # "auto": a call, once the model starts one, follows the functions' schemas.
-            params = dataclasses.replace(params, structured_outputs=tools_mod.auto_grammar(tools))
-        if tools_mod.template_reads_tools(template):
+            grammar = tools_mod.auto_grammar(tools, parser)
+            params = dataclasses.replace(params, structured_outputs=grammar)
+        if reads_tools:
             return params, messages, {"tools": [t.as_dict() for t in tools]}, parser
         if not self._logged_generic_tools:
             self._logged_generic_tools = True

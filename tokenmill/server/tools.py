@@ -106,20 +106,43 @@ def chosen_tools(tools: list[Tool], tool_choice: Any) -> tuple[list[Tool], str]:
     return match, "named"
 
 
-def call_grammar(tools: list[Tool], parallel: bool) -> StructuredOutputs:
-    """One call (or, with parallel calls, one or more) of these tools in the hermes format,
-    the arguments valid under each function's parameters schema."""
-    call = f'"{CALL_OPEN}\\n" %json {json.dumps(_call_schema(tools))} "\\n{CALL_CLOSE}"'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+# The formats a call grammar can write: Hermes' tagged JSON, and Llama 3's bare JSON objects
+# ({"name": ..., "parameters": ...}; several joined by "; "). Mistral's [TOOL_CALLS] is a
+# control token its tokenizers drop from the text, so its calls are written as Hermes'.
+CONSTRAINED_FORMATS = ("hermes", "llama3_json")
+
+
+def constrained_format(parser: str) -> str:
+    """The format the grammar writes calls in for a template read by ``parser``."""
+    return parser if parser in CONSTRAINED_FORMATS else "hermes"
+
+
+def call_grammar(tools: list[Tool], parallel: bool, fmt: str = "hermes") -> StructuredOutputs:
+    """One call (or, with parallel calls, one or more) of these tools in format ``fmt``
+    (CONSTRAINED_FORMATS), the arguments valid under each function's parameters schema."""
+    if fmt == "llama3_json":
+        call = f"%json {json.dumps(_call_schema(tools, 'parameters'))}"
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+    else:
+        call = f'"{CALL_OPEN}\\n" %json {json.dumps(_call_schema(tools))} "\\n{CALL_CLOSE}"'
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return StructuredOutputs(grammar=f"{start}\ncall: {call}")
 
 
-def auto_grammar(tools: list[Tool]) -> StructuredOutputs:
-    """Free text, until the model writes ``<tool_call>``: from there on a valid call (the
-    arguments following the function's schema), then free text again. llguidance's
-    structural tags: a lazy lexeme triggers the call's grammar."""
+def auto_grammar(tools: list[Tool], fmt: str = "hermes") -> StructuredOutputs:
+    """Hermes: free text, until the model writes ``<tool_call>``: from there on a valid call
+    (the arguments following the function's schema), then free text again (llguidance's
+    structural tags: a lazy lexeme triggers the call's grammar). Llama 3 JSON: a reply that
+    begins with "{" is a call (as ``parse_tool_calls`` reads it), any other is free text."""
     from llguidance import StructTag
 
+    if fmt == "llama3_json":
+        calls = call_grammar(tools, parallel=True, fmt=fmt).grammar
+        assert calls is not None
+        return StructuredOutputs(
+            grammar=calls.replace("start: call", "start: TEXT | call", 1)
+            + "\nTEXT: /[^{\\s][\\s\\S]*/"
+        )
     tag = StructTag(
         trigger=CALL_OPEN,
         begin=CALL_OPEN + "\n",
@@ -131,12 +154,14 @@ def auto_grammar(tools: list[Tool]) -> StructuredOutputs:
     return StructuredOutputs(grammar=StructTag.to_grammar([tag], assume_special=False))
 
 
-def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+def _call_schema(tools: list[Tool], arguments: str = "arguments") -> dict[str, Any]:
+    """A call of one of ``tools``: {"name": ..., <arguments>: {...}} (Llama 3 names the
+    arguments "parameters")."""
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": t.name}, arguments: t.parameters},
+            "required": ["name", arguments],
             "additionalProperties": False,
         }
         for t in tools
