@@ -23,6 +23,7 @@ setup(
                 "tokenmill/csrc/qgemm.c",
                 "tokenmill/csrc/decode_ops.c",
                 "tokenmill/csrc/graph.c",
+                "tokenmill/csrc/half.c",
                 "tokenmill/csrc/moe.c",
             ],
             depends=["tokenmill/csrc/simd.h"],

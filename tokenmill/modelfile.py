@@ -195,6 +195,8 @@ GGUF_FILE_TYPES = {
 # quant/packed.py: codes, then a float16 or float32 scale, and a float32 offset, per group);
 # types tokenmill does not keep packed are dequantized to float32.
 RESIDENT_BYTES_PER_WEIGHT = {
+    "F16": 2,  # kept as halves (csrc/half.c)
+    "BF16": 2,
     "Q8_0": 1 + 2 / 32,  # int8 codes, float16 scale / 32
     "Q5_0": 1 + 2 / 32,  # byte codes, float16 scale / 32
     "Q4_0": 0.5 + (2 + 4) / 32,  # 4-bit codes, float16 scale and float32 offset / 32

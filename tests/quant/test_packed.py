@@ -386,3 +386,34 @@ def test_packed_weight_takes_its_bias_into_the_kernel() -> None:
     layer.fold_bias_()
     assert layer.bias is None and layer.quant_state.bias is not None
     torch.testing.assert_close(layer(x), before, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_half_weights_stay_halves_and_compute_exactly(kind: str) -> None:
+    """GGUF F16 / BF16 tensors are kept as their halves (2 bytes a weight) and computed
+    widened: the kernel equals the float32 matmul of the widened weight up to summation order,
+    at decode sizes and, in tiles through the float GEMM, at prefill sizes; embedding rows are
+    the widened rows exactly."""
+    from tokenmill.kernels.cpu_backend import CpuKernelBackend
+    from tokenmill.kernels.torch_backend import TorchKernelBackend
+    from tokenmill.quant.packed import HALF_KINDS, pack_half
+
+    dtype = HALF_KINDS[kind]
+    n, k = 48, 200  # not a multiple of 8: the kernel's tail too
+    halves = torch.randn(n, k).to(dtype)
+    ggml_type = {"f16": 1, "bf16": 30}[kind]
+    w = pack_half(halves.view(torch.int16).view(torch.uint8).reshape(-1), ggml_type, (n, k))
+    assert w.kind == kind and w.nbytes == n * k * 2
+    assert torch.equal(w.dequantize(), halves.float())
+    backends = [TorchKernelBackend()] + ([CpuKernelBackend()] if kernels.available() else [])
+    bias = torch.randn(n)
+    for m in (1, 3, 9, 130):
+        x = torch.randn(m, k)
+        exact = x @ halves.float().T + bias
+        for backend in backends:
+            y = backend.packed_matmul(x, w, bias, act_int8=True)  # halves ignore act_int8
+            torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([3, 0, 47, 3])
+    for backend in backends:
+        rows = backend.packed_embedding(w, ids, 2.0)
+        assert torch.equal(rows, halves.float()[ids] * 2.0)

@@ -42,9 +42,16 @@ enum {
     OP_KV_WRITE_Q8,
     OP_MOE_ROUTE,
     OP_MOE_EXPERTS,
+    OP_HALF_GEMM,
+    OP_HALF_ROWS,
 };
 enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
 
+/* half.c's float16 / bfloat16 weights. */
+void tm_half_gemm(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, int bf16,
+                  const float *bias, float *y);
+void tm_half_rows(const int64_t *ids, int64_t n, int64_t K, const uint16_t *table, int bf16,
+                  float mult, float *out);
 /* The kernels of qgemm.c, decode_ops.c and moe.c. */
 int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
              const void *scales, const float *offsets, int64_t G, const float *bias, float *y,
@@ -291,6 +298,12 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
         case OP_MOE_EXPERTS:
             rc = tm_moe_experts(a[0], a[1], P(2), a[3], P(4), P(5), P(6), (int)a[7], (int)a[8],
                                 P(9), P(10), P(11), P(12), P(13));
+            break;
+        case OP_HALF_GEMM:
+            tm_half_gemm(a[0], a[1], a[2], P(3), P(4), (int)a[5], P(6), P(7));
+            break;
+        case OP_HALF_ROWS:
+            tm_half_rows(P(0), a[1], a[2], P(3), (int)a[4], f32(a[5]), P(6));
             break;
         default:
             return -1;

@@ -16,6 +16,7 @@ in the torch twin, which calls packed_matmul per expert.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_library as lib
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.quant.packed import HALF_KINDS
 
 if TYPE_CHECKING:
     from tokenmill.quant.packed import PackedWeight
@@ -115,6 +117,11 @@ class CpuKernelBackend(TorchKernelBackend):
         out: torch.Tensor | None = None,
         q8_unsigned: bool = False,
     ) -> torch.Tensor:
+        if w.kind in HALF_KINDS and w.codes.is_contiguous() and w.codes.device.type == "cpu":
+            # Halves: the kernel reads each weight once per call; many rows: float GEMM tiles.
+            if x.shape[0] < FLOAT_GEMM_MIN_ROWS:
+                return lib.half_gemm(x, w, bias, out)
+            return _tiled_float_gemm(x.float(), w, bias)
         if not lib.supports(w):
             return super().packed_matmul(x, w, bias, act_int8, out, q8_unsigned)
         if act_int8 or x.shape[0] < FLOAT_GEMM_MIN_ROWS:
@@ -124,6 +131,8 @@ class CpuKernelBackend(TorchKernelBackend):
     def packed_embedding(
         self, w: PackedWeight, ids: torch.Tensor, scale: float | None
     ) -> torch.Tensor:
+        if w.kind in HALF_KINDS and w.codes.is_contiguous() and ids.is_contiguous():
+            return lib.half_rows(w, ids, 1.0 if scale is None else scale)
         if lib.supports(w) and ids.is_contiguous():
             return lib.embed_rows(w, ids, 1.0 if scale is None else scale)
         return super().packed_embedding(w, ids, scale)
@@ -227,12 +236,16 @@ def _fits_moe_kernel(
 def _tiled_float_gemm(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = w.shape
     rows = max(1, TILE_ELEMENTS // k)
+    if w.kind in HALF_KINDS:  # halves widen in torch; the others in the C kernel
+        expand = lambda a, b: w.dequantize(slice(a, b))  # noqa: E731
+    else:
+        expand = functools.partial(lib.dequantize_rows, w)
     if n <= rows:
-        return F.linear(x, lib.dequantize_rows(w, 0, n), bias)
+        return F.linear(x, expand(0, n), bias)
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        out[:, start:end] = x @ lib.dequantize_rows(w, start, end).T
+        out[:, start:end] = x @ expand(start, end).T
     if bias is not None:
         out += bias
     return out

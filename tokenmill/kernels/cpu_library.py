@@ -31,6 +31,8 @@ from tokenmill.kernels.recording import (
     OP_ATTN,
     OP_EMBED,
     OP_GATHER,
+    OP_HALF_GEMM,
+    OP_HALF_ROWS,
     OP_KV_WRITE,
     OP_KV_WRITE_Q8,
     OP_MOE_EXPERTS,
@@ -133,6 +135,10 @@ def library() -> ctypes.CDLL | None:
     lib.tm_moe_experts.restype = _int
     lib.tm_moe_work_bytes.argtypes = [_i64] * 5
     lib.tm_moe_work_bytes.restype = _i64
+    lib.tm_half_gemm.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr]
+    lib.tm_half_gemm.restype = None
+    lib.tm_half_rows.argtypes = [_ptr, _i64, _i64, _ptr, _int, ctypes.c_float, _ptr]
+    lib.tm_half_rows.restype = None
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
@@ -152,7 +158,12 @@ def isa() -> str | None:
 
 
 def supports(w: PackedWeight) -> bool:
-    """Whether the kernel handles this weight's layout (else the torch reference runs)."""
+    """Whether the kernel handles this weight's layout (else the torch reference runs); half
+    weights (HALF_KINDS) have their own kernel, ``half_gemm``."""
+    from tokenmill.quant.packed import HALF_KINDS
+
+    if w.kind in HALF_KINDS:
+        return False
     n, k = w.shape
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
@@ -559,3 +570,38 @@ def moe_experts(
     if rc != 0:
         raise MemoryError("moe experts' matmul could not allocate its activation buffer")
     return out
+
+
+def half_gemm(
+    x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y[M, N] = x[M, K] · Wᵀ (+ bias) in float32 for a float16 / bfloat16 weight (HALF_KINDS,
+    codes contiguous), each weight widened as it is read (csrc/half.c)."""
+    lib = library()
+    assert lib is not None
+    x = x.float().contiguous()
+    m, k = x.shape
+    y = out if out is not None else torch.empty(m, w.shape[0], dtype=torch.float32)
+    launch(
+        OP_HALF_GEMM, lib.tm_half_gemm, m, w.shape[0], k, x, w.codes, int(w.kind == "bf16"), bias, y
+    )
+    return y
+
+
+def half_rows(w: PackedWeight, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Float32 rows ``ids`` (int64, contiguous) of a half table, times ``scale``."""
+    lib = library()
+    assert lib is not None
+    out = torch.empty(ids.numel(), w.shape[1], dtype=torch.float32)
+    launch(
+        OP_HALF_ROWS,
+        lib.tm_half_rows,
+        ids,
+        ids.numel(),
+        w.shape[1],
+        w.codes,
+        int(w.kind == "bf16"),
+        float(scale),
+        out,
+    )
+    return out.reshape(*ids.shape, w.shape[1])

@@ -27,7 +27,9 @@ import torch
     OP_KV_WRITE_Q8,
     OP_MOE_ROUTE,
     OP_MOE_EXPERTS,
-) = range(1, 13)
+    OP_HALF_GEMM,
+    OP_HALF_ROWS,
+) = range(1, 15)
 OP_WIDTH = 20
 OP_NAMES = {
     OP_QGEMM: "matmul",
@@ -42,6 +44,8 @@ OP_NAMES = {
     OP_KV_WRITE_Q8: "kv write (int8/fp8)",
     OP_MOE_ROUTE: "moe route",
     OP_MOE_EXPERTS: "moe experts",
+    OP_HALF_GEMM: "matmul (f16/bf16)",
+    OP_HALF_ROWS: "embedding (f16/bf16)",
 }
 
 

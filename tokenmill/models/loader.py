@@ -30,7 +30,7 @@ from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
-from tokenmill.quant.packed import PackedWeight, pack_gguf
+from tokenmill.quant.packed import HALF_GGML_TYPES, PackedWeight, pack_gguf, pack_half
 
 T = TypeVar("T", torch.Tensor, PackedWeight)
 
@@ -210,18 +210,17 @@ def _iter_gguf(
         data = gguf_file.tensor_bytes(tensor)
         weight: torch.Tensor | PackedWeight
         float_only = any(f".{part}." in tensor.name for part in _FLOAT_ONLY)
-        if (
-            keep_packed
-            and tensor.ggml_type in BLOCK_CODES
-            and len(tensor.shape) in (2, 3)
-            and not float_only
-        ):
+        packable = tensor.ggml_type in BLOCK_CODES or tensor.ggml_type in HALF_GGML_TYPES
+        if keep_packed and packable and len(tensor.shape) in (2, 3) and not float_only:
             with warnings.catch_warnings():  # a read-only map: the bytes are only read
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(data).reshape(-1)  # no copy of the file's bytes
             # A stack of experts [E, N, K] is packed as its E·N rows.
             rows = tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) == 3 else 1)
-            weight = pack_gguf(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
+            if tensor.ggml_type in HALF_GGML_TYPES:  # F16 / BF16: kept as halves
+                weight = pack_half(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
+            else:
+                weight = pack_gguf(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
         else:
             weight = dequantize(data, tensor.ggml_type, tensor.shape)
             if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
@@ -236,8 +235,8 @@ def _iter_gguf(
         yield name, weight
 
 
-# Float types: computed as float32 (the packed kernels do not read them yet).
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+# Float types not kept as stored: F32 (already float32) and F64.
+_FLOAT_TYPES = ("F32", "F64")
 
 
 def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
@@ -245,7 +244,7 @@ def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
     float32 (the torch paths compute them; several times the file's memory and time)."""
     slow: dict[str, int] = {}
     for t in gguf_file.tensors:
-        if len(t.shape) >= 2 and t.ggml_type not in BLOCK_CODES:
+        if len(t.shape) >= 2 and t.ggml_type not in BLOCK_CODES.keys() | HALF_GGML_TYPES.keys():
             slow[t.type_name] = slow.get(t.type_name, 0) + 1
     for type_name, count in sorted(slow.items()):
         level = logging.INFO if type_name in _FLOAT_TYPES else logging.WARNING

@@ -36,7 +36,7 @@ from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES, BlockCodes, iq
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q4" | "n4"
+    kind: str  # "q8" | "u8" | "q4" | "n4" | "f16" | "bf16" (HALF_KINDS)
     codes: torch.Tensor  # int8 [N, K], uint8 [N, K] ("u8") or uint8 [N, K // 2] ("q4", "n4")
     scales: torch.Tensor  # float32 or float16 [N, K // G]
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
@@ -80,12 +80,30 @@ class PackedWeight:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """Float32 rows of W (all of them by default)."""
+        if self.kind in HALF_KINDS:  # the weights themselves, as halves
+            return self.codes[rows].view(HALF_KINDS[self.kind]).float()
         q = self.codes_int(rows).float()
         n, k = q.shape
         w = self.scales[rows].float()[:, :, None] * q.reshape(n, -1, self.group)
         if self.offsets is not None:
             w = w - self.offsets[rows][:, :, None]
         return w.reshape(n, k)
+
+
+# Weights kept as the file's halves (GGUF F16 / BF16), widened to float32 as the kernel reads
+# them (csrc/half.c): "codes" holds the raw 16-bit values [N, K], there are no scales (an
+# empty [N, 0]) and no lane order; float activations only.
+HALF_KINDS = {"f16": torch.float16, "bf16": torch.bfloat16}
+HALF_GGML_TYPES = {1: "f16", 30: "bf16"}  # ggml type id -> kind
+
+
+def pack_half(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:
+    """A GGUF F16 / BF16 tensor's bytes (uint8) -> a half PackedWeight (one copy)."""
+    kind = HALF_GGML_TYPES[ggml_type]
+    rows, cols = shape
+    codes = raw.view(torch.int16).reshape(rows, cols).clone()
+    scales = torch.empty(rows, 0, dtype=torch.float32)
+    return PackedWeight(kind, codes, scales, None, cols, (rows, cols))
 
 
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
@@ -401,6 +419,7 @@ def reference_matmul(
     """
     x = x.float()
     m, k = x.shape
+    act_int8 = act_int8 and w.kind not in HALF_KINDS  # halves always meet float activations
     tile = max(1, (1 << 24) // k)  # bound the float weight tile (~16M elements)
     out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
     if act_int8:
