@@ -417,3 +417,15 @@ def test_half_weights_stay_halves_and_compute_exactly(kind: str) -> None:
     for backend in backends:
         rows = backend.packed_embedding(w, ids, 2.0)
         assert torch.equal(rows, halves.float()[ids] * 2.0)
+
+
+@needs_kernel
+def test_a_half_weight_row_does_not_depend_on_its_batch() -> None:
+    from tokenmill.quant.packed import pack_half
+
+    halves = torch.randn(67, 200).half()  # 8 blocks of 8 rows and 3 more
+    w = pack_half(halves.view(torch.int16).view(torch.uint8).reshape(-1), 1, (67, 200))
+    x = torch.randn(9, 200)
+    together = kernels.half_gemm(x, w, None)
+    for i in (0, 4, 8):
+        assert torch.equal(kernels.half_gemm(x[i : i + 1], w, None), together[i : i + 1])

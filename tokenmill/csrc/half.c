@@ -15,7 +15,6 @@
 #include "simd.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
-#define HALF_ROWS_MAX 8 /* activation rows per pass over a weight row */
 
 TM_TARGET static inline __m256 widen(const uint16_t *w, int bf16) {
     __m128i h = _mm_loadu_si128((const __m128i *)w);
@@ -57,32 +56,12 @@ TM_TARGET static inline float dot_row(const uint16_t *w, const float *x, int64_t
 
 TM_TARGET void tm_half_gemm(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w,
                             int bf16, const float *bias, float *y) {
-    if (M == 1) {  /* decode: the weight stream, four FMA chains a row */
+    /* Every (row, activation) pair through dot_row: a row's result never depends on the
+     * batch it is in. The weight row stays in L1 across the activation rows. */
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            y[n] = dot_row(w + n * K, x, K, bf16) + (bias ? bias[n] : 0.0f);
-        return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint16_t *row = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += HALF_ROWS_MAX) {
-            const int rows = (int)(M - m0 < HALF_ROWS_MAX ? M - m0 : HALF_ROWS_MAX);
-            __m256 acc[HALF_ROWS_MAX];
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-            int64_t k = 0;
-            for (; k + 8 <= K; k += 8) {
-                const __m256 wv = widen(row + k, bf16);
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + r) * K + k), acc[r]);
-            }
-            for (int r = 0; r < rows; r++) {
-                float s = hsum8(acc[r]);
-                for (int64_t j = k; j < K; j++) s += widen1(row[j], bf16) * x[(m0 + r) * K + j];
-                y[(m0 + r) * N + n] = s + (bias ? bias[n] : 0.0f);
-            }
-        }
-    }
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = dot_row(w + n * K, x + m * K, K, bf16) + (bias ? bias[n] : 0.0f);
 }
 
 TM_TARGET void tm_half_rows(const int64_t *ids, int64_t n, int64_t K, const uint16_t *table,
