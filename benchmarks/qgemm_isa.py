@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from qgemm_ab import call  # the engine's tm_qgemm call into a given copy of the kernel
 
 from tokenmill.kernels import cpu_library
 from tokenmill.quant.packed import PackedWeight, pack_codes
@@ -81,17 +82,6 @@ def load(isa: str, tmp: Path) -> ctypes.CDLL:
     if dll.tm_qgemm_isa().decode() != isa:
         raise SystemExit(f"this CPU does not run {isa} (runs {dll.tm_qgemm_isa().decode()})")
     return dll
-
-
-def call(lib: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, act: int, y: torch.Tensor) -> None:
-    """cpu_library.qgemm's call into one copy of the kernel."""
-    offsets = w.offsets.data_ptr() if w.offsets is not None else None
-    rc = lib.tm_qgemm(
-        x.shape[0], w.shape[0], w.shape[1], x.data_ptr(), cpu_library.kind_code(w), w.codes.data_ptr(),
-        w.scales.data_ptr(), offsets, w.group, None, y.data_ptr(), act,
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("tm_qgemm could not allocate")
 
 
 def main() -> None:

@@ -244,16 +244,22 @@ def summarize(path: str | Path) -> ModelSummary:
     return _summarize_gguf(path)
 
 
+def resident_weight_bytes(tensors: list[TensorInfo]) -> int:
+    """Bytes a GGUF's tensors take once loaded as stored (RESIDENT_BYTES_PER_WEIGHT)."""
+    total = 0.0
+    for t in tensors:
+        per = RESIDENT_BYTES_PER_WEIGHT.get(t.type_name) if len(t.shape) > 1 else None
+        total += t.num_elements * (per or FLOAT32_BYTES)
+    return int(total)
+
+
 def _summarize_gguf(path: Path) -> ModelSummary:
     header = read_gguf(path)
     md = header.metadata
     arch = md.get("general.architecture", "?")
     by_type: dict[str, int] = {}
-    estimate = 0.0
     for t in header.tensors:
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.num_elements
-        per = RESIDENT_BYTES_PER_WEIGHT.get(t.type_name) if len(t.shape) > 1 else None
-        estimate += t.num_elements * (per or FLOAT32_BYTES)
     layers = int(md.get(f"{arch}.block_count", 0))
     heads = int(md.get(f"{arch}.attention.head_count", 1) or 1)
     kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
@@ -271,7 +277,7 @@ def _summarize_gguf(path: Path) -> ModelSummary:
         file_bytes=path.stat().st_size,
         file_type=GGUF_FILE_TYPES.get(md.get("general.file_type", -1)),
         parameters_by_type=by_type,
-        weight_bytes_estimate=int(estimate),
+        weight_bytes_estimate=resident_weight_bytes(header.tensors),
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
         chat_template=md.get("tokenizer.chat_template"),
         tokenizer=f"gguf:{model}" + (f" ({pre})" if pre else ""),
@@ -420,5 +426,6 @@ __all__ = [
     "model_dir",
     "model_files",
     "read_gguf",
+    "resident_weight_bytes",
     "summarize",
 ]

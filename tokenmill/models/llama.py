@@ -169,9 +169,13 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config, max_position)
+        self.model = LlamaBackbone(config, max_position, self.make_mlp)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """Layer ``layer_idx``'s MLP; None: LlamaMLP (a family with other MLPs overrides it)."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch

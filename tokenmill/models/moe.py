@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.layers import Linear
-from tokenmill.models.base import CausalLM
-from tokenmill.models.llama import LlamaBackbone, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.moe import FusedMoE, Router
 
 
@@ -65,16 +63,11 @@ _MIXTRAL_NAMES = {
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, max_position: int) -> None:
-        CausalLM.__init__(self)
-        self.config = config
-        assert config.moe is not None
-        sparse = config.moe.sparse_layers
-        self.model = LlamaBackbone(
-            config, max_position, lambda i: SparseMoeBlock(config) if sparse[i] else None
-        )
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """The sparse layers' MLP is a mixture of experts; the others keep LlamaMLP."""
+        moe = self.config.moe
+        assert moe is not None
+        return SparseMoeBlock(self.config) if moe.sparse_layers[layer_idx] else None
 
     def checkpoint_name(self, name: str) -> str:
         """Mixtral's expert tensors by the names used here (``mlp.experts.3.gate_proj``)."""

@@ -24,7 +24,13 @@ from tokenmill.config import (
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
-from tokenmill.modelfile import available_memory, human_bytes, summarize
+from tokenmill.modelfile import (
+    available_memory,
+    human_bytes,
+    read_gguf,
+    resident_weight_bytes,
+    summarize,
+)
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
@@ -224,13 +230,18 @@ def _check_memory(path: Path, quantization: str | None, dtype: torch.dtype) -> N
     free = available_memory()
     if free is None:
         return
-    summary = summarize(path)
+    if path.is_dir():
+        num_parameters, as_stored = summarize(path).num_parameters, None
+    else:  # the tensor infos only: the metadata's 262k-token vocabulary is not read again
+        tensors = read_gguf(path, prefixes=("general.",)).tensors
+        num_parameters = sum(t.num_elements for t in tensors)
+        as_stored = resident_weight_bytes(tensors)
     if quantization in _QUANTIZED_BYTES:
-        need = summary.num_parameters * _QUANTIZED_BYTES[quantization]
-    elif quantization == "none" or summary.format == "hf":
-        need = summary.num_parameters * torch.finfo(dtype).bits // 8
+        need = num_parameters * _QUANTIZED_BYTES[quantization]
+    elif quantization == "none" or as_stored is None:
+        need = num_parameters * torch.finfo(dtype).bits // 8
     else:
-        need = summary.weight_bytes_estimate
+        need = as_stored
     if need > free:
         raise ValueError(
             f"{path.name} needs about {human_bytes(need)} for its weights "
