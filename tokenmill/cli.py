@@ -187,6 +187,55 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
         help="log every HTTP request",
     )  # fmt: skip
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="a key that also reads every key's usage (/v1/usage) and resets the prefix cache",
+    )
+    parser.add_argument(
+        "--usage-db",
+        default=None,
+        metavar="PATH",
+        help="SQLite file that keeps per-key usage across restarts (default: in memory)",
+    )
+    parser.add_argument(
+        "--usage-flush-interval",
+        type=float,
+        default=d.usage_flush_interval,
+        help="seconds between batched usage writes: what a SIGKILL may lose "
+        f"(default: {d.usage_flush_interval:g})",
+    )
+    for name, what in (("input", "prompt"), ("output", "completion")):
+        parser.add_argument(
+            f"--price-{name}-per-million",
+            type=float,
+            default=0.0,
+            help=f"USD per million {what} tokens, for usage cost (default: 0)",
+        )
+    parser.add_argument(
+        "--price-cached-input-per-million",
+        type=float,
+        default=None,
+        help="USD per million cached prompt tokens (default: as other prompt tokens)",
+    )
+    parser.add_argument(
+        "--price-per-hour",
+        type=float,
+        default=None,
+        help="USD an hour of this machine, for the dashboard's cost per million tokens",
+    )
+    parser.add_argument(
+        "--rate-limit-rpm",
+        type=int,
+        default=None,
+        help="requests a key may start a minute; more get 429 (default: no limit)",
+    )
+    parser.add_argument(
+        "--rate-limit-tpm",
+        type=int,
+        default=None,
+        help="tokens a key may use a minute; beyond, 429 (default: no limit)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(ns: argparse.Namespace, log_level: str) -> int:
+    from tokenmill.cost import TokenPrices
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.launcher import run_server
 
@@ -296,6 +346,17 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         tool_call_parser=ns.tool_call_parser,
         log_stats_interval=ns.log_stats_interval,
         access_log=ns.access_log,
+        admin_api_key=ns.admin_api_key,
+        usage_db=ns.usage_db,
+        usage_flush_interval=ns.usage_flush_interval,
+        prices=TokenPrices(
+            ns.price_input_per_million,
+            ns.price_output_per_million,
+            ns.price_cached_input_per_million,
+        ),
+        price_per_hour=ns.price_per_hour,
+        rate_limit_rpm=ns.rate_limit_rpm,
+        rate_limit_tpm=ns.rate_limit_tpm,
     )
     return run_server(engine_args, config, log_level)
 

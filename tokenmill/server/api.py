@@ -5,6 +5,7 @@ Routes:
     GET  /v1/models, GET /v1/models/{model}
     POST /tokenize, POST /detokenize                      vLLM-compatible helpers
     POST /reset_prefix_cache   admin (only with --api-key): forget cached prefix blocks
+    GET  /v1/usage      metered usage per key / user / model / day (server/usage.py)
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
     GET  /metrics       Prometheus text format
     GET  /version
@@ -29,9 +30,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.server.auth import APIKeyMiddleware
+from tokenmill.server.auth import APIKeyMiddleware, caller_of
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error, install_error_handlers
+from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 from tokenmill.server.ollama import ChatRequest, GenerateRequest, OllamaServing, ShowRequest
 from tokenmill.server.protocol import (
@@ -42,6 +44,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.state import ServerState, ServerStatus
+from tokenmill.server.usage import UsageMeter, UsageStore, parse_usage_query
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +59,17 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     """
     state = ServerState(config, load_engine)
     metrics = ServerMetrics(config.served_model_name, state.stats)
-    serving = OpenAIServing(state, metrics)
+    meter = UsageMeter(
+        UsageStore(config.usage_db), config.prices, metrics.registry, config.usage_flush_interval
+    )
+    limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+    serving = OpenAIServing(state, metrics, meter, limiter if limiter.is_enabled else None)
     ollama = OllamaServing(serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.start_loading()
+        meter.start()
         logger.info(
             "serving %r at http://%s:%d/v1 (health: /health, metrics: /metrics)",
             config.served_model_name,
@@ -79,6 +87,8 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
             if stats_task is not None:
                 stats_task.cancel()
             await state.begin_drain(config.shutdown_timeout)
+            # After the drain every run has closed and been metered: nothing is lost.
+            await asyncio.to_thread(meter.close)
 
     from tokenmill import __version__
 
@@ -92,8 +102,12 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     )
     app.state.tokenmill = state
     app.state.metrics = metrics
+    app.state.usage = meter
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(
+        APIKeyMiddleware, api_keys=config.api_keys, admin_api_key=config.admin_api_key
+    )
+    has_keys = bool(config.api_keys) or config.admin_api_key is not None
 
     async def read_body(request: Request, model: type[M]) -> M:
         state.require_engine()  # 503 before reading a body that cannot be served
@@ -137,14 +151,25 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
         return await serving.chat(body, request)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        # Admin-only: it exists only when API keys guard the server (the middleware checked it).
-        if not config.api_keys:
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        # Admin-only: it exists only when API keys guard the server (the middleware checked
+        # them); with --admin-api-key, only that key may use it.
+        if not has_keys:
             raise APIError(
                 404, "/reset_prefix_cache is enabled only with --api-key", code="not_found"
             )
+        if config.admin_api_key is not None and not caller_of(request).is_admin:
+            raise APIError(
+                403, "only the admin key may reset the prefix cache", code="permission_denied"
+            )
         engine = state.require_engine()
         return JSONResponse({"reset": await engine.reset_prefix_cache()})
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> JSONResponse:
+        query = parse_usage_query(request.query_params, caller_of(request))
+        report = await asyncio.to_thread(meter.report, query)
+        return JSONResponse(report.model_dump(mode="json"))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -1,8 +1,11 @@
-"""ServerConfig: what `tokenmill serve` adds to the engine arguments (address, keys, caps)."""
+"""ServerConfig: what `tokenmill serve` adds to the engine arguments (address, keys, caps,
+usage metering and prices)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tokenmill.cost import TokenPrices
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,18 @@ class ServerConfig:
         log_stats_interval: seconds between throughput log lines; 0 disables them.
         tool_call_parser: how tool calls are read from the model's text (server/tools.py:
             hermes, llama3_json, mistral); None: picked from the chat template.
+        admin_api_key: a key that may also read every key's usage (/v1/usage) and reset the
+            prefix cache; it is accepted wherever a user key is.
+        usage_db: SQLite file the per-key usage is kept in across restarts; None: in memory.
+        usage_flush_interval: seconds between the batched writes of usage to ``usage_db``
+            (what a SIGKILL may lose; SIGTERM loses nothing).
+        prices: USD per million prompt / cached prompt / completion tokens, for usage cost.
+        price_per_hour: USD an hour of this machine costs, for the dashboard's cost per
+            million tokens; None: that cost comes from ``prices`` alone.
+        rate_limit_rpm: requests a key may start in any 60 s; more get 429. None: no limit.
+        rate_limit_tpm: tokens (prompt + completion) a key may use in any 60 s; a key over it
+            gets 429 until enough fall out of the window. None: no limit.
+        stats_window: seconds of the sliding window of the dashboard's rates and percentiles.
     """
 
     served_model_name: str
@@ -39,12 +54,35 @@ class ServerConfig:
     log_stats_interval: float = 10.0
     access_log: bool = False
     tool_call_parser: str | None = None
+    admin_api_key: str | None = None
+    usage_db: str | None = None
+    usage_flush_interval: float = 1.0
+    prices: TokenPrices = field(default_factory=TokenPrices)
+    price_per_hour: float | None = None
+    rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None
+    stats_window: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if any(not key for key in self.api_keys):
             raise ValueError("api keys must not be empty strings")
+        if self.admin_api_key is not None:
+            if not self.admin_api_key:
+                raise ValueError("the admin api key must not be an empty string")
+            if self.admin_api_key in self.api_keys:
+                raise ValueError("the admin api key must differ from every user api key")
+        if self.usage_flush_interval <= 0:
+            raise ValueError(f"usage_flush_interval must be > 0; got {self.usage_flush_interval}")
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise ValueError(f"price_per_hour must be >= 0; got {self.price_per_hour}")
+        for name in ("rate_limit_rpm", "rate_limit_tpm"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        if self.stats_window <= 0:
+            raise ValueError(f"stats_window must be > 0; got {self.stats_window}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_queue is not None and self.max_queue < 0:

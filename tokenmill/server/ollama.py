@@ -38,6 +38,7 @@ from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
+from tokenmill.server.auth import caller_of
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.serving import (
     Aborted,
@@ -368,7 +369,7 @@ class OllamaServing:
         chat: bool,
         parser: str | None = None,
     ) -> Response:
-        run = self.openai.start(engine, "ollama", [prepared])
+        run = self.openai.start(engine, "ollama", [prepared], caller=caller_of(raw))
         chunks = _Chunks(body.model, ids, chat, parser)
         if body.stream:
             return StreamBody(self._ndjson(run, chunks), on_close=run.close, media_type=NDJSON)
@@ -388,8 +389,10 @@ class OllamaServing:
                     run.record(0, out)
                     last = out
         except Aborted:
+            run.failed = True
             raise APIError(503, "the request was aborted: the server is shutting down") from None
         except Exception as e:
+            run.failed = True
             raise self.openai.engine_error(e) from None
         assert last is not None
         text = chunks.streamed(last.outputs[0].text)  # held back if it may be a tool call
@@ -406,9 +409,11 @@ class OllamaServing:
                     if out.finished:
                         yield json.dumps(chunks.final(out, "")) + "\n"
         except Aborted:
+            run.failed = True
             yield json.dumps({"error": "the request was aborted: the server is shutting down"})
             yield "\n"
         except Exception as e:
+            run.failed = True
             yield json.dumps({"error": self.openai.engine_error(e).message}) + "\n"
 
     def _loaded(self, body: _OllamaRequest, content: dict[str, Any]) -> dict[str, Any]:

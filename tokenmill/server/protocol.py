@@ -18,6 +18,7 @@ from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import bad_request, from_value_error
 
 MAX_LOGPROBS = 20
+MAX_USER_LEN = 256  # the request's "user", metered per value (server/usage.py)
 
 
 class _Request(BaseModel):
@@ -116,6 +117,11 @@ class _SamplingRequest(_Request):
 
     def check_common(self) -> None:
         self.check_unsupported()
+        if self.user is not None and len(self.user) > MAX_USER_LEN:
+            raise bad_request(
+                f"user must be at most {MAX_USER_LEN} characters; got {len(self.user)}",
+                param="user",
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "'stream_options' is only allowed with stream: true", param="stream_options"
@@ -528,3 +534,52 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     timings: Timings | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error on the OpenAI-style routes."""
+
+    error: ErrorInfo
+
+
+# ---- tokenmill's own routes: /v1/usage ----------------------------------------------------
+
+
+class UsageCounts(BaseModel):
+    """Metered requests, tokens and their cost at the server's prices when they ran."""
+
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cost_usd: float
+
+
+class UsageBucket(UsageCounts):
+    """One group of a usage report; the field named by ``group_by`` is set."""
+
+    day: str | None = None
+    key_id: str | None = None
+    model: str | None = None
+    user: str | None = None
+
+
+class UsageReport(BaseModel):
+    """GET /v1/usage: the filters applied, the groups, and their total."""
+
+    object: Literal["usage"] = "usage"
+    key_id: str | None
+    user: str | None
+    since: float | None
+    until: float | None
+    group_by: Literal["day", "key", "model", "user"] | None
+    data: list[UsageBucket]
+    total: UsageCounts

@@ -4,6 +4,11 @@ One HTTP request becomes one engine request per prompt (each with ``n`` completi
 path that ends a request early closes its engine streams, which aborts them in the engine:
 a client that disconnects (streamed or not), an error in a sibling stream, or a shutdown.
 
+Metering (server/usage.py): when a run closes, its usage is metered under the caller's key id
+and the request's ``user``: the ``usage`` its client was sent, or would have been (a stream
+without include_usage; a client that disconnected: the tokens generated until then). A run
+that failed (an engine error, aborted by the shutdown) is not metered.
+
 SSE:  data: {chunk}  ...  [data: {usage chunk}]  data: [DONE]
       chat: a role chunk per choice, content chunks, a finish chunk per choice (empty delta).
       An error after the stream started is sent as ``data: {"error": {...}}`` before [DONE].
@@ -30,7 +35,9 @@ from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import tools as tools_mod
+from tokenmill.server.auth import NO_KEY_ID, OPEN_CALLER, Caller, caller_of
 from tokenmill.server.errors import APIError, bad_request, from_value_error
+from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import RequestTracker, ServerMetrics
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -58,6 +65,7 @@ from tokenmill.server.protocol import (
     UsageInfo,
 )
 from tokenmill.server.state import ServerState, ServerStatus, Ticket
+from tokenmill.server.usage import UsageMeter
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +89,13 @@ class Run:
     trackers: list[RequestTracker]
     ticket: Ticket
     finals: list[RequestOutput | None] = field(default_factory=list)
+    caller: Caller = OPEN_CALLER
+    user: str | None = None
+    # Called once, at the first close (metering).
+    on_finish: Callable[[Run], None] | None = None
+    # Set when the run ended in a server-side failure (not metered).
+    failed: bool = False
+    _is_finished: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.finals = [None] * len(self.prepared)
@@ -99,13 +114,29 @@ class Run:
         self.ticket.release()
         for tracker in self.trackers:
             tracker.finish("abort")  # a no-op for requests that finished
+        if not self._is_finished:
+            self._is_finished = True
+            if self.on_finish is not None:
+                self.on_finish(self)
+
+    def usage(self) -> UsageInfo:
+        """The usage of what the engine has sent so far (all of it, once finished)."""
+        return _usage([out for out in self.finals if out is not None])
 
 
 class OpenAIServing:
-    def __init__(self, state: ServerState, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        metrics: ServerMetrics,
+        meter: UsageMeter | None = None,
+        limiter: RateLimiter | None = None,
+    ) -> None:
         self.state = state
         self.config = state.config
         self.metrics = metrics
+        self.meter = meter
+        self.limiter = limiter
         self._logged_generic_tools = False
 
     # ---- small endpoints ------------------------------------------------------------------
@@ -167,7 +198,7 @@ class OpenAIServing:
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
         prepared = await asyncio.to_thread(prepare_all, engine, prompts, params, {}, "prompt")
-        run = self.start(engine, "cmpl", prepared, body.cache_salt)
+        run = self.start(engine, "cmpl", prepared, body.cache_salt, caller_of(raw), body.user)
         chunks = _CompletionChunks(run, body, engine)
         if body.stream:
             return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
@@ -200,7 +231,7 @@ class OpenAIServing:
             return prepare_all(engine, [ids], params, renames, "messages")
 
         prepared = await asyncio.to_thread(prepare)
-        run = self.start(engine, "chatcmpl", prepared, body.cache_salt)
+        run = self.start(engine, "chatcmpl", prepared, body.cache_salt, caller_of(raw), body.user)
         chunks = _ChatChunks(run, body, parser)
         if body.stream:
             return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
@@ -268,8 +299,17 @@ class OpenAIServing:
         prefix: str,
         prepared: list[PreparedRequest],
         cache_salt: str | None = None,
+        caller: Caller = OPEN_CALLER,
+        user: str | None = None,
     ) -> Run:
         ticket = self.state.admit(len(prepared))  # 429 / 503 before any engine work
+        # The admin key is not rate limited; a server without keys limits everyone as one.
+        if self.limiter is not None and (not caller.is_admin or caller.key_id == NO_KEY_ID):
+            try:
+                self.limiter.admit(caller.key_id)
+            except APIError:
+                ticket.release()
+                raise
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         streams = [
             engine.generate(
@@ -282,8 +322,21 @@ class OpenAIServing:
         trackers = [self.metrics.track() for _ in prepared]
         return Run(
             request_id, int(time.time()), self.config.served_model_name, prepared, streams,
-            trackers, ticket,
+            trackers, ticket, caller=caller, user=user, on_finish=self._meter,
         )  # fmt: skip
+
+    def _meter(self, run: Run) -> None:
+        if run.failed:
+            return
+        usage = run.usage()
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        if self.meter is not None:
+            self.meter.record(
+                run.caller.key_id, run.user, run.model, usage.prompt_tokens, cached,
+                usage.completion_tokens,
+            )  # fmt: skip
+        if self.limiter is not None:
+            self.limiter.add_tokens(run.caller.key_id, usage.total_tokens)
 
     async def _collect(self, run: Run) -> list[RequestOutput]:
         try:
@@ -291,10 +344,12 @@ class OpenAIServing:
                 async for prompt_idx, out in events:
                     run.record(prompt_idx, out)
         except Aborted:
+            run.failed = True
             raise APIError(
                 503, "the request was aborted: the server is shutting down", code="aborted"
             ) from None
         except Exception as e:
+            run.failed = True
             raise self.engine_error(e) from None
         finally:
             run.close()
@@ -321,11 +376,13 @@ class OpenAIServing:
                 if include_usage:
                     yield chunks.usage([o for o in run.finals if o is not None])
             except Aborted:
+                run.failed = True
                 yield _sse_error(
                     APIError(503, "the request was aborted: the server is shutting down",
                              code="aborted")
                 )  # fmt: skip
             except Exception as e:
+                run.failed = True
                 yield _sse_error(self.engine_error(e))
             yield _DONE
         finally:
