@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     # structured.compiler: formats compiled where requests are prepared (it has no torch).
     "engine": LEVEL1 | {"core", "executor", "structured.compiler"},
     "entrypoints": PUBLIC_ENGINE,
-    "bench": PUBLIC_ENGINE | {"entrypoints"},
+    # kernels.probe: the planner's hardware probes time the engine's own kernels.
+    "bench": PUBLIC_ENGINE | {"entrypoints", "kernels.probe"},
     "server": PUBLIC_ENGINE,
     "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints"},
 }

@@ -1,4 +1,4 @@
-"""Command line: ``tokenmill serve | generate | bench``.
+"""Command line: ``tokenmill serve | generate | chat | models | show | bench | estimate``.
 
 Bad input prints one line to stderr and exits with status 2.
 """
@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
+    from tokenmill.bench.estimate import add_estimate_parser
+
+    add_estimate_parser(sub)
     return parser
 
 
@@ -312,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(ns)
         if ns.command in ("models", "show"):
             return _models(ns)
+        if ns.command == "estimate":
+            from tokenmill.bench.estimate import run_estimate
+
+            return run_estimate(ns)
         if ns.command == "bench":
             from tokenmill.bench.cli import run_bench
 

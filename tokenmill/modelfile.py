@@ -297,15 +297,8 @@ def _summarize_hf(path: Path) -> ModelSummary:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     text = cfg.get("text_config") or cfg
     by_type: dict[str, int] = {}
-    files = sorted(path.glob("*.safetensors"))
-    for file in files:
-        for entry in _safetensors_header(file).values():
-            if not isinstance(entry, dict) or "dtype" not in entry:
-                continue  # __metadata__
-            n = 1
-            for d in entry["shape"]:
-                n *= d
-            by_type[entry["dtype"]] = by_type.get(entry["dtype"], 0) + n
+    for _, n, _, dtype in safetensors_tensors(path):
+        by_type[dtype] = by_type.get(dtype, 0) + n
     heads = int(text.get("num_attention_heads", 1) or 1)
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // heads)
@@ -334,6 +327,20 @@ def _summarize_hf(path: Path) -> ModelSummary:
         experts_used=int(text.get("num_experts_per_tok") or 0),
         metadata={k: v for k, v in text.items() if not isinstance(v, (dict, list))},
     )
+
+
+def safetensors_tensors(model_dir: Path) -> list[tuple[str, int, int, str]]:
+    """(name, elements, dimensions, dtype) of every tensor in a directory's safetensors files."""
+    out = []
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        for name, entry in _safetensors_header(file).items():
+            if not isinstance(entry, dict) or "dtype" not in entry:
+                continue  # __metadata__
+            n = 1
+            for d in entry["shape"]:
+                n *= d
+            out.append((name, n, len(entry["shape"]), entry["dtype"]))
+    return out
 
 
 def _safetensors_header(file: Path) -> dict[str, Any]:

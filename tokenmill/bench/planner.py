@@ -1,0 +1,437 @@
+"""A roofline capacity planner: what a model on some hardware serves, and what binds it.
+
+A step of the engine reads its weights (and, for each request, its cached K/V) from memory and
+computes its linear layers and attention; each part takes the longer of its read time (bytes /
+bandwidth) and its compute time (flops / rate), and the host adds a fixed cost per step and a
+cost per request. From that:
+
+- prefill of a prompt (chunks of ``max_num_batched_tokens``) -> time to first token;
+- a decode step of B requests at context c -> each user's tokens/s (1 / step time);
+- KV bytes per token (layers x KV heads x head dim x 2 x dtype) -> requests that fit in memory;
+- N requests at once, each prompt P and output O -> prefill all, then O - 1 decode steps ->
+  throughput, and cost per million tokens at the hardware's price per hour;
+- a request rate R -> the concurrency where R x response time = concurrency (Little's law).
+
+The part that takes longest in a step names the binding resource: weight or KV reads
+(bandwidth), linear layers or attention (compute), or host work.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tokenmill.bench.hardware import Hardware
+from tokenmill.config import ModelConfig, resolve_model
+from tokenmill.cost import cost_per_million_tokens
+from tokenmill.modelfile import (
+    FLOAT32_BYTES,
+    RESIDENT_BYTES_PER_WEIGHT,
+    read_gguf,
+    safetensors_tensors,
+)
+
+__all__ = [
+    "ModelFacts",
+    "Plan",
+    "PlanPoint",
+    "RateAnswer",
+    "StepTime",
+    "Workload",
+    "model_facts",
+    "plan",
+]
+
+_EXPERT = re.compile(r"(ffn_(gate|up|down)_exps|\.experts\.\d+\.)")
+_HEAD_NAMES = ("output.weight", "lm_head.weight")
+_EMBED_NAMES = ("token_embd.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+# Bytes a weight takes for --quantization int8 (per-channel int8 codes) and int4 (4-bit codes,
+# float32 scale and offset per group of 32), the packed layouts of quant/.
+_QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 8 / 32}
+_KV_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a step of this model reads and computes (bytes and parameters as held in memory)."""
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: full)
+    dense_params: int  # matmul weights every token runs (attention, dense MLPs, routers)
+    dense_bytes: int
+    head_params: int  # the output head, run for rows that need logits
+    head_bytes: int
+    embedding_bytes: int  # the table (one row read a token); 0 when it is the tied head
+    num_experts: int  # per sparse layer (0: dense model)
+    top_k: int
+    expert_params: int  # one expert, summed over the sparse layers
+    expert_bytes: int
+    kv_bytes_per_token: float  # K and V of one token in one layer
+    max_model_len: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return (
+            self.dense_bytes
+            + self.head_bytes
+            + self.embedding_bytes
+            + self.num_experts * self.expert_bytes
+        )
+
+    def kv_bytes_per_sequence(self, num_tokens: int) -> float:
+        """Bytes a request of ``num_tokens`` holds: blocks of every layer for every token (the
+        engine keeps a window layer's old blocks too)."""
+        return num_tokens * self.num_layers * self.kv_bytes_per_token
+
+    def kv_tokens_read(self, context_len: int) -> int:
+        """Token-layers of K/V a query at ``context_len`` attends to (windows cut it)."""
+        return sum(context_len if w is None else min(w, context_len) for w in self.layer_windows)
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """Expected distinct experts a layer runs for ``num_tokens`` tokens, each choosing
+        ``top_k`` of ``num_experts`` (uniform routing)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
+
+
+def model_facts(
+    model: str,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    gpu: bool = False,
+) -> ModelFacts:
+    """The facts of a model (alias, .gguf or HF dir) as the engine would hold it: a GGUF's
+    weights packed as stored unless ``quantization`` says otherwise, float weights float32 on a
+    CPU and bfloat16 on a GPU; the KV cache in ``kv_cache_dtype`` (auto: the weights' dtype)."""
+    source = resolve_model(model)
+    float_bytes = 2.0 if gpu else FLOAT32_BYTES
+    if source.format == "gguf":
+        header = read_gguf(source.path)
+        config = ModelConfig.from_gguf(
+            source.path, header.metadata, {t.name for t in header.tensors}
+        )
+        tensors = [
+            (t.name, t.num_elements, len(t.shape), RESIDENT_BYTES_PER_WEIGHT.get(t.type_name))
+            for t in header.tensors
+        ]
+    else:
+        config = ModelConfig.from_hf(source.path)
+        tensors = [(name, n, ndim, None) for name, n, ndim, _ in safetensors_tensors(source.path)]
+    if quantization in _QUANTIZED_BYTES:
+        tensors = [(n, e, d, _QUANTIZED_BYTES[quantization]) for n, e, d, _ in tensors]
+    elif quantization == "none":
+        tensors = [(n, e, d, None) for n, e, d, _ in tensors]
+
+    dense = head = embed = expert = 0
+    dense_b = head_b = embed_b = expert_b = 0.0
+    for name, numel, ndim, per in tensors:
+        if ndim < 2:
+            continue  # norms and biases: no matmul, few bytes
+        nbytes = numel * (per or float_bytes)
+        if name in _HEAD_NAMES:
+            head, head_b = head + numel, head_b + nbytes
+        elif name in _EMBED_NAMES:
+            embed, embed_b = embed + numel, embed_b + nbytes
+        elif _EXPERT.search(name):
+            expert, expert_b = expert + numel, expert_b + nbytes
+        else:
+            dense, dense_b = dense + numel, dense_b + nbytes
+    if not head:  # tied: the table is the head
+        head, head_b, embed_b = embed, embed_b, 0.0
+    moe = config.moe
+    num_experts = moe.num_experts if moe else 0
+    kv_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else ("bfloat16" if gpu else "float32")
+    # int8 / fp8: a byte an element and a float32 scale per token and KV head.
+    elem = _KV_BYTES.get(kv_dtype, 1.0 + 4 / config.head_dim)
+    return ModelFacts(
+        name=source.path.name,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        layer_windows=tuple(
+            config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
+        ),
+        dense_params=dense,
+        dense_bytes=int(dense_b),
+        head_params=head,
+        head_bytes=int(head_b),
+        embedding_bytes=int(embed_b),
+        num_experts=num_experts,
+        top_k=moe.top_k if moe else 0,
+        expert_params=expert // num_experts if num_experts else 0,
+        expert_bytes=int(expert_b / num_experts) if num_experts else 0,
+        kv_bytes_per_token=2 * config.num_key_value_heads * config.head_dim * elem,
+        max_model_len=config.max_position_embeddings,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """One step's parts in seconds; the step takes max(read, compute) of each part plus host."""
+
+    weight_read: float
+    linear_compute: float
+    kv_read: float
+    attention_compute: float
+    host: float
+
+    @property
+    def total(self) -> float:
+        return (
+            max(self.weight_read, self.linear_compute)
+            + max(self.kv_read, self.attention_compute)
+            + self.host
+        )
+
+    @property
+    def binding(self) -> str:
+        """The part that takes longest, named by the resource it uses."""
+        parts = {
+            "bandwidth (weight reads)": self.weight_read,
+            "compute (linear layers)": self.linear_compute,
+            "bandwidth (KV cache reads)": self.kv_read,
+            "compute (attention)": self.attention_compute,
+            "host (scheduling, sampling)": self.host,
+        }
+        return max(parts, key=parts.__getitem__)
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(
+            self.weight_read + other.weight_read,
+            self.linear_compute + other.linear_compute,
+            self.kv_read + other.kv_read,
+            self.attention_compute + other.attention_compute,
+            self.host + other.host,
+        )
+
+
+_ZERO = StepTime(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def decode_step(m: ModelFacts, hw: Hardware, batch: int, context_len: int) -> StepTime:
+    """A step that decodes one token for each of ``batch`` requests at ``context_len``."""
+    weight_bytes = m.dense_bytes + m.head_bytes + m.experts_touched(batch) * m.expert_bytes
+    params = m.dense_params + m.head_params + m.top_k * m.expert_params
+    kv_tokens = m.kv_tokens_read(context_len)
+    return StepTime(
+        weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
+        linear_compute=2 * batch * params / hw.matmul_rate(batch),
+        kv_read=batch * kv_tokens * m.kv_bytes_per_token / hw.bandwidth_bytes_per_s,
+        attention_compute=4 * batch * m.num_heads * m.head_dim * kv_tokens
+        / hw.decode_attention_flops,
+        host=hw.step_overhead_s + batch * hw.request_overhead_s,
+    )  # fmt: skip
+
+
+def prefill_step(
+    m: ModelFacts, hw: Hardware, chunks: list[tuple[int, int]], num_logits: int
+) -> StepTime:
+    """A step that prefills ``chunks`` (start position, tokens) of prompts; ``num_logits``
+    prompts finish in it and need the head."""
+    num_tokens = sum(n for _, n in chunks)
+    weight_bytes = m.dense_bytes + m.experts_touched(num_tokens) * m.expert_bytes
+    if num_logits:
+        weight_bytes += m.head_bytes
+    params = m.dense_params + m.top_k * m.expert_params
+    kv_tokens = sum(
+        _causal_kv_tokens(start, n, window) for start, n in chunks for window in m.layer_windows
+    )
+    head_flops = 2 * num_logits * m.head_params
+    return StepTime(
+        weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
+        linear_compute=(2 * num_tokens * params + head_flops) / hw.matmul_rate(num_tokens),
+        kv_read=0.0,  # a prompt's own K/V come from the step's activations
+        attention_compute=4 * m.num_heads * m.head_dim * kv_tokens / hw.prefill_attention_flops,
+        host=hw.step_overhead_s + len(chunks) * hw.request_overhead_s,
+    )
+
+
+def _causal_kv_tokens(start: int, num_tokens: int, window: int | None) -> int:
+    """Keys the queries at positions start .. start + num_tokens - 1 see (each sees itself)."""
+    if window is None:
+        first, last = start + 1, start + num_tokens
+        return (first + last) * num_tokens // 2
+    return sum(min(pos + 1, window) for pos in range(start, start + num_tokens))
+
+
+def prefill_steps(
+    m: ModelFacts, hw: Hardware, num_prompts: int, prompt_len: int, token_budget: int
+) -> list[tuple[StepTime, int]]:
+    """``num_prompts`` prompts of ``prompt_len`` arriving together, scheduled as the engine's
+    chunked prefill does (prompts in order, each step filled up to ``token_budget`` tokens):
+    each step's time and how many prompts finish in it."""
+    steps = []
+    prompt_idx, done = 0, 0  # the prompt being prefilled, and its tokens already computed
+    while prompt_idx < num_prompts:
+        chunks, finished, budget = [], 0, token_budget
+        while budget and prompt_idx < num_prompts:
+            n = min(budget, prompt_len - done)
+            chunks.append((done, n))
+            budget -= n
+            done += n
+            if done == prompt_len:
+                prompt_idx, done, finished = prompt_idx + 1, 0, finished + 1
+        steps.append((prefill_step(m, hw, chunks, finished), finished))
+    return steps
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPoint:
+    """N requests served together: their prompts prefilled, then their outputs decoded."""
+
+    concurrency: int
+    ttft_s: float  # mean over the N requests (they queue behind each other's prefill)
+    prefill_s: float  # all N prompts
+    decode_s: float  # the output_len - 1 decode steps after it
+    decode_step: StepTime  # the mean decode step
+    tokens_per_s_per_user: float  # 1 / mean decode step
+    output_tokens_per_s: float  # over prefill + decode
+    total_tokens_per_s: float
+    cost_per_million_output: float | None
+    cost_per_million_total: float | None
+    fits_in_memory: bool
+
+    @property
+    def response_time_s(self) -> float:
+        """Mean time from arrival to the last token."""
+        return self.ttft_s + self.decode_s
+
+
+def serve_batch(
+    m: ModelFacts,
+    hw: Hardware,
+    concurrency: int,
+    prompt_len: int,
+    output_len: int,
+    token_budget: int,
+    max_concurrency: int,
+) -> PlanPoint:
+    """``concurrency`` requests arriving together: prefill them all, then decode together."""
+    steps = prefill_steps(m, hw, concurrency, prompt_len, token_budget)
+    clock, ttft_sum = 0.0, 0.0
+    for step, finished in steps:
+        clock += step.total
+        ttft_sum += finished * clock
+    prefill_s = clock
+    decode = _ZERO
+    for i in range(1, output_len):  # the first token comes with the prefill
+        decode = decode + decode_step(m, hw, concurrency, prompt_len + i)
+    decode_s = decode.total
+    num_steps = max(1, output_len - 1)
+    mean_step = StepTime(*(getattr(decode, f) / num_steps for f in StepTime.__slots__))
+    elapsed = prefill_s + decode_s
+    out_tps = concurrency * output_len / elapsed
+    total_tps = concurrency * (prompt_len + output_len) / elapsed
+    return PlanPoint(
+        concurrency=concurrency,
+        ttft_s=ttft_sum / concurrency,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_step=mean_step,
+        tokens_per_s_per_user=(1 / mean_step.total) if output_len > 1 else 0.0,
+        output_tokens_per_s=out_tps,
+        total_tokens_per_s=total_tps,
+        cost_per_million_output=cost_per_million_tokens(hw.price_per_hour, out_tps),
+        cost_per_million_total=cost_per_million_tokens(hw.price_per_hour, total_tps),
+        fits_in_memory=concurrency <= max_concurrency,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What the planner is asked about."""
+
+    prompt_len: int = 512
+    output_len: int = 128
+    concurrency: tuple[int, ...] = ()  # points to plan (empty: powers of two up to the fit)
+    request_rate: float | None = None  # requests/s arriving (Poisson); None: not asked
+    token_budget: int = 2048  # max_num_batched_tokens
+    max_num_seqs: int = 128
+    kv_cache_bytes: int | None = None  # None: 90% of the memory the weights leave
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "output_len", "token_budget", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError("--concurrency values must be >= 1")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError("--request-rate must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RateAnswer:
+    """Where a request rate settles: the concurrency C with C = rate x response time."""
+
+    request_rate: float
+    concurrency: float
+    point: PlanPoint | None  # the plan at ceil(C); None: the rate exceeds what the hardware serves
+    max_request_rate: float  # requests/s at the largest concurrency that fits
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: ModelFacts
+    hardware: Hardware
+    workload: Workload
+    kv_cache_bytes: int
+    max_concurrency: int  # requests of prompt + output tokens that fit in the KV cache
+    points: list[PlanPoint]
+    rate: RateAnswer | None
+
+
+def plan(m: ModelFacts, hw: Hardware, w: Workload) -> Plan:
+    """The plan for model ``m`` on ``hw`` under workload ``w``."""
+    if m.weight_bytes > hw.memory_bytes:
+        raise ValueError(
+            f"{m.name} needs {m.weight_bytes / 1e9:.1f} GB for its weights; {hw.name} has "
+            f"{hw.memory_bytes / 1e9:.1f} GB"
+        )
+    seq_len = w.prompt_len + w.output_len
+    if seq_len > m.max_model_len:
+        raise ValueError(
+            f"prompt-len + output-len = {seq_len} exceeds {m.name}'s context of {m.max_model_len}"
+        )
+    kv_bytes = w.kv_cache_bytes
+    if kv_bytes is None:
+        kv_bytes = int((hw.memory_bytes - m.weight_bytes) * 0.9)
+    fit = min(w.max_num_seqs, int(kv_bytes // m.kv_bytes_per_sequence(seq_len)))
+    if fit < 1:
+        raise ValueError(
+            f"one request of {seq_len} tokens needs {m.kv_bytes_per_sequence(seq_len) / 1e6:.0f} "
+            f"MB of KV cache; {kv_bytes / 1e6:.0f} MB are left"
+        )
+
+    def at(c: int) -> PlanPoint:
+        return serve_batch(m, hw, c, w.prompt_len, w.output_len, w.token_budget, fit)
+
+    sizes = sorted(set(w.concurrency)) or _powers_of_two(fit)
+    points = [at(c) for c in sizes]
+    rate = None if w.request_rate is None else _settle(w.request_rate, at, fit)
+    return Plan(m, hw, w, kv_bytes, fit, points, rate)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, c = [], 1
+    while c < limit:
+        out.append(c)
+        c *= 2
+    return [*out, limit]
+
+
+def _settle(rate: float, at, fit: int) -> RateAnswer:
+    """Little's law: the smallest concurrency C whose response time R(C) gives rate x R(C) <= C.
+    More arrivals than the fullest batch serves leave no steady state."""
+    top = at(fit)
+    max_rate = fit / top.response_time_s
+    for c in range(1, fit + 1):
+        point = at(c)
+        if rate * point.response_time_s <= c:
+            return RateAnswer(rate, rate * point.response_time_s, point, max_rate)
+    return RateAnswer(rate, float("inf"), None, max_rate)
