@@ -322,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "bench":
             from tokenmill.bench.cli import run_bench
 
-            return run_bench(ns, engine_args_from(ns))
+            return run_bench(ns, engine_args_from)  # serve builds no engine
     except ValueError as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)
         return 2
