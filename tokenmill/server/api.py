@@ -6,6 +6,9 @@ Routes:
     POST /tokenize, POST /detokenize                      vLLM-compatible helpers
     POST /reset_prefix_cache   admin (only with --api-key): forget cached prefix blocks
     GET  /v1/usage      metered usage per key / user / model / day (server/usage.py)
+    GET  /v1/stats      live figures over a sliding window (server/stats.py)
+    GET  /dashboard     a page that charts /v1/stats (static/dashboard.html, no key needed:
+                        it holds no data and asks for the key itself)
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
     GET  /metrics       Prometheus text format
     GET  /version
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -30,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.outputs import EngineStats
 from tokenmill.server.auth import APIKeyMiddleware, caller_of
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error, install_error_handlers
@@ -44,6 +49,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.state import ServerState, ServerStatus
+from tokenmill.server.stats import LiveWindow
 from tokenmill.server.usage import UsageMeter, UsageStore, parse_usage_query
 
 logger = logging.getLogger(__name__)
@@ -58,7 +64,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     the ServerMetrics with the app's own registry.
     """
     state = ServerState(config, load_engine)
-    metrics = ServerMetrics(config.served_model_name, state.stats)
+    metrics = ServerMetrics(config.served_model_name, state.stats, config.stats_window)
     meter = UsageMeter(
         UsageStore(config.usage_db), config.prices, metrics.registry, config.usage_flush_interval
     )
@@ -76,16 +82,18 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
             config.host,
             config.port,
         )
-        stats_task = None
+        tasks = [asyncio.create_task(_sample_engine(metrics.window, state))]
         if config.log_stats_interval > 0:
-            stats_task = asyncio.create_task(
-                log_stats_periodically(metrics, state.stats, config.log_stats_interval)
+            tasks.append(
+                asyncio.create_task(
+                    log_stats_periodically(metrics, state.stats, config.log_stats_interval)
+                )
             )
         try:
             yield
         finally:
-            if stats_task is not None:
-                stats_task.cancel()
+            for task in tasks:
+                task.cancel()
             await state.begin_drain(config.shutdown_timeout)
             # After the drain every run has closed and been metered: nothing is lost.
             await asyncio.to_thread(meter.close)
@@ -171,6 +179,25 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
         report = await asyncio.to_thread(meter.report, query)
         return JSONResponse(report.model_dump(mode="json"))
 
+    @app.get("/v1/stats")
+    async def live_stats() -> JSONResponse:
+        stats = metrics.window.snapshot(
+            state.stats() or EngineStats(),
+            config.prices,
+            config.price_per_hour,
+            config.served_model_name,
+            state.status.value,
+        )
+        return JSONResponse(stats.model_dump(mode="json"))
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return _static_response("dashboard.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> Response:
+        return _static_response(name)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         body = await read_body(request, TokenizeRequest)
@@ -208,6 +235,27 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
         return {"version": __version__}
 
     return app
+
+
+# The files under static/ the server sends (package data), and their types.
+STATIC_FILES = {
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+}
+
+
+def _static_response(name: str) -> Response:
+    if name not in STATIC_FILES:
+        raise APIError(404, f"no static file {name!r}", code="not_found")
+    body = (importlib.resources.files("tokenmill.server") / "static" / name).read_bytes()
+    return Response(body, media_type=STATIC_FILES[name], headers={"Cache-Control": "no-cache"})
+
+
+async def _sample_engine(window: LiveWindow, state: ServerState) -> None:
+    """The engine's counters into the dashboard's window, once a second."""
+    while True:
+        window.sample_engine(state.stats() or EngineStats())
+        await asyncio.sleep(1.0)
 
 
 async def _read_json(request: Request, model: type[M], max_bytes: int) -> M:

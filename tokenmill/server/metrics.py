@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenmill.outputs import EngineStats, RequestOutput
+from tokenmill.server.stats import LiveWindow
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,15 @@ class ServerMetrics:
     """The metrics of one server. ``stats`` returns the engine's latest snapshot (None while
     the model loads)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        window_s: float = 60.0,
+    ) -> None:
         self.registry = CollectorRegistry()
+        # The dashboard's sliding window (server/stats.py), fed by the same trackers.
+        self.window = LiveWindow(window_s)
         labels = (model_name, "0")
         r = self.registry
 
@@ -133,12 +141,16 @@ class RequestTracker:
                 ttft = out.metrics.ttft
                 if ttft is not None:
                     m.ttft.observe(ttft)
+                    m.window.add_ttft(ttft)
                 m.prompt_tokens.inc(len(out.prompt_token_ids))
                 m.num_prompt_tokens += len(out.prompt_token_ids)
+                m.window.add_prompt(len(out.prompt_token_ids), out.metrics.num_cached_tokens)
             else:
                 m.inter_token_latency.observe(now - self._last_token_time)
+                m.window.add_itl(now - self._last_token_time)
             self._last_token_time = now
             m.generation_tokens.inc(num_new)
+            m.window.add_generation(num_new)
             m.num_generation_tokens += num_new
         if out.finished:
             reasons = {c.finish_reason for c in out.outputs}

@@ -583,3 +583,46 @@ class UsageReport(BaseModel):
     group_by: Literal["day", "key", "model", "user"] | None
     data: list[UsageBucket]
     total: UsageCounts
+
+
+# ---- tokenmill's own routes: /v1/stats (the dashboard's data) ------------------------------
+
+
+class Percentiles(BaseModel):
+    """Seconds, over the stats window (null without samples); ``count``: samples in it."""
+
+    count: int
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+class LiveStats(BaseModel):
+    """GET /v1/stats: the server now, and rates and percentiles over the last ``window_s``."""
+
+    time: float  # unix seconds
+    model: str
+    status: str  # loading, ready, stopping, failed
+    window_s: float
+    uptime_s: float
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use, in [0, 1]
+    prefix_cache_hit_rate: float | None  # cached / queried prompt tokens in the window
+    ttft_s: Percentiles
+    itl_s: Percentiles  # inter-token latency
+    prompt_tokens_per_s: float
+    generation_tokens_per_s: float
+    window_prompt_tokens: int
+    window_cached_prompt_tokens: int
+    window_generation_tokens: int
+    num_preemptions: int  # since the engine started
+    window_preemptions: int
+    spec_acceptance_rate: float | None  # accepted / draft tokens; null when not speculating
+    price_per_hour: float | None
+    # The machine's price per hour over the window's token rate (tokenmill.cost).
+    usd_per_million_output_tokens: float | None
+    usd_per_million_total_tokens: float | None
+    # What the window's tokens cost at the per-million prices, per million of them.
+    usd_per_million_tokens_billed: float | None
