@@ -264,3 +264,43 @@ def test_error_text_takes_the_servers_message():
     assert error_text(422, json.dumps({"detail": [{"msg": "x"}]}).encode()) == (
         'HTTP 422: [{"msg": "x"}]'
     )
+
+
+def test_bench_serve_imports_no_torch_and_no_engine():
+    import subprocess
+
+    code = (
+        "import sys; from tokenmill.cli import build_parser; build_parser(); "
+        "import tokenmill.bench.serve, tokenmill.bench.report, tokenmill.bench.plot; "
+        "print(sorted(m for m in ('torch', 'tokenmill.engine', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_gemma_server_with_its_tokenizer(tmp_path):
+    """The embedded gemma-3-270m: exact token-length prompts by its tokenizer, chat and
+    completions, counts equal to the server's."""
+    from live_server import LiveServer
+
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    args = EngineArgs(model="gemma-3-270m", max_model_len=512, kv_cache_memory="64MiB")
+    srv = LiveServer(lambda: AsyncEngine.from_args(args), served_model_name="gemma").start()
+    try:
+        for endpoint in ("completions", "chat"):
+            before = scrape(srv.url)
+            doc = _bench(srv.url, tmp_path, "--endpoint", endpoint, "--tokenizer", "gemma-3-270m",
+                         "--num-prompts", "4", "--input-len", "64", "--output-len", "8")  # fmt: skip
+            srv.wait_idle()
+            after = scrape(srv.url)
+            (run,) = doc["runs"]
+            assert (run["model"], run["completed"], run["total_output_tokens"]) == ("gemma", 4, 32)
+            assert _delta(before, after, GEN) == 32 + 2
+            if endpoint == "completions":  # BOS + the 64 tokens drawn
+                assert [r["prompt_len"] for r in run["requests"]] == [65] * 4
+            assert run["ttft_ms"]["mean"] > 0 and run["tpot_ms"]["mean"] > 0
+    finally:
+        srv.stop()
