@@ -167,3 +167,19 @@ def test_presets_are_datasheets_with_their_assumptions_stated() -> None:
     fast = decode_step(m, hardware_named("h200"), 1, 512).weight_read
     slow = decode_step(m, hardware_named("l4"), 1, 512).weight_read
     assert slow / fast == pytest.approx(4.8 / 0.3)
+
+
+def test_each_weight_type_runs_at_its_own_kernels_rate() -> None:
+    from tokenmill.bench.planner import linear_seconds
+
+    m = model_facts("gemma-3-270m")
+    assert m.head_type == "Q8_0"
+    assert sum(m.dense_params_by_type.values()) == m.dense_params
+    assert set(m.dense_params_by_type) <= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    rates = {t: {1: 1e9 * (i + 1)} for i, t in enumerate([*m.dense_params_by_type, "Q8_0"])}
+    hw = Hardware(**{**_fields(UNIT), "matmul_ops_by_type": rates})
+    expected = sum(2 * 8 * n / rates[t][1] for t, n in m.dense_params_by_type.items())
+    expected += 2 * 1 * m.head_params / rates["Q8_0"][1]
+    assert linear_seconds(m, hw, rows=8, head_rows=1) == pytest.approx(expected)
+    as_int4 = model_facts("gemma-3-270m", quantization="int4")
+    assert set(as_int4.dense_params_by_type) == {"int4"} and as_int4.head_type == "int4"

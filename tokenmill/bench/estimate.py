@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import TextIO
 
 from tokenmill.bench.hardware import Hardware, hardware_named, measure_hardware, with_price
-from tokenmill.bench.planner import Plan, PlanPoint, Workload, model_facts, plan
+from tokenmill.bench.planner import ModelFacts, Plan, PlanPoint, Workload, model_facts, plan
 from tokenmill.config import KV_CACHE_DTYPES, parse_memory
 
 __all__ = ["add_estimate_parser", "response_time", "run_estimate"]
@@ -114,9 +114,12 @@ def _measure_latency(model: str, prompt_len: int, threads: int | None) -> tuple[
     return result["ttft_s_median"], result["decode_tokens_per_s_median"]
 
 
-def _hardware(ns: argparse.Namespace) -> Hardware:
+def _hardware(ns: argparse.Namespace, facts: ModelFacts) -> Hardware:
     if ns.hardware.lower() == "measure":
-        return measure_hardware(ns.num_threads, ns.price_per_hour or 0.0)
+        types = tuple(dict.fromkeys([*facts.dense_params_by_type, facts.head_type]))
+        if facts.num_experts:
+            types += (facts.expert_type,)
+        return measure_hardware(types, ns.num_threads, ns.price_per_hour or 0.0)
     return with_price(hardware_named(ns.hardware), ns.price_per_hour)
 
 
@@ -130,9 +133,11 @@ def _kv_budget(value: str | None, memory_bytes: int) -> int | None:
 def _run_planner(ns: argparse.Namespace, out: TextIO) -> int:
     if ns.validate and ns.hardware.lower() != "measure":
         raise ValueError("--validate compares with measurements here: use --hardware measure")
-    hw = _hardware(ns)
     is_gpu = ns.hardware.lower() != "measure"
+    if is_gpu:
+        hardware_named(ns.hardware)  # a bad name fails before the model is read
     facts = model_facts(ns.model, ns.quantization, ns.kv_cache_dtype, gpu=is_gpu)
+    hw = _hardware(ns, facts)
     concurrency = _concurrency_list(ns.concurrency)
     workload = Workload(
         prompt_len=ns.prompt_len,
@@ -145,7 +150,7 @@ def _run_planner(ns: argparse.Namespace, out: TextIO) -> int:
     )
     result = plan(facts, hw, workload)
     if ns.validate:
-        rows = validate(ns.model, hw, ns.num_threads)
+        rows = validate(facts, ns.model, hw, ns.num_threads)
         if ns.json:
             print(json.dumps({"plan": _plan_json(result), "validation": rows}), file=out)
         else:
@@ -204,7 +209,8 @@ def print_plan(p: Plan, out: TextIO) -> None:
 
 
 def _usd(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    """Dollars, or '-' where there is no price (or no throughput) to divide."""
+    return "-" if not value else f"{value:.3f}"
 
 
 def _plan_json(p: Plan) -> dict:
@@ -235,13 +241,12 @@ _CHECKS = (
 )
 
 
-def validate(model: str, hw: Hardware, threads: int | None) -> list[dict]:
+def validate(facts: ModelFacts, model: str, hw: Hardware, threads: int | None) -> list[dict]:
     """Predicted vs measured (tokenmill bench latency / throughput) on this machine."""
     from tokenmill.bench.cli import latency, throughput
     from tokenmill.config import EngineArgs
     from tokenmill.engine import LLMEngine
 
-    facts = model_facts(model)
     engine = LLMEngine(EngineArgs(model=model, num_threads=threads))
     lat = latency(engine, input_len=512, output_len=128, num_iters=3)
     thr = throughput(engine, num_prompts=16, input_len=128, output_len=128)

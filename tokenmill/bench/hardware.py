@@ -18,7 +18,8 @@ class Hardware:
     """One machine as the roofline sees it. Rates are what the engine's kernels reach.
 
     ``matmul_ops_per_s`` maps a number of rows (tokens in a step) to the linear layers' rate at
-    that size; between the probed sizes the rate is read off the nearest smaller one.
+    that size; between the probed sizes the rate is read off the nearest smaller one (below the
+    smallest, the smallest's: there the weights' reads bind, not this rate).
     """
 
     name: str
@@ -31,12 +32,16 @@ class Hardware:
     # Host work each step: scheduling, sampling, outputs (a fixed part and a part per request).
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    # Per weight type where the kernels differ (a CPU's packed layouts): type -> rows -> rate.
+    matmul_ops_by_type: dict[str, dict[int, float]] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def matmul_rate(self, rows: int) -> float:
-        sizes = sorted(self.matmul_ops_per_s)
+    def matmul_rate(self, rows: int, weight_type: str | None = None) -> float:
+        """The linear layers' rate at ``rows`` rows for weights of ``weight_type``."""
+        rates = self.matmul_ops_by_type.get(weight_type or "", self.matmul_ops_per_s)
+        sizes = sorted(rates)
         idx = max(0, bisect.bisect_right(sizes, rows) - 1)
-        return self.matmul_ops_per_s[sizes[idx]]
+        return rates[sizes[idx]]
 
 
 def _gpu(
@@ -86,26 +91,32 @@ def hardware_named(name: str) -> Hardware:
     return HARDWARE_PRESETS[key]
 
 
-def measure_hardware(threads: int | None = None, price_per_hour: float = 0.0) -> Hardware:
-    """This machine, probed with the engine's kernels (a few seconds); its memory is what is
-    available now."""
+def measure_hardware(
+    weight_types: tuple[str, ...], threads: int | None = None, price_per_hour: float = 0.0
+) -> Hardware:
+    """This machine, probed with the engine's kernels for ``weight_types`` (a few seconds a
+    type); its memory is what is available now."""
     from tokenmill.kernels.probe import probe_cpu
     from tokenmill.modelfile import available_memory
 
-    probe = probe_cpu(threads)
+    probe = probe_cpu(threads, weight_types)
+    by_type = probe.gemm_ops_per_s
     return Hardware(
         name=f"this machine ({probe.threads} threads, {probe.backend})",
         bandwidth_bytes_per_s=probe.stream_bytes_per_s,
-        # Below the smallest probed size the weights' reads bind, not this rate.
-        matmul_ops_per_s={1: probe.gemm_ops_per_s[min(probe.gemm_ops_per_s)]}
-        | probe.gemm_ops_per_s,
+        matmul_ops_per_s=by_type[weight_types[0]],
         decode_attention_flops=probe.decode_attention_flops,
         prefill_attention_flops=probe.prefill_attention_flops,
         memory_bytes=available_memory() or 0,
         price_per_hour=price_per_hour,
         step_overhead_s=CPU_STEP_OVERHEAD_S,
         request_overhead_s=CPU_REQUEST_OVERHEAD_S,
-        notes=("rates probed just now with the engine's kernels (kernels/probe.py)",),
+        matmul_ops_by_type=by_type,
+        notes=(
+            "rates probed just now with the engine's kernels (kernels/probe.py): "
+            + ", ".join(f"{t} {max(r.values()) / 1e9:.0f}" for t, r in by_type.items())
+            + " GOP/s",
+        ),
     )
 
 

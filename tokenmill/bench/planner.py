@@ -65,6 +65,11 @@ class ModelFacts:
     dense_bytes: int
     head_params: int  # the output head, run for rows that need logits
     head_bytes: int
+    # Weight type (GGUF type name, "F32" / "BF16" float, "int8" / "int4") -> parameters of it
+    # among the dense weights, and the head's and the experts' types: kernels differ by type.
+    dense_params_by_type: dict[str, int]
+    head_type: str
+    expert_type: str
     embedding_bytes: int  # the table (one row read a token); 0 when it is the tied head
     num_experts: int  # per sparse layer (0: dense model)
     top_k: int
@@ -115,34 +120,40 @@ def model_facts(
         config = ModelConfig.from_gguf(
             source.path, header.metadata, {t.name for t in header.tensors}
         )
-        tensors = [
-            (t.name, t.num_elements, len(t.shape), RESIDENT_BYTES_PER_WEIGHT.get(t.type_name))
-            for t in header.tensors
-        ]
+        tensors = [(t.name, t.num_elements, len(t.shape), t.type_name) for t in header.tensors]
     else:
         config = ModelConfig.from_hf(source.path)
-        tensors = [(name, n, ndim, None) for name, n, ndim, _ in safetensors_tensors(source.path)]
-    if quantization in _QUANTIZED_BYTES:
-        tensors = [(n, e, d, _QUANTIZED_BYTES[quantization]) for n, e, d, _ in tensors]
-    elif quantization == "none":
-        tensors = [(n, e, d, None) for n, e, d, _ in tensors]
+        tensors = [(name, n, ndim, "") for name, n, ndim, _ in safetensors_tensors(source.path)]
+    float_type = "BF16" if gpu else "F32"
+    kept = RESIDENT_BYTES_PER_WEIGHT if quantization in (None, "gguf") else {}
+    held = []  # (name, elements, type as held, bytes a weight)
+    for name, numel, ndim, stored in tensors:
+        if ndim < 2:
+            continue  # norms and biases: no matmul, few bytes
+        if quantization in _QUANTIZED_BYTES:
+            held.append((name, numel, quantization, _QUANTIZED_BYTES[quantization]))
+        elif stored in kept:
+            held.append((name, numel, stored, kept[stored]))
+        else:  # float, or a type the engine dequantizes at load
+            held.append((name, numel, float_type, float_bytes))
 
     dense = head = embed = expert = 0
     dense_b = head_b = embed_b = expert_b = 0.0
-    for name, numel, ndim, per in tensors:
-        if ndim < 2:
-            continue  # norms and biases: no matmul, few bytes
-        nbytes = numel * (per or float_bytes)
+    by_type: dict[str, int] = {}
+    head_type = expert_type = embed_type = float_type
+    for name, numel, weight_type, per in held:
+        nbytes = numel * per
         if name in _HEAD_NAMES:
-            head, head_b = head + numel, head_b + nbytes
+            head, head_b, head_type = head + numel, head_b + nbytes, weight_type
         elif name in _EMBED_NAMES:
-            embed, embed_b = embed + numel, embed_b + nbytes
+            embed, embed_b, embed_type = embed + numel, embed_b + nbytes, weight_type
         elif _EXPERT.search(name):
-            expert, expert_b = expert + numel, expert_b + nbytes
+            expert, expert_b, expert_type = expert + numel, expert_b + nbytes, weight_type
         else:
             dense, dense_b = dense + numel, dense_b + nbytes
+            by_type[weight_type] = by_type.get(weight_type, 0) + numel
     if not head:  # tied: the table is the head
-        head, head_b, embed_b = embed, embed_b, 0.0
+        head, head_b, embed_b, head_type = embed, embed_b, 0.0, embed_type
     moe = config.moe
     num_experts = moe.num_experts if moe else 0
     kv_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -161,6 +172,9 @@ def model_facts(
         dense_bytes=int(dense_b),
         head_params=head,
         head_bytes=int(head_b),
+        dense_params_by_type=by_type,
+        head_type=head_type,
+        expert_type=expert_type,
         embedding_bytes=int(embed_b),
         num_experts=num_experts,
         top_k=moe.top_k if moe else 0,
@@ -169,6 +183,19 @@ def model_facts(
         kv_bytes_per_token=2 * config.num_key_value_heads * config.head_dim * elem,
         max_model_len=config.max_position_embeddings,
     )
+
+
+def linear_seconds(m: ModelFacts, hw: Hardware, rows: int, head_rows: int) -> float:
+    """Compute time of a step's linear layers for ``rows`` tokens, ``head_rows`` of which need
+    logits: each weight type at its kernel's rate."""
+    seconds = sum(
+        2 * rows * params / hw.matmul_rate(rows, t) for t, params in m.dense_params_by_type.items()
+    )
+    if m.expert_params:
+        seconds += 2 * rows * m.top_k * m.expert_params / hw.matmul_rate(rows, m.expert_type)
+    if head_rows:
+        seconds += 2 * head_rows * m.head_params / hw.matmul_rate(head_rows, m.head_type)
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,11 +244,10 @@ _ZERO = StepTime(0.0, 0.0, 0.0, 0.0, 0.0)
 def decode_step(m: ModelFacts, hw: Hardware, batch: int, context_len: int) -> StepTime:
     """A step that decodes one token for each of ``batch`` requests at ``context_len``."""
     weight_bytes = m.dense_bytes + m.head_bytes + m.experts_touched(batch) * m.expert_bytes
-    params = m.dense_params + m.head_params + m.top_k * m.expert_params
     kv_tokens = m.kv_tokens_read(context_len)
     return StepTime(
         weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
-        linear_compute=2 * batch * params / hw.matmul_rate(batch),
+        linear_compute=linear_seconds(m, hw, batch, batch),
         kv_read=batch * kv_tokens * m.kv_bytes_per_token / hw.bandwidth_bytes_per_s,
         attention_compute=4 * batch * m.num_heads * m.head_dim * kv_tokens
         / hw.decode_attention_flops,
@@ -238,14 +264,12 @@ def prefill_step(
     weight_bytes = m.dense_bytes + m.experts_touched(num_tokens) * m.expert_bytes
     if num_logits:
         weight_bytes += m.head_bytes
-    params = m.dense_params + m.top_k * m.expert_params
     kv_tokens = sum(
         _causal_kv_tokens(start, n, window) for start, n in chunks for window in m.layer_windows
     )
-    head_flops = 2 * num_logits * m.head_params
     return StepTime(
         weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
-        linear_compute=(2 * num_tokens * params + head_flops) / hw.matmul_rate(num_tokens),
+        linear_compute=linear_seconds(m, hw, num_tokens, num_logits),
         kv_read=0.0,  # a prompt's own K/V come from the step's activations
         attention_compute=4 * m.num_heads * m.head_dim * kv_tokens / hw.prefill_attention_flops,
         host=hw.step_overhead_s + len(chunks) * hw.request_overhead_s,
