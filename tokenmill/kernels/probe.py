@@ -40,11 +40,11 @@ __all__ = ["ProbeResult", "probe_cpu"]
 GEMM_ROWS = (16, 64, 256)
 _STREAM_BYTES = 256 << 20
 _GEMM_SHAPE = (2048, 1024)  # [N, K]
-# GGUF type name -> ggml id, and where a block's float16 scales sit (Q4_K/Q5_K: d and dmin;
-# Q6_K: d last; the others: d first).
+# GGUF type name -> ggml id, and where a block's float16 scales sit (Q4_1, Q5_1, Q4_K, Q5_K: d
+# and m / dmin first; Q6_K: d last; the others: d first).
 _GGUF_IDS = {"F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
              "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}  # fmt: skip
-_SCALE_OFFSETS = {12: (0, 2), 13: (0, 2), 14: (208,)}
+_SCALE_OFFSETS = {3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}
 _HEADS, _KV_HEADS, _HEAD_DIM, _CONTEXT, _SEQS, _BLOCK = 8, 2, 128, 512, 16, 16
 
 
