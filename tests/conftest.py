@@ -25,6 +25,16 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Soak tests (minutes each) run only when ``-m`` names them: ``pytest -m soak``."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    soak = [item for item in items if item.get_closest_marker("soak") is not None]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+
+
 TINY_COMMON = dict(
     vocab_size=384,
     hidden_size=64,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -76,27 +77,43 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # NOTE: containers are checked before they are copied: list(5) would be a TypeError,
+        # which the server would answer 500 instead of 400.
+        for name, kinds in (("stop", (list, tuple)), ("stop_token_ids", (list, tuple))):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, kinds), name, value, "a list")
+        _check(
+            self.logit_bias is None or isinstance(self.logit_bias, dict),
+            "logit_bias",
+            self.logit_bias,
+            "a map from token ids to biases",
+        )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            _check(
-                isinstance(value, (int, float)) and not isinstance(value, bool),
-                name,
-                value,
-                "a number",
-            )
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+            _check(_is_real(value), name, value, "a finite number")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "true or false")
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            self.structured_outputs,
+            "a StructuredOutputs",
+        )
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         if self.max_tokens is not None:
             _check(
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "max_tokens",
                 self.max_tokens,
                 "an integer >= 1",
             )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens",
             self.min_tokens,
             "an integer >= 0",
@@ -111,7 +128,7 @@ class SamplingParams:
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             "top_k",
             self.top_k,
             "-1 (disabled) or an integer >= 1",
@@ -138,23 +155,21 @@ class SamplingParams:
         if self.seed is not None:
             # torch generators take 64-bit seeds; a bigger one would fail inside the step loop.
             _check(
-                isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63,
+                _is_int(self.seed) and -(2**63) <= self.seed < 2**63,
                 "seed",
                 self.seed,
                 "an integer in [-2**63, 2**63)",
             )
         if self.logprobs is not None:
             _check(
-                isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20,
+                _is_int(self.logprobs) and 0 <= self.logprobs <= 20,
                 "logprobs",
                 self.logprobs,
                 "an integer in [0, 20]",
             )
         if self.prompt_logprobs is not None:
             _check(
-                isinstance(self.prompt_logprobs, int)
-                and not isinstance(self.prompt_logprobs, bool)
-                and 0 <= self.prompt_logprobs <= 20,
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20,
                 "prompt_logprobs",
                 self.prompt_logprobs,
                 "an integer in [0, 20]",
@@ -166,22 +181,19 @@ class SamplingParams:
             "a list of non-empty strings",
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "a list of token ids >= 0",
         )
         _check(
-            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias),
+            all(_is_int(t) and t >= 0 for t in self.logit_bias),
             "logit_bias",
             self.logit_bias,
             "a map from token ids >= 0 to biases",
         )
         _check(
-            all(
-                isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0
-                for b in self.logit_bias.values()
-            ),
+            all(_is_real(b) and -100.0 <= b <= 100.0 for b in self.logit_bias.values()),
             "logit_bias",
             self.logit_bias,
             "a map from token ids to biases in [-100, 100]",
@@ -208,6 +220,17 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+
+
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "speculative")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int in Python
+
+
+def _is_real(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
