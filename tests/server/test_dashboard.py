@@ -6,38 +6,17 @@ Skipped only where chromium is absent and this is not CI (CI installs it: .ci/ru
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import pytest
+from browser import artifacts_dir, browser_context, requires_chromium
 from live_server import MODEL_NAME, running_server
 
 from tokenmill.cost import TokenPrices
 
 KEY = "sk-dashboard"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-# Without the background-networking flags chromium's own connections are refused on a closed
-# network, and it may stall on them.
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
-
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM) and not IN_CI,
-    reason="chromium is not installed (apt-get install chromium chromium-driver; CI does)",
-)
-
-
-def _artifacts_dir(tmp_path: Path) -> Path:
-    path = Path(os.environ.get("TOKENMILL_TEST_ARTIFACTS") or tmp_path)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+pytestmark = requires_chromium
 
 
 class Load:
@@ -76,9 +55,6 @@ class Load:
 
 
 def test_dashboard_charts_a_live_load(tiny_model_dir, tmp_path) -> None:
-    playwright = pytest.importorskip("playwright.sync_api") if not IN_CI else None
-    if playwright is None:
-        import playwright.sync_api as playwright
     with (
         running_server(
             tiny_model_dir("llama"),
@@ -87,61 +63,51 @@ def test_dashboard_charts_a_live_load(tiny_model_dir, tmp_path) -> None:
             prices=TokenPrices(input_per_million=0.1, output_per_million=0.4),
             stats_window=10.0,
         ) as server,
-        playwright.sync_playwright() as p,
+        browser_context(tmp_path) as browser,
     ):
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),  # a new, empty profile
-            executable_path=CHROMIUM,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1400, "height": 1000},
+        page = browser.new_page()
+        page.goto(f"{server.url}/dashboard?interval_ms=250")
+        # No key yet: the stats route answered 401, so the page asks for one.
+        page.wait_for_selector("#key-form.shown", timeout=10_000)
+        page.fill("#api-key", "wrong-key")
+        page.click("#save-key")
+        page.wait_for_function(
+            "document.getElementById('key-error').textContent.includes('refused')",
+            timeout=10_000,
         )
-        try:
-            page = browser.new_page()
-            page.goto(f"{server.url}/dashboard?interval_ms=250")
-            # No key yet: the stats route answered 401, so the page asks for one.
-            page.wait_for_selector("#key-form.shown", timeout=10_000)
-            page.fill("#api-key", "wrong-key")
-            page.click("#save-key")
+        page.fill("#api-key", KEY)
+        page.click("#save-key")
+        with Load(server.url) as load:
             page.wait_for_function(
-                "document.getElementById('key-error').textContent.includes('refused')",
-                timeout=10_000,
+                "() => { const s = window.tokenmillDashboard.last;"
+                " return s && s.generation_tokens_per_s > 0 && s.num_requests_running > 0"
+                " && s.ttft_s.count > 0 && s.itl_s.count > 0; }",
+                timeout=30_000,
             )
-            page.fill("#api-key", KEY)
-            page.click("#save-key")
-            with Load(server.url) as load:
-                page.wait_for_function(
-                    "() => { const s = window.tokenmillDashboard.last;"
-                    " return s && s.generation_tokens_per_s > 0 && s.num_requests_running > 0"
-                    " && s.ttft_s.count > 0 && s.itl_s.count > 0; }",
-                    timeout=30_000,
-                )
-                time.sleep(1.5)  # a few more polls, so the lines have length
-                charts = page.evaluate(_READ_CHARTS)
-                shot = _artifacts_dir(tmp_path) / "dashboard.png"
-                page.screenshot(path=str(shot), full_page=True)
-            assert not load.errors and load.num_done > 0
-            assert shot.stat().st_size > 10_000
-            for name in ("throughput", "requests", "ttft", "itl", "cost"):
-                chart = charts[name]
-                assert chart["points"] >= 3, (name, chart)
-                assert chart["max"] > 0, (name, chart)
-                # The first series' colour is on the canvas: a line was drawn.
-                assert chart["first_series_pixels"] > 20, (name, chart)
-            tiles = page.evaluate(
-                "Object.fromEntries([...document.querySelectorAll('.tile')].map("
-                "t => [t.children[0].textContent, t.children[1].textContent]))"
-            )
-            assert float(tiles["generation tok/s"]) > 0
-            assert page.text_content("#model") == MODEL_NAME
-            assert page.text_content("#status") == "ready"
-            # The key stays for the session: a reload goes straight to the charts.
-            assert page.evaluate("sessionStorage.getItem('tokenmill.apiKey')") == KEY
-            page.reload()
-            page.wait_for_function("window.tokenmillDashboard.polls >= 2", timeout=10_000)
-            assert not page.is_visible("#key-form")
-        finally:
-            browser.close()
+            time.sleep(1.5)  # a few more polls, so the lines have length
+            charts = page.evaluate(_READ_CHARTS)
+            shot = artifacts_dir(tmp_path) / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+        assert not load.errors and load.num_done > 0
+        assert shot.stat().st_size > 10_000
+        for name in ("throughput", "requests", "ttft", "itl", "cost"):
+            chart = charts[name]
+            assert chart["points"] >= 3, (name, chart)
+            assert chart["max"] > 0, (name, chart)
+            # The first series' colour is on the canvas: a line was drawn.
+            assert chart["first_series_pixels"] > 20, (name, chart)
+        tiles = page.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('.tile')].map("
+            "t => [t.children[0].textContent, t.children[1].textContent]))"
+        )
+        assert float(tiles["generation tok/s"]) > 0
+        assert page.text_content("#model") == MODEL_NAME
+        assert page.text_content("#status") == "ready"
+        # The key stays for the session: a reload goes straight to the charts.
+        assert page.evaluate("sessionStorage.getItem('tokenmill.apiKey')") == KEY
+        page.reload()
+        page.wait_for_function("window.tokenmillDashboard.polls >= 2", timeout=10_000)
+        assert not page.is_visible("#key-form")
 
 
 # Per chart: points drawn, the largest value, and how many pixels have the first series'

@@ -200,9 +200,9 @@ def db_path(tmp_path_factory) -> str:
 
 
 def _server(tiny_model_dir, db_path: str, **config):
-    config = dict(
-        api_keys=(KEY_A, KEY_B), admin_api_key=ADMIN, usage_db=db_path, prices=PRICES
-    ) | config
+    config = (
+        dict(api_keys=(KEY_A, KEY_B), admin_api_key=ADMIN, usage_db=db_path, prices=PRICES) | config
+    )
     return running_server(tiny_model_dir("llama"), **config)
 
 
@@ -243,9 +243,7 @@ def test_metered_usage_equals_the_clients_usage_and_survives_a_restart(
         alice = _report(server.url, ADMIN, key=KEY_A, user="alice")
         assert _counts(alice["total"]) == by_user[(KEY_A, "alice")]
         users = _report(server.url, KEY_B, group_by="user")["data"]
-        assert {row["user"]: _counts(row) for row in users}[
-            "carol"
-        ] == by_user[(KEY_B, "carol")]
+        assert {row["user"]: _counts(row) for row in users}["carol"] == by_user[(KEY_B, "carol")]
         grouped = _report(server.url, ADMIN, group_by="key")
         assert {row["key_id"]: _counts(row) for row in grouped["data"]} == {
             ID_A: known[KEY_A],

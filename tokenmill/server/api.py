@@ -9,6 +9,7 @@ Routes:
     GET  /v1/stats      live figures over a sliding window (server/stats.py)
     GET  /dashboard     a page that charts /v1/stats (static/dashboard.html, no key needed:
                         it holds no data and asks for the key itself)
+    GET  /openapi.json  every route's bodies (server/openapi.py); GET /docs reads it
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
     GET  /metrics       Prometheus text format
     GET  /version
@@ -41,6 +42,7 @@ from tokenmill.server.errors import APIError, from_validation_error, install_err
 from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 from tokenmill.server.ollama import ChatRequest, GenerateRequest, OllamaServing, ShowRequest
+from tokenmill.server.openapi import openapi_schema
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -194,8 +196,20 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     async def dashboard() -> Response:
         return _static_response("dashboard.html")
 
+    @app.get("/docs")
+    async def docs() -> Response:
+        return _static_response("docs.html")
+
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app, has_keys, SCRIPTS)
+        return JSONResponse(app.openapi_schema)
+
     @app.get("/static/{name}")
     async def static(name: str) -> Response:
+        if name not in SCRIPTS:  # the pages have their own routes
+            raise APIError(404, f"no static file {name!r}", code="not_found")
         return _static_response(name)
 
     @app.post("/tokenize")
@@ -241,7 +255,10 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
 STATIC_FILES = {
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
+    "docs.html": "text/html; charset=utf-8",
+    "docs.js": "text/javascript; charset=utf-8",
 }
+SCRIPTS = ("dashboard.js", "docs.js")  # what /static/{name} serves
 
 
 def _static_response(name: str) -> Response:

@@ -58,6 +58,7 @@ RUNTIME_OPTIONS = {
     "num_keep", "num_batch", "num_gpu", "main_gpu", "low_vram", "vocab_only", "use_mmap",
     "use_mlock", "num_thread", "numa", "f16_kv", "logits_all", "embedding_only",
 }  # fmt: skip
+MAX_WARNED_OPTIONS = 64
 # Sampling options tokenmill does not implement, and the value that means "off".
 UNSUPPORTED_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": False}
 
@@ -124,6 +125,89 @@ class ShowRequest(BaseModel):
     model: str = ""
     name: str = ""  # older clients' spelling
     verbose: bool = False
+
+
+# ---- responses (their shapes, for /openapi.json; the handlers build plain dicts) ------------
+
+
+class ModelDetails(BaseModel):
+    parent_model: str
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class ModelEntry(BaseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class RunningModelEntry(ModelEntry):
+    size_vram: int
+    expires_at: str
+    context_length: int
+
+
+class TagsResponse(BaseModel):
+    models: list[ModelEntry]
+
+
+class PsResponse(BaseModel):
+    models: list[RunningModelEntry]
+
+
+class ShowResponse(BaseModel):
+    license: str
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class ResponseMessage(BaseModel):
+    role: str
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _Reply(BaseModel):
+    """One NDJSON object (a delta, or the last with ``done`` and the counts), or the whole
+    reply when not streamed."""
+
+    model: str
+    created_at: str
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None  # nanoseconds
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+
+class ChatResponse(_Reply):
+    message: ResponseMessage
+
+
+class GenerateResponse(_Reply):
+    response: str
+    context: list[int] | None = None
+
+
+class OllamaErrorResponse(BaseModel):
+    """Ollama's error body."""
+
+    error: str
 
 
 class OllamaServing:
@@ -311,7 +395,9 @@ class OllamaServing:
             if name in UNSUPPORTED_OPTIONS and value != UNSUPPORTED_OPTIONS[name]:
                 raise bad_request(f"option '{name}' is not supported by tokenmill", param=name)
             known = name in RUNTIME_OPTIONS or name in UNSUPPORTED_OPTIONS
-            if not known and name not in self._warned_options:
+            # Capped: a client sending ever new names neither floods the log nor grows this.
+            warned = self._warned_options
+            if not known and name not in warned and len(warned) < MAX_WARNED_OPTIONS:
                 self._warned_options.add(name)
                 logger.warning("ignoring unknown Ollama option %r", name)
         window = min(opts.num_ctx or max_model_len, max_model_len)
