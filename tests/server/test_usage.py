@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 
 import httpx
 import pytest
-from live_server import MODEL_NAME, running_server, scrape
+from live_server import MODEL_NAME, free_port, running_server, scrape
 
 from tokenmill.cost import TokenPrices
 from tokenmill.server.auth import Caller, key_id_of
@@ -363,3 +367,68 @@ def test_user_field_is_capped(tiny_model_dir, tmp_path) -> None:
         r = httpx.post(f"{server.url}/v1/completions", json=body, headers=_auth(KEY_A))
         assert r.status_code == 400 and r.json()["error"]["param"] == "user"
         assert _report(server.url, ADMIN)["total"]["requests"] == 0
+
+
+def _start_cli(model_dir, tmp_path, db, flush_interval: float) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tokenmill.cli", "serve", str(model_dir), "--port", str(port),
+        "--max-model-len", "256", "--kv-cache-memory", "8MiB", "--served-model-name", MODEL_NAME,
+        "--log-stats-interval", "0", "--api-key", KEY_A, "--admin-api-key", ADMIN,
+        "--usage-db", str(db), "--usage-flush-interval", str(flush_interval),
+        "--price-input-per-million", "0.1", "--price-output-per-million", "0.4",
+    ]  # fmt: skip
+    log = (tmp_path / "server.log").open("a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.1)
+
+
+def _db_rows(db) -> list[tuple]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(
+            "SELECT key_id, user, prompt_tokens, completion_tokens, cost_usd FROM usage"
+        ).fetchall()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="signals")
+def test_sigterm_loses_nothing_and_sigkill_at_most_a_flush_interval(
+    tiny_model_dir, tmp_path
+) -> None:
+    db = tmp_path / "usage.db"
+    # A flush interval longer than the test: only the shutdown's flush writes.
+    proc, url = _start_cli(tiny_model_dir("llama"), tmp_path, db, flush_interval=3600)
+    try:
+        usages = [asyncio.run(_single(url)) for _ in range(2)]
+        assert _db_rows(db) == []  # not flushed yet
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    cost = TokenPrices(0.1, 0.4).cost(usages[0]["prompt_tokens"], 8)
+    assert _db_rows(db) == [(ID_A, "dave", usages[0]["prompt_tokens"], 8, cost)] * 2
+
+    # SIGKILL: what was flushed (a short interval ago) is kept, in the same file.
+    proc, url = _start_cli(tiny_model_dir("llama"), tmp_path, db, flush_interval=0.1)
+    try:
+        asyncio.run(_single(url))
+        time.sleep(0.5)  # several flush intervals
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(_db_rows(db)) == 3
