@@ -58,6 +58,7 @@ class IncrementalDetokenizer:
         # NOTE: skipped special tokens never enter the decode window. Decoding drops them before
         # the decoder runs, so the text is the same, and the window keeps real text as context.
         self._skipped_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._vocab_size = tokenizer.vocab_size
         self._ids = self._context_ids(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -70,7 +71,9 @@ class IncrementalDetokenizer:
         pieces = []
         for token_id in new_token_ids:
             self._output_ids.append(token_id)
-            if token_id in self._skipped_ids:
+            # NOTE: ids past the tokenizer's vocabulary (a model's padded embedding rows) decode
+            # to nothing; in the window they would count as pending bytes.
+            if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
                 continue
             self._ids.append(token_id)
             pieces.append(self._emit(force=False))
@@ -99,18 +102,36 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._decode(self._ids[self._prefix_offset :])
         num_pending = len(self._ids) - self._read_offset
-        if text.endswith("\ufffd") and num_pending < _MAX_PENDING_BYTES and not force:
-            return ""  # the tail is a split UTF-8 character: wait for its remaining bytes
+        end = len(self._ids)
+        if text.endswith("\ufffd") and not force:
+            if num_pending < _MAX_PENDING_BYTES:
+                return ""  # the tail is a split UTF-8 character: wait for its remaining bytes
+            # Too many pending bytes to be one character, but invalid bytes before a character
+            # that is still arriving (b7 c5 | e4 9c, then 87) must not cut it: emit up to the
+            # last point the text can be split at unchanged, and keep waiting for the rest.
+            end = self._last_clean_cut(text)
+            if end < len(self._ids):
+                text = self._decode(self._ids[self._prefix_offset : end])
         if len(text) <= len(self._prefix_text) and not force:
             return ""  # e.g. a token with no text; keep it in the window
         new_text = text[len(self._prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, end
         self._prefix_text = None
         if self._prefix_offset > _COMPACT_AT:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text
+
+    def _last_clean_cut(self, text: str) -> int:
+        """The largest index ``cut`` past the read offset at which decoding the window's head
+        and tail apart gives ``text`` (the whole window's decode): no character, complete or
+        still arriving, spans it. ``len(ids)`` when there is none."""
+        for cut in range(len(self._ids) - 1, self._read_offset, -1):
+            head = self._decode(self._ids[self._prefix_offset : cut])
+            if head + self._decode(self._ids[cut:]) == text:
+                return cut
+        return len(self._ids)
 
     def _record(self, text: str) -> str:
         if text:
