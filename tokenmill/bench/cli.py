@@ -180,7 +180,7 @@ def _params(output_len: int):
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def _run_timed(engine, dataset: Dataset, clock_zero: float) -> list[RequestResult]:
+def run_timed(engine, dataset: Dataset, clock_zero: float) -> list[RequestResult]:
     """Queue every request now and step to the end, timing each step that gave a request
     tokens (one chunk a step), as a streaming client would see it."""
     results: dict[str, RequestResult] = {}
@@ -245,11 +245,11 @@ def _latency(engine, spec: DatasetSpec, input_len: int, output_len: int) -> tupl
         raise ValueError("--num-iters must be >= 1")
     warmup, *timed = dataset.requests
     short = SampleRequest(warmup.prompt, warmup.prompt_len, min(8, warmup.output_len))
-    _run_timed(engine, Dataset([short], dataset.length_unit), time.perf_counter())
+    run_timed(engine, Dataset([short], dataset.length_unit), time.perf_counter())
     results: list[RequestResult] = []
     clock_zero = time.perf_counter()
     for req in timed:  # one at a time
-        results += _run_timed(engine, Dataset([req], dataset.length_unit), clock_zero)
+        results += run_timed(engine, Dataset([req], dataset.length_unit), clock_zero)
     duration = time.perf_counter() - clock_zero
     report = _report(engine, spec, dataset, results, duration, 1)
     ttfts = [r.ttft for r in results]
@@ -270,9 +270,9 @@ def _throughput(
 ) -> tuple[dict, RunReport]:
     dataset = sample_requests(spec, engine.tokenizer, token_ids=True)
     warmup = DatasetSpec(input_len=16, output_len=4, num_prompts=1, seed=2)
-    _run_timed(engine, sample_requests(warmup, engine.tokenizer, True), time.perf_counter())
+    run_timed(engine, sample_requests(warmup, engine.tokenizer, True), time.perf_counter())
     clock_zero = time.perf_counter()
-    results = _run_timed(engine, dataset, clock_zero)
+    results = run_timed(engine, dataset, clock_zero)
     elapsed = time.perf_counter() - clock_zero
     report = _report(engine, spec, dataset, results, elapsed, len(dataset.requests))
     m = report.metrics
