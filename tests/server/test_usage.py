@@ -131,6 +131,19 @@ async def _leave_early(client, key, prompt) -> tuple[int, int]:
     return await _count_tokens(client, key, prompt=prompt), seen
 
 
+async def _leave_unstreamed(client, key, prompt) -> tuple[int, dict[str, int] | None]:
+    """A non-streamed request whose client gives up after 50 ms: (prompt tokens, None); or
+    (prompt tokens, its usage) if it finished that fast after all."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": LEAVER_TOKENS,
+            "ignore_eos": True, "cache_salt": uuid.uuid4().hex}  # fmt: skip
+    num_prompt = await _count_tokens(client, key, prompt=prompt)
+    try:
+        r = await client.post("/v1/completions", json=body, headers=_auth(key), timeout=0.05)
+    except httpx.TimeoutException:
+        return num_prompt, None
+    return num_prompt, _usage_dict(r.json()["usage"])
+
+
 async def _ollama(client, key, prompt) -> dict[str, int]:
     # raw: the prompt as given, so a unique prompt shares no cached block with another.
     body = {"model": MODEL_NAME, "prompt": prompt, "raw": True, "stream": False,
@@ -148,8 +161,9 @@ async def _failing(client, key) -> None:
     assert r.status_code == 400
 
 
-async def _load(url: str) -> tuple[dict, dict, list[tuple[int, int]]]:
-    """Known usage per key and per (key, user), and the leavers' (prompt, seen) on key B."""
+async def _load(url: str) -> tuple[dict, dict, list[tuple[int, int]], list[int]]:
+    """Known usage per key and per (key, user); on key B, the streamed leavers' (prompt, seen)
+    and the prompt tokens of the non-streamed ones that left."""
     known = {KEY_A: _zero(), KEY_B: _zero()}
     by_user: dict[tuple[str, str], dict[str, int]] = {}
 
@@ -171,11 +185,21 @@ async def _load(url: str) -> tuple[dict, dict, list[tuple[int, int]]]:
             jobs.append((KEY_B, "carol", _stream_without_usage(client, KEY_B, f"B{i}", "carol")))
         jobs.append((KEY_A, None, _ollama(client, KEY_A, f"{uuid.uuid4().hex} ollama")))
         leavers = [_leave_early(client, KEY_B, f"B leaver {i}") for i in range(3)]
+        unstreamed = [_leave_unstreamed(client, KEY_B, f"B quitter {i}") for i in range(2)]
         failing = [_failing(client, KEY_A), _failing(client, KEY_B)]
-        results = await asyncio.gather(*(job for _, _, job in jobs), *leavers, *failing)
+        results = await asyncio.gather(
+            *(job for _, _, job in jobs), *leavers, *unstreamed, *failing
+        )
     for (key, user, _), usage in zip(jobs, results):
         count(key, usage, user)
-    return known, by_user, list(results[len(jobs) : len(jobs) + len(leavers)])
+    num_jobs, num_leavers = len(jobs), len(leavers)
+    quitters = []
+    for num_prompt, usage in results[num_jobs + num_leavers : num_jobs + num_leavers + 2]:
+        if usage is None:
+            quitters.append(num_prompt)
+        else:  # it finished within the 50 ms
+            count(KEY_B, usage)
+    return known, by_user, list(results[num_jobs : num_jobs + num_leavers]), quitters
 
 
 def _report(url: str, as_key: str, **params) -> dict:
@@ -214,18 +238,24 @@ def test_metered_usage_equals_the_clients_usage_and_survives_a_restart(
     tiny_model_dir, db_path
 ) -> None:
     with _server(tiny_model_dir, db_path) as server:
-        known, by_user, leavers = asyncio.run(_load(server.url))
+        known, by_user, leavers, quitters = asyncio.run(_load(server.url))
         server.wait_idle()
-        metrics = _wait_generation_tokens(server.url, want_aborts=len(leavers))
-        # Every token the engine sent was metered (nothing failed), so what the leavers were
-        # metered is the generation tokens beyond the known usage.
+        metrics = _wait_generation_tokens(server.url, len(leavers) + len(quitters))
+        # Every token the engine sent was metered (nothing failed), so what the clients that
+        # left were metered is the server's token counts beyond the known usage: generation
+        # tokens, and the prompts of those that had their first token.
         known_completion = sum(known[k]["completion_tokens"] for k in known)
         left = metrics["tokenmill:generation_tokens_total"] - known_completion
-        assert sum(seen for _, seen in leavers) <= left < len(leavers) * LEAVER_TOKENS
+        num_left = len(leavers) + len(quitters)
+        assert sum(seen for _, seen in leavers) <= left < num_left * LEAVER_TOKENS
+        known_prompt = sum(known[k]["prompt_tokens"] for k in known)
+        left_prompt = metrics["tokenmill:prompt_tokens_total"] - known_prompt
+        leaver_prompt = sum(p for p, _ in leavers)  # they saw a token: their prompt ran
+        assert leaver_prompt <= left_prompt <= leaver_prompt + sum(quitters)
         expected_b = dict(known[KEY_B])
         expected_b["completion_tokens"] += int(left)
-        expected_b["prompt_tokens"] += sum(p for p, _ in leavers)
-        expected_b["requests"] += len(leavers)
+        expected_b["prompt_tokens"] += int(left_prompt)
+        expected_b["requests"] += num_left
 
         a = _report(server.url, ADMIN, key=KEY_A)
         assert a["key_id"] == ID_A
@@ -377,6 +407,7 @@ def _start_cli(model_dir, tmp_path, db, flush_interval: float) -> tuple[subproce
         "--log-stats-interval", "0", "--api-key", KEY_A, "--admin-api-key", ADMIN,
         "--usage-db", str(db), "--usage-flush-interval", str(flush_interval),
         "--price-input-per-million", "0.1", "--price-output-per-million", "0.4",
+        "--shutdown-timeout", "0",
     ]  # fmt: skip
     log = (tmp_path / "server.log").open("a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
@@ -411,7 +442,19 @@ def test_sigterm_loses_nothing_and_sigkill_at_most_a_flush_interval(
     try:
         usages = [asyncio.run(_single(url)) for _ in range(2)]
         assert _db_rows(db) == []  # not flushed yet
-        proc.send_signal(signal.SIGTERM)
+        # A stream still running at the SIGTERM is aborted by the shutdown: not metered.
+        body = {"model": MODEL_NAME, "prompt": "long", "max_tokens": 240, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        events = []
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=_auth(KEY_A), timeout=60
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert json.loads(events[-2])["error"]["code"] == "aborted"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
