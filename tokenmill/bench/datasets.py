@@ -133,6 +133,12 @@ def sample_requests(
     return Dataset(requests, unit)
 
 
+def vocab_middle(vocab_size: int) -> tuple[int, int]:
+    """The id range random prompts draw from: the middle of the vocabulary, where no
+    tokenizer puts special or control tokens (they sit at either end)."""
+    return min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
+
+
 def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
     lo = max(1, math.floor(mean * (1 - ratio)))
     hi = max(lo, math.ceil(mean * (1 + ratio)))
@@ -147,8 +153,7 @@ class _RandomText:
             raise ValueError("token-id prompts need a tokenizer")
         self.tokenizer, self.rng, self.ids = tokenizer, rng, ids
         if tokenizer is not None:
-            vocab = tokenizer.vocab_size
-            self.lo, self.hi = min(1000, vocab // 4), max(vocab - 1000, vocab * 3 // 4)
+            self.lo, self.hi = vocab_middle(tokenizer.vocab_size)
 
     def draw(self, n: int) -> list[int] | str:
         if self.tokenizer is None:

@@ -96,6 +96,7 @@ def plot_sweep(runs: list[RunReport], path: str) -> None:
         right.set_ylabel("output tokens/s")
         right.set_title("throughput vs concurrency (no --hardware-cost-per-hour)")
     right.set_xscale("log", base=2)
+    right.set_xticks(concurrency, [str(c) for c in concurrency])
     right.set_xlabel("max concurrency")
     right.grid(alpha=0.3)
     fig.suptitle(f"{runs[0].model} via {runs[0].backend}: concurrency sweep")

@@ -1,5 +1,6 @@
 """Synthetic prompts of exact token lengths, the same for every engine that is compared, and
-a loop that runs a batch of them to the end."""
+a loop that runs a batch of them to the end (for benchmarks/; the CLI's datasets, random ones
+included, are bench/datasets.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ def random_prompts(
     num_prompts: int, input_len: int, vocab_size: int, seed: int = 0
 ) -> list[list[int]]:
     """Token-id prompts drawn from the middle of the vocabulary (no special tokens there)."""
+    from tokenmill.bench.datasets import vocab_middle
+
     rng = random.Random(seed)
-    lo, hi = min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
+    lo, hi = vocab_middle(vocab_size)
     return [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
