@@ -1,9 +1,12 @@
 """The dashboard's sliding window (server/stats.py) on a fake clock: what falls out of it,
-rates, percentiles, window differences of the engine's counters, and the cost figures."""
+rates, percentiles, window differences of the engine's counters, and the cost figures; and
+GET /v1/stats from a speculating server against its /metrics."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
+from live_server import MODEL_NAME, running_server, scrape
 
 from tokenmill.cost import TokenPrices, cost_per_million_tokens
 from tokenmill.outputs import EngineStats, SpecDecodeStats
@@ -117,3 +120,41 @@ def test_cost_per_million_tokens() -> None:
     idle = _snapshot(LiveWindow(clock=clock), price_per_hour=3.6)
     assert idle.usd_per_million_output_tokens is None  # nothing made: unbounded, not zero
     assert idle.usd_per_million_tokens_billed is None
+
+
+def test_live_stats_of_a_speculating_server(tiny_model_dir) -> None:
+    # A prompt that repeats (n-gram drafts are kept) and is sent twice (prefix-cache hits).
+    body = {"model": MODEL_NAME, "prompt": "abcabcabcabcabcabcabcabcabcabcabcabc",
+            "max_tokens": 40, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with running_server(
+        tiny_model_dir("llama"),
+        engine_overrides={"speculative_method": "ngram"},
+        api_keys=("k",),
+        price_per_hour=1.0,
+    ) as server:
+        headers = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{server.url}/v1/stats").status_code == 401
+        for _ in range(2):
+            r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200
+        server.wait_idle()
+        stats = httpx.get(f"{server.url}/v1/stats", headers=headers).json()
+        metrics = scrape(server.url, headers)
+    drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0
+    # The window holds everything since the start (the engine was sampled at zero).
+    assert stats["spec_acceptance_rate"] == pytest.approx(accepted / drafts)
+    hits = metrics["tokenmill:prefix_cache_hits_total"]
+    assert hits > 0
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(
+        hits / metrics["tokenmill:prefix_cache_queries_total"]
+    )
+    assert stats["window_generation_tokens"] == 80
+    assert stats["window_prompt_tokens"] == metrics["tokenmill:prompt_tokens_total"]
+    assert stats["ttft_s"]["count"] == 2 and stats["ttft_s"]["p50"] > 0
+    assert stats["itl_s"]["count"] > 0
+    assert stats["usd_per_million_output_tokens"] == pytest.approx(
+        cost_per_million_tokens(1.0, stats["generation_tokens_per_s"])
+    )
+    assert (stats["num_requests_running"], stats["status"]) == (0, "ready")
