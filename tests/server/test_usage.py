@@ -347,23 +347,25 @@ async def _one_each(url: str) -> None:
         ({"key_id": "ABC"}, "key_id", "invalid_value"),
         ({"key": ""}, "key", "invalid_value"),
         ({"limit": "3"}, "limit", "unknown_field"),
+        ([("user", "a"), ("user", "b")], "user", "invalid_value"),
     ],
 )
 def test_bad_queries_are_400_naming_the_parameter(params, param, code) -> None:
+    items = params if isinstance(params, list) else list(params.items())
     with pytest.raises(APIError) as exc:
-        parse_usage_query(params, Caller(ID_ADMIN, is_admin=True))
+        parse_usage_query(items, Caller(ID_ADMIN, is_admin=True))
     assert exc.value.status == 400
     assert (exc.value.param, exc.value.code) == (param, code)
 
 
 def test_query_times_and_ownership() -> None:
     admin = Caller(ID_ADMIN, is_admin=True)
-    q = parse_usage_query({"since": "2026-01-31", "until": "2026-02-01T12:00:00Z"}, admin)
+    q = parse_usage_query([("since", "2026-01-31"), ("until", "2026-02-01T12:00:00Z")], admin)
     assert (q.since, q.until) == (1769817600.0, 1769947200.0)
-    assert parse_usage_query({"since": "1769817600.5"}, admin).since == 1769817600.5
-    assert parse_usage_query({"key": KEY_B}, admin).key_id == ID_B
+    assert parse_usage_query([("since", "1769817600.5")], admin).since == 1769817600.5
+    assert parse_usage_query([("key", KEY_B)], admin).key_id == ID_B
     # A user key's query is always its own.
-    assert parse_usage_query({}, Caller(ID_A)) == UsageQuery(key_id=ID_A)
+    assert parse_usage_query([], Caller(ID_A)) == UsageQuery(key_id=ID_A)
 
 
 def test_the_flusher_writes_in_the_background(tiny_model_dir, tmp_path) -> None:

@@ -177,7 +177,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> JSONResponse:
-        query = parse_usage_query(request.query_params, caller_of(request))
+        query = parse_usage_query(request.query_params.multi_items(), caller_of(request))
         report = await asyncio.to_thread(meter.report, query)
         return JSONResponse(report.model_dump(mode="json"))
 

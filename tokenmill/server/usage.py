@@ -22,7 +22,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
@@ -260,9 +260,15 @@ class UsageMeter:
         )
 
 
-def parse_usage_query(params: Mapping[str, str], caller: Caller) -> UsageQuery:
-    """GET /v1/usage's query string, checked: 400 for a bad value or an unknown parameter,
-    403 when a user key asks for another key's usage (a user key sees only its own)."""
+def parse_usage_query(items: Iterable[tuple[str, str]], caller: Caller) -> UsageQuery:
+    """GET /v1/usage's query string (its name, value pairs), checked: 400 for a bad value, an
+    unknown or repeated parameter, 403 when a user key asks for another key's usage (a user
+    key sees only its own)."""
+    params: dict[str, str] = {}
+    for name, value in items:
+        if name in params:
+            raise bad_request(f"query parameter '{name}' is given twice", param=name)
+        params[name] = value
     unknown = sorted(set(params) - set(QUERY_PARAMS))
     if unknown:
         raise bad_request(
