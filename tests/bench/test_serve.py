@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -34,8 +35,25 @@ HITS = "tokenmill:prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> Path:
-    return tiny_model_dir("llama")
+def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny llama with a word-level tokenizer ("w3" ... "w383"): every token decodes to
+    text at once, so each output token is one content chunk (a byte-level tokenizer's random
+    bytes are held back while they are not yet UTF-8, moving the client's first chunk)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    src, dst = tiny_model_dir("llama"), tmp_path_factory.mktemp("tiny-words")
+    for f in src.iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, dst / f.name)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 384)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(str(dst / "tokenizer.json"))
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
+    return dst
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +82,10 @@ def test_ttft_and_tokens_agree_with_the_servers_metrics(server, tokenizer):
     spec = DatasetSpec(num_prompts=8, input_len=32, output_len=8, seed=1)
     dataset = sample_requests(spec, tokenizer)
     before = scrape(server.url)
-    outcome = run_serve_benchmark(ServeConfig(server.url, progress=False), dataset, tokenizer)
+    # One at a time: the server's clock starts when its handler has the request, so a burst
+    # of requests would add the time each waits for the event loop (not what is compared).
+    cfg = ServeConfig(server.url, max_concurrency=1, progress=False)
+    outcome = run_serve_benchmark(cfg, dataset, tokenizer)
     server.wait_idle()
     after = scrape(server.url)
     results, test = outcome.results, outcome.test_result
@@ -89,6 +110,12 @@ def test_ttft_and_tokens_agree_with_the_servers_metrics(server, tokenizer):
     client = sum(r.ttft for r in results) + test.ttft
     served = _delta(before, after, TTFT + "_sum")
     assert served <= client <= served + 9 * 0.05
+    # Each token its own chunk: the client's pooled ITL gaps are the server's.
+    assert [len(r.chunk_times) for r in results] == [8] * 8
+    itl = "tokenmill:inter_token_latency_seconds"
+    assert _delta(before, after, itl + "_count") == 8 * 7 + 1
+    client_itl = sum(sum(r.itl) for r in results)
+    assert client_itl == pytest.approx(_delta(before, after, itl + "_sum") - sum(test.itl), abs=0.5)
     metrics = calculate_metrics(results, outcome.duration_s)
     assert metrics.total_output_tokens == 64
     assert metrics.ttft_ms.mean == pytest.approx(np.mean([r.ttft for r in results]) * 1000)
@@ -130,7 +157,7 @@ def test_cli_writes_the_documented_json(server, tmp_path, capsys):
 
 def test_requests_the_server_refuses_are_counted_with_their_errors(server, tmp_path):
     data = tmp_path / "prompts.jsonl"
-    fits, too_long = "a b c d e f", "x" * 400  # the server's context is 256 tokens
+    fits, too_long = "a b c d e f", "w7 " * 300  # the server's context is 256 tokens
     rows = [{"prompt": fits}, {"prompt": too_long}, {"prompt": fits}, {"prompt": too_long}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     doc = _bench(server.url, tmp_path, "--dataset", "jsonl", str(data), "--output-len", "4",
@@ -304,3 +331,14 @@ def test_gemma_server_with_its_tokenizer(tmp_path):
             assert run["ttft_ms"]["mean"] > 0 and run["tpot_ms"]["mean"] > 0
     finally:
         srv.stop()
+
+
+def test_a_failing_test_request_stops_the_run_with_one_line(server, capsys):
+    argv = ["bench", "serve", "--base-url", server.url, "--model", "no-such-model",
+            "--num-prompts", "2", "--input-len", "4", "--output-len", "2"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"tokenmill: error: the test request to {server.url}/v1/completions failed: HTTP 404: "
+    )
+    assert "no-such-model" in err

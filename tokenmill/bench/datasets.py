@@ -177,7 +177,9 @@ class _RandomText:
         if self.tokenizer is None:
             text = f"{prefix} {suffix}" if prefix else suffix
             return text, len(text.split())
-        text = prefix + suffix
+        # A space where neither side has one, so the prefix's last token stays whole.
+        glue = "" if not prefix or prefix[-1:].isspace() or suffix[:1].isspace() else " "
+        text = prefix + glue + suffix
         return text, len(self.tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -47,7 +47,6 @@ class ServeConfig:
     ignore_eos: bool = True
     timeout_s: float = 6 * 3600.0
     progress: bool = True
-    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -93,7 +92,7 @@ def _payload(cfg: ServeConfig, model: str, req: SampleRequest) -> dict[str, Any]
         body["prompt"] = req.prompt
     if cfg.ignore_eos:
         body["ignore_eos"] = True
-    return {**body, **cfg.extra_body}
+    return body
 
 
 def error_text(status: int, body: bytes) -> str:
@@ -219,13 +218,13 @@ async def _run(
 
     offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    bar = tqdm(total=len(requests), file=sys.stderr, disable=not cfg.progress, unit="req")
     async with _client(cfg) as client:
         test = await send_request(
             client, cfg, model, SampleRequest("Hello", 1, 2), None, time.perf_counter()
         )
         if not test.success:
             raise ValueError(f"the test request to {cfg.url} failed: {test.error}")
+        bar = tqdm(total=len(requests), file=sys.stderr, disable=not cfg.progress, unit="req")
         clock_zero = time.perf_counter()
 
         async def one(req: SampleRequest, offset: float) -> RequestResult:
