@@ -22,7 +22,7 @@ from tokenmill.cost import TokenPrices, cost_per_million_tokens
 from tokenmill.outputs import EngineStats
 from tokenmill.server.protocol import LiveStats, Percentiles
 
-MAX_SAMPLES = 2000  # per kind per one-second bucket
+MAX_SAMPLES = 500  # per kind per one-second bucket: a 60 s window sorts at most 30k
 
 
 @dataclass(slots=True)
