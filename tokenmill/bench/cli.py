@@ -39,7 +39,7 @@ _DATASET_HELP = (
 
 
 def _add_common(p: argparse.ArgumentParser, input_len: int, output_len: int | None) -> None:
-    p.add_argument("--dataset", nargs="+", metavar="NAME [FILE]", help=_DATASET_HELP)
+    p.add_argument("--dataset", nargs="+", metavar=("NAME", "FILE"), help=_DATASET_HELP)
     p.add_argument("--input-len", type=int, default=input_len, help="prompt length")
     out_help = "output tokens per request (default: the dataset's, else 128)"
     p.add_argument("--output-len", type=int, default=output_len, help=out_help)
