@@ -364,6 +364,7 @@ def test_query_times_and_ownership() -> None:
     assert (q.since, q.until) == (1769817600.0, 1769947200.0)
     assert parse_usage_query([("since", "1769817600.5")], admin).since == 1769817600.5
     assert parse_usage_query([("key", KEY_B)], admin).key_id == ID_B
+    assert parse_usage_query([("key_id", "none")], admin).key_id == "none"  # no-key requests
     # A user key's query is always its own.
     assert parse_usage_query([], Caller(ID_A)) == UsageQuery(key_id=ID_A)
 
@@ -477,3 +478,16 @@ def test_sigterm_loses_nothing_and_sigkill_at_most_a_flush_interval(
             proc.kill()
             proc.wait()
     assert len(_db_rows(db)) == 3
+
+
+def test_a_server_without_keys_meters_under_none(tiny_model_dir) -> None:
+    with running_server(tiny_model_dir("llama"), rate_limit_rpm=1) as server:
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+        # Everyone is one caller: the limit applies to all of them together.
+        r = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert r.status_code == 429 and "Retry-After" in r.headers
+        r = httpx.get(f"{server.url}/v1/usage", params={"group_by": "key"})
+        assert r.status_code == 200
+        (row,) = r.json()["data"]
+        assert (row["key_id"], row["requests"], row["completion_tokens"]) == ("none", 1, 3)

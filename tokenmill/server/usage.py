@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter
 
 from tokenmill.cost import TokenPrices
-from tokenmill.server.auth import Caller, key_id_of
+from tokenmill.server.auth import NO_KEY_ID, Caller, key_id_of
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import UsageBucket, UsageCounts, UsageReport
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_BY = ("day", "key", "model", "user")
 QUERY_PARAMS = ("key", "key_id", "user", "since", "until", "group_by")
-_KEY_ID = re.compile(r"^[0-9a-f]{8}$")
+_KEY_ID = re.compile(rf"^([0-9a-f]{{8}}|{NO_KEY_ID})$")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     ts REAL NOT NULL,                       -- unix time the request ended
@@ -286,7 +286,8 @@ def parse_usage_query(items: Iterable[tuple[str, str]], caller: Caller) -> Usage
         key_id = key_id_of(key)
     elif key_id is not None and not _KEY_ID.match(key_id):
         raise bad_request(
-            f"'key_id' must be 8 lowercase hex digits (as /v1/usage shows); got {key_id!r}",
+            f"'key_id' must be 8 lowercase hex digits (as /v1/usage shows) or "
+            f"'{NO_KEY_ID}'; got {key_id!r}",
             param="key_id",
         )
     if not caller.is_admin:
