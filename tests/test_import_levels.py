@@ -36,9 +36,11 @@ ALLOWED: dict[str, set[str]] = {
     # kernels.probe: the planner's hardware probes time the engine's own kernels.
     "bench": PUBLIC_ENGINE | {"entrypoints", "kernels.probe"},
     "server": PUBLIC_ENGINE,
-    "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints"},
+    # The router is a light process in front of servers: level 1 only, no engine, no torch.
+    "router": LEVEL1,
+    "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints", "router"},
 }
-NO_TORCH = LEVEL1 | {"core", "executor", "engine"}
+NO_TORCH = LEVEL1 | {"core", "executor", "engine", "router"}
 # Modules of torch packages that torch-free ones import (their package's __init__ included).
 NO_TORCH_MODULES = {"structured/__init__.py", "structured/compiler.py"}
 TORCH_LIKE = ("torch", "numpy", "transformers", "triton")

@@ -1,4 +1,4 @@
-"""Command line: ``tokenmill serve | generate | chat | models | show | bench | estimate``.
+"""Command line: ``tokenmill serve | router | generate | chat | models | show | bench | estimate``.
 
 Bad input prints one line to stderr and exits with status 2.
 """
@@ -248,6 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics)")
     add_engine_args(serve)
     add_server_args(serve)
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N replicas of this server on ports PORT+1..PORT+N behind a prefix-aware router "
+        "on PORT (default: 1, no router)",
+    )
+    from tokenmill.router.args import add_router_parser
+
+    add_router_parser(sub)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     add_engine_args(gen)
@@ -300,15 +311,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    log_level = ns.log_level or ("INFO" if ns.command == "serve" else "WARNING")
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(raw_argv)
+    log_level = ns.log_level or ("INFO" if ns.command in ("serve", "router") else "WARNING")
     logging.basicConfig(
         level=getattr(logging, str(log_level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         if ns.command == "serve":
+            if ns.data_parallel_size != 1:
+                return _serve_data_parallel(ns, raw_argv, str(log_level).lower())
             return _serve(ns, str(log_level).lower())
+        if ns.command == "router":
+            from tokenmill.router.args import run_router_command
+
+            return run_router_command(ns, str(log_level).lower())
         if ns.command == "generate":
             return _generate(ns)
         if ns.command == "chat":
@@ -366,6 +384,25 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         rate_limit_tpm=ns.rate_limit_tpm,
     )
     return run_server(engine_args, config, log_level)
+
+
+def _serve_data_parallel(ns: argparse.Namespace, raw_argv: list[str], log_level: str) -> int:
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.launcher import run_data_parallel
+
+    if ns.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1; got {ns.data_parallel_size}")
+    keys = (*ns.api_key, *([ns.admin_api_key] if ns.admin_api_key else []))
+    router = RouterConfig(
+        replica_urls=("http://-",),  # replaced by the launched replicas' URLs
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(keys),
+        access_log=ns.access_log,
+    )
+    return run_data_parallel(
+        raw_argv, ns.data_parallel_size, router, ns.shutdown_timeout, ns.num_threads, log_level
+    )
 
 
 def _structured_outputs(ns: argparse.Namespace):

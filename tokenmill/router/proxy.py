@@ -31,16 +31,18 @@ _HOP_HEADERS = frozenset(
     b"host connection keep-alive transfer-encoding te trailer upgrade content-length "
     b"proxy-authorization proxy-authenticate accept-encoding".split()
 )
+# uvicorn writes its own date and server headers.
+_RESPONSE_DROPPED = _HOP_HEADERS | {b"date", b"server"}
 REPLICA_HEADER = "X-Tokenmill-Replica"
 
-_ERROR_TYPES = {401: "authentication_error", 413: "invalid_request_error", 502: "server_error"}
+_ERROR_TYPES = {401: "authentication_error", 502: "server_error", 503: "service_unavailable"}
 
 
 def error_response(path: str, status: int, message: str, code: str) -> JSONResponse:
     """An OpenAI-style error (Ollama's ``{"error": message}`` on /api/), as the server's."""
     if path.startswith("/api/"):
         return JSONResponse({"error": message}, status_code=status)
-    kind = _ERROR_TYPES.get(status, "service_unavailable" if status == 503 else "server_error")
+    kind = _ERROR_TYPES.get(status, "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status)
 
@@ -220,7 +222,9 @@ async def _read_head(upstream: httpx.Response, chunks: AsyncIterator[bytes]) -> 
 
 
 def _headers(upstream: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower().encode() not in _HOP_HEADERS}
+    return {
+        k: v for k, v in upstream.headers.items() if k.lower().encode() not in _RESPONSE_DROPPED
+    }
 
 
 def _key_of(body: bytes) -> str | None:

@@ -1,0 +1,130 @@
+"""The router over two real tokenmill servers: prefix affinity seen in the replicas' own
+prefix-cache counters, streamed text equal to a replica's, keys, error bodies, /metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from router_helpers import AUTH, KEY, MODEL_NAME, RouterThread, scrape, start_replicas
+
+from tokenmill.router.policy import ReplicaView, choose, request_key
+
+HITS = "tokenmill:prefix_cache_hits_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    replicas = start_replicas(tiny_model_dir("llama"), tmp_path_factory.mktemp("replicas"), 2)
+    router = RouterThread([r.url for r in replicas]).start()
+    try:
+        yield router, replicas
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop()
+
+
+def _prefix_for(urls: list[str], target: int, tag: str) -> str:
+    """A 200-character prefix whose key the policy sends to replica ``target``."""
+    views = [ReplicaView(u) for u in urls]
+    for i in range(1000):
+        prefix = (f"{tag} shared system prompt number {i}, " * 10)[:200]
+        if choose(request_key({"prompt": prefix + "x"}), views).replica_idx == target:
+            return prefix
+    raise AssertionError("no prefix found")
+
+
+def _hits(url: str) -> float:
+    return scrape(url)[HITS]
+
+
+def test_requests_sharing_a_prefix_land_on_one_replica(cluster) -> None:
+    router, replicas = cluster
+    urls = [r.url for r in replicas]
+    before_decisions = scrape(router.url)
+    for target in (0, 1):
+        prefix = _prefix_for(urls, target, f"group{target}")
+        before = [_hits(u) for u in urls]
+        cached = 0
+        for question in ("What is two plus two?", "Name a colour, please.", "Why?"):
+            body = {"model": MODEL_NAME, "prompt": prefix + question, "max_tokens": 2}
+            r = httpx.post(f"{router.url}/v1/completions", json=body | {"temperature": 0},
+                           headers=AUTH, timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert r.headers["x-tokenmill-replica"] == urls[target]
+            cached += r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        after = [_hits(u) for u in urls]
+        # The 2nd and 3rd request reuse the 200-character prefix's whole 16-token blocks.
+        assert cached >= 2 * 192
+        assert after[target] - before[target] == cached
+        assert after[1 - target] == before[1 - target]
+    decisions = scrape(router.url)
+    prefix_hits = "tokenmill_router:routing_decisions_total{reason=prefix_hit}"
+    assert decisions[prefix_hits] - before_decisions[prefix_hits] == 6
+    for url in urls:
+        sent = f"tokenmill_router:replica_requests_total{{replica={url}}}"
+        assert decisions[sent] - before_decisions[sent] == 3
+        assert decisions[f"tokenmill_router:replica_healthy{{replica={url}}}"] == 1
+        assert decisions[f"tokenmill_router:replica_in_flight{{replica={url}}}"] == 0
+
+
+def test_streamed_text_through_the_router_equals_the_replicas(cluster) -> None:
+    router, replicas = cluster
+    via = openai.OpenAI(base_url=f"{router.url}/v1", api_key=KEY, max_retries=0)
+    prompt = "Once upon a time, in a land far away,"
+    for replica in replicas:
+        direct = openai.OpenAI(base_url=f"{replica.url}/v1", api_key=KEY, max_retries=0)
+        args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+        expected = direct.completions.create(**args).choices[0].text
+        stream = via.completions.create(**args, stream=True)
+        chunks = [c.choices[0].text for c in stream if c.choices]
+        assert len(chunks) > 1 and "".join(chunks) == expected
+        assert via.completions.create(**args).choices[0].text == expected
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    args = dict(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    direct = openai.OpenAI(base_url=f"{replicas[0].url}/v1", api_key=KEY, max_retries=0)
+    expected = direct.chat.completions.create(**args).choices[0].message.content
+    stream = via.chat.completions.create(**args, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == expected
+    assert [m.id for m in via.models.list()] == [MODEL_NAME]
+
+
+def test_ollama_routes_pass_through(cluster) -> None:
+    router, replicas = cluster
+    body = {"model": MODEL_NAME, "prompt": "Hello", "options": {"num_predict": 5, "temperature": 0}}
+    direct = httpx.post(f"{replicas[0].url}/api/generate", json=body | {"stream": False},
+                        headers=AUTH, timeout=60).json()  # fmt: skip
+    lines = []
+    with httpx.stream("POST", f"{router.url}/api/generate", json=body, headers=AUTH,
+                      timeout=60) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [line for line in r.iter_lines() if line]
+    parts = [json.loads(line) for line in lines]
+    assert parts[-1]["done"] is True
+    assert "".join(p["response"] for p in parts) == direct["response"]
+    tags = httpx.get(f"{router.url}/api/tags", headers=AUTH).json()
+    assert [m["name"] for m in tags["models"]] == [MODEL_NAME]
+
+
+def test_keys_and_error_bodies(cluster) -> None:
+    router, _ = cluster
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "a"})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{router.url}/metrics").status_code == 401
+    health = httpx.get(f"{router.url}/health")  # open, as the server's
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert [r["healthy"] for r in health.json()["replicas"]] == [True, True]
+    r = httpx.get(f"{router.url}/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{router.url}/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    # A replica's own 4xx passes through unchanged (the key went on, so it got that far).
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL_NAME}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
