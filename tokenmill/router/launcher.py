@@ -55,6 +55,8 @@ def create_router_server(
     on_signal: Callable[[], None] | None = None,
 ) -> RouterServer:
     app = create_app(config, replicas)
+    # httpx logs every request at INFO: one line per proxied request and health check.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     uv_config = uvicorn.Config(
         app,
         host=config.host,
@@ -112,7 +114,8 @@ class ReplicaProcesses:
                 replica = self.replicas[idx]
                 if status is not None and replica.exit_status is None:
                     replica.exit_status = status
-                    self.replicas.mark_down(idx, f"its process exited with status {status}")
+                    replica.healthy = False
+                    replica.last_error = f"its process exited with status {status}"
                     if not self.stopping:
                         logger.error(
                             "replica %s (pid %d) exited with status %d",
