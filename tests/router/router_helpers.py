@@ -140,3 +140,29 @@ def start_replicas(model_dir: Path, tmp: Path, count: int, *extra: str) -> list[
             r.stop()
         raise
     return replicas
+
+
+class AppThread:
+    """Any ASGI app under uvicorn in a thread (an upstream with chosen answers)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> AppThread:
+        self.thread.start()
+        wait_healthy(self.url, 30)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -4,10 +4,12 @@ finish with the text they would have had; the router's /metrics and /health say 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
 import httpx
+import pytest
 from router_helpers import AUTH, MODEL_NAME, RouterThread, scrape, start_replicas
 
 from tokenmill.router.policy import Reason, ReplicaView, choose, request_key
@@ -54,7 +56,16 @@ def _wait(predicate, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def test_killed_replica_loses_no_request_that_had_not_started(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("how", "lost_code"),
+    [("kill", "replica_lost"), ("drain", "aborted")],
+    ids=["SIGKILL", "SIGTERM"],
+)
+def test_a_replica_that_goes_loses_no_request_it_had_not_started(
+    tiny_model_dir, tmp_path, how: str, lost_code: str
+) -> None:
+    """SIGKILL: the connections break. SIGTERM with --shutdown-timeout 0: the replica aborts
+    what it runs and what it queued, each with an error event; the queued ones retry."""
     # One running request per replica: the others wait in its queue, not yet streaming.
     replicas = start_replicas(tiny_model_dir("llama"), tmp_path, 2, "--max-num-seqs", "1")
     urls = [r.url for r in replicas]
@@ -82,14 +93,17 @@ def test_killed_replica_loses_no_request_that_had_not_started(tiny_model_dir, tm
             client.start()
         _wait(lambda: router.replicas[0].in_flight == 4)
         killed_at = time.monotonic()
-        replicas[0].kill()
+        if how == "kill":
+            replicas[0].kill()
+        else:
+            replicas[0].proc.send_signal(signal.SIGTERM)
         for client in [running, *waiting]:
             client.join(120)
             assert not client.is_alive()
 
-        # The one that was streaming ends with the router's error event; the rest finish.
+        # The one that was streaming ends with an error event; the rest finish.
         assert running.replica == urls[0] and running.text
-        assert [e["code"] for e in running.errors] == ["replica_lost"]
+        assert [e["code"] for e in running.errors] == [lost_code]
         for client in waiting:
             assert client.errors == []
             assert client.replica == urls[1]

@@ -4,15 +4,30 @@ prefix-cache counters, streamed text equal to a replica's, keys, error bodies, /
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
 import pytest
-from router_helpers import AUTH, KEY, MODEL_NAME, RouterThread, scrape, start_replicas
+from router_helpers import (
+    AUTH,
+    KEY,
+    MODEL_NAME,
+    AppThread,
+    RouterThread,
+    free_port,
+    scrape,
+    start_replicas,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
-from tokenmill.router.policy import ReplicaView, choose, request_key
+from tokenmill.router.policy import Reason, ReplicaView, choose, rank, request_key
 
 HITS = "tokenmill:prefix_cache_hits_total"
+RUNNING = "tokenmill:num_requests_running"
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +143,86 @@ def test_keys_and_error_bodies(cluster) -> None:
     # A replica's own 4xx passes through unchanged (the key went on, so it got that far).
     r = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL_NAME}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def _prompt_ranking_first(urls: list[str], first: int) -> str:
+    for i in range(1000):
+        prompt = f"Prompt {i} for the retry test"
+        if rank(request_key({"prompt": prompt}), urls)[0] == first:
+            return prompt
+    raise AssertionError("no prompt found")
+
+
+def test_connection_refused_retries_on_another_replica(cluster) -> None:
+    _, replicas = cluster
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    router = RouterThread([dead, replicas[0].url], health_interval=3600).start()
+    try:
+        assert router.replicas[0].healthy is False  # the first check found it down
+        router.replicas[0].healthy = True  # as if it died after the last check
+        prompt = _prompt_ranking_first([dead, replicas[0].url], 0)
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.headers["x-tokenmill-replica"] == replicas[0].url
+        assert r.json()["usage"]["completion_tokens"] == 3
+        metrics = scrape(router.url)
+        assert metrics["tokenmill_router:routing_decisions_total{reason=prefix_hit}"] == 1
+        assert metrics["tokenmill_router:routing_decisions_total{reason=retry}"] == 1
+        assert metrics[f"tokenmill_router:replica_failures_total{{replica={dead}}}"] == 1
+        assert metrics[f"tokenmill_router:replica_healthy{{replica={dead}}}"] == 0
+        assert "ConnectError" in router.replicas[0].last_error
+    finally:
+        router.stop()
+
+
+def _always_503() -> Starlette:
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def busy(_: Request) -> JSONResponse:
+        body = {"error": {"message": "loading", "type": "service_unavailable", "param": None,
+                          "code": "model_loading"}}  # fmt: skip
+        return JSONResponse(body, status_code=503)
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/completions", busy,
+                                                             methods=["POST"])])  # fmt: skip
+
+
+def test_a_5xx_retries_elsewhere_and_is_answered_when_no_replica_is_left(cluster) -> None:
+    _, replicas = cluster
+    upstream = AppThread(_always_503()).start()
+    router = RouterThread([upstream.url, replicas[0].url], health_interval=3600).start()
+    try:
+        prompt = _prompt_ranking_first([upstream.url, replicas[0].url], 0)
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.headers["x-tokenmill-replica"] == replicas[0].url
+        assert router.replicas[0].healthy is False and router.replicas.decisions[Reason.RETRY] == 1
+        router.replicas[1].healthy = False  # now only the 503 one, marked up again
+        router.replicas[0].healthy = True
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        router.replicas[0].healthy = False  # none left at all
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+        assert httpx.get(f"{router.url}/health").status_code == 503
+    finally:
+        router.stop()
+        upstream.stop()
+
+
+def test_a_client_that_leaves_aborts_the_replicas_request(cluster) -> None:
+    router, replicas = cluster
+    before = [scrape(r.url)["tokenmill:generation_tokens_total"] for r in replicas]
+    body = {"model": MODEL_NAME, "prompt": "Talk for a long time.", "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=60) as r:  # fmt: skip
+        serving = [r.url for r in replicas].index(r.headers["x-tokenmill-replica"])
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 10
+    while router.replicas[serving].in_flight or scrape(replicas[serving].url)[RUNNING]:
+        assert time.monotonic() < deadline, "the replica still runs the abandoned request"
+        time.sleep(0.02)
+    generated = scrape(replicas[serving].url)["tokenmill:generation_tokens_total"]
+    assert generated - before[serving] < 400

@@ -1,9 +1,11 @@
 """Forwarding one request: pick a replica, retry before the first token, stream the answer.
 
 An attempt fails, and the request moves to another replica, when it cannot connect, the
-connection breaks before the first token, or the replica answers 5xx (a 503 also marks it
-down). Nothing has reached the client then: the router holds the response until the first
-chunk that carries output (for SSE, the first event that is not chat's role-only preamble).
+connection breaks before the first token, the replica answers 5xx (a 503 also marks it down)
+or its stream's first event is an error another replica may not have (RETRYABLE_CODES: a
+draining replica aborts the requests it queued). Nothing has reached the client then: the
+router holds the response until the first chunk that carries output (for SSE, the first event
+that is not chat's role-only preamble).
 After that the upstream body passes through chunk by chunk; a replica lost mid-stream ends
 an SSE stream with an error event and ``[DONE]`` (the server's own abort shape).
 """
@@ -79,10 +81,26 @@ def is_preamble(event: bytes) -> bool:
     return True
 
 
-def has_output(buffer: bytes) -> bool:
-    """Whether a buffered SSE body holds a complete event that is not a preamble."""
+def first_output_event(buffer: bytes) -> bytes | None:
+    """The first complete SSE event of ``buffer`` that is not a preamble (None: none yet)."""
     *complete, _rest = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-    return any(event.strip() and not is_preamble(event) for event in complete)
+    return next((e for e in complete if e.strip() and not is_preamble(e)), None)
+
+
+# Errors a replica streams before any output that another replica may not have: it is
+# shutting down or its engine failed (the server's SSE error codes), or its queue is full.
+RETRYABLE_CODES = frozenset({"aborted", "shutting_down", "engine_error", "queue_full"})
+
+
+def retryable_error(event: bytes) -> str | None:
+    """The code of an SSE error event worth retrying elsewhere, else None."""
+    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if code in RETRYABLE_CODES else None
 
 
 class ProxyResponse(StreamingResponse):
@@ -142,7 +160,8 @@ class Proxy:
     async def _attempt(
         self, idx: int, method: str, target: str, headers: list, body: bytes
     ) -> Response | None:
-        """One try on replica ``idx``: its committed response, its 5xx answer, or None."""
+        """One try on replica ``idx``: its committed response (a ProxyResponse), or when it
+        failed, its 5xx answer or None."""
         replica = self.replicas[idx]
         replica.in_flight += 1
         replica.num_requests += 1
@@ -154,21 +173,28 @@ class Proxy:
             upstream = await self.client.send(req, stream=True)
             if upstream.status_code >= 500:
                 content = await upstream.aread()
-                if upstream.status_code == 503:
-                    self.replicas.mark_down(idx, "answered 503")
-                raise _Upstream5xx(Response(content, upstream.status_code, _headers(upstream)))
+                raise _Failed(
+                    f"answered {upstream.status_code}",
+                    down=upstream.status_code == 503,
+                    response=Response(content, upstream.status_code, _headers(upstream)),
+                )
             chunks = upstream.aiter_raw()
             head = await _read_head(upstream, chunks)
-        except (httpx.TransportError, _Upstream5xx) as e:
+        except (httpx.TransportError, _Failed) as e:
             replica.in_flight -= 1
             replica.num_failures += 1
             if upstream is not None:
                 await upstream.aclose()
-            if isinstance(e, _Upstream5xx):
-                logger.warning("replica %s answered %d", replica.url, e.response.status_code)
-                return e.response
-            self.replicas.mark_down(idx, f"{type(e).__name__}: {e}")
-            return None
+            failed = e if isinstance(e, _Failed) else _Failed(f"{type(e).__name__}: {e}")
+            if failed.down:
+                self.replicas.mark_down(idx, failed.why)
+            logger.warning("request to %s failed before output: %s", replica.url, failed.why)
+            return failed.response
+        except BaseException:  # cancelled: nothing to answer, but the count must hold
+            replica.in_flight -= 1
+            if upstream is not None:
+                await upstream.aclose()
+            raise
         closed = False
 
         async def close() -> None:
@@ -205,18 +231,32 @@ class Proxy:
                 yield (json.dumps({"error": message}) + "\n").encode()
 
 
-class _Upstream5xx(Exception):
-    def __init__(self, response: Response) -> None:
+class _Failed(Exception):
+    """An attempt that failed before output; ``response``: a 5xx to answer if all fail."""
+
+    def __init__(self, why: str, down: bool = True, response: Response | None = None) -> None:
+        super().__init__(why)
+        self.why = why
+        self.down = down
         self.response = response
 
 
 async def _read_head(upstream: httpx.Response, chunks: AsyncIterator[bytes]) -> list[bytes]:
-    """The body up to its first chunk with output (all of it if shorter)."""
+    """The body up to its first chunk with output (all of it if shorter).
+
+    Raises _Failed when an SSE body's first event is an error worth retrying elsewhere.
+    """
     sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
     head: list[bytes] = []
     async for chunk in chunks:
         head.append(chunk)
-        if not sse or has_output(b"".join(head)):
+        if not sse:
+            break
+        event = first_output_event(b"".join(head))
+        if event is not None:
+            code = retryable_error(event)
+            if code is not None:
+                raise _Failed(f"streamed error {code!r} before output", down=code != "queue_full")
             break
     return head
 
