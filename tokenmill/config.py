@@ -249,6 +249,24 @@ class ModelConfig:
         def get(key: str, default: Any = None) -> Any:
             return metadata.get(f"{gguf_arch}.{key}", default)
 
+        # NOTE: checked before any use: a missing key was a TypeError, and a layer count the
+        # tensors do not back (a billion) builds the layers before the first weight is read.
+        for key in ("block_count", "embedding_length", "attention.head_count"):
+            value = get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive integer; "
+                    f"got {value!r}"
+                )
+        if not isinstance(get("feed_forward_length"), int):
+            raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.feed_forward_length")
+        layers = {n.split(".")[1] for n in tensor_names if n.startswith("blk.")}
+        num_layers = get("block_count")
+        if len(layers) != num_layers or layers != {str(i) for i in range(num_layers)}:
+            raise ValueError(
+                f"{path}: {gguf_arch}.block_count is {num_layers}, but the file has "
+                f"tensors for {len(layers)} layers"
+            )
         num_layers = int(get("block_count"))
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))

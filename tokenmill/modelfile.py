@@ -71,17 +71,25 @@ class GGUFHeader:
 
 def read_gguf(path: str | Path, prefixes: Iterable[str] | None = None) -> GGUFHeader:
     """A GGUF file's metadata (only keys starting with one of ``prefixes``, if given) and
-    tensor infos. ValueError for a file that is not GGUF or is damaged."""
+    tensor infos. ValueError for a file that is not GGUF or is damaged: every length, count,
+    type id and tensor extent is checked against the file before it is used, so a hostile file
+    cannot make the reader allocate, loop or map past what the file holds."""
     path = Path(path)
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _HeaderParser(buf, str(path)).parse(
-                None if prefixes is None else tuple(prefixes)
-            )
-    except (struct.error, UnicodeDecodeError, KeyError, IndexError) as e:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ValueError(f"{path} is not a GGUF file (it is empty)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _HeaderParser(buf, str(path)).parse(
+                    None if prefixes is None else tuple(prefixes)
+                )
+    except (struct.error, UnicodeDecodeError, KeyError, IndexError, OverflowError) as e:
         raise ValueError(f"{path} is a damaged GGUF file: {e}") from None
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+
+
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class _HeaderParser:
@@ -105,40 +113,103 @@ class _HeaderParser:
             raise ValueError(f"{self._name}: unsupported GGUF version {version} (need 2 or 3)")
         num_tensors = self._scalar("Q")
         num_kvs = self._scalar("Q")
+        # Each key takes at least 12 bytes, each tensor info at least 24: larger counts than the
+        # file can hold are damage (and would otherwise loop until the reads run out).
+        self._check_fits(num_kvs, 12, "metadata key count")
         metadata: dict[str, Any] = {}
         for _ in range(num_kvs):
             key = self._string()
-            value_type = GGUFValueType(self._scalar("I"))
+            value_type = self._value_type(f"key {key!r}")
             if prefixes is None or key.startswith(prefixes):
-                metadata[key] = self._value(value_type)
+                metadata[key] = self._value(value_type, key)
             else:
-                self._skip(value_type)
+                self._skip(value_type, key)
+        self._check_fits(num_tensors, 24, "tensor count")
         infos = []
         for _ in range(num_tensors):
             name = self._string()
             num_dims = self._scalar("I")
+            if num_dims > _MAX_DIMS:
+                raise ValueError(
+                    f"{self._name} is a damaged GGUF file: tensor {name!r} has {num_dims} "
+                    f"dimensions (at most {_MAX_DIMS})"
+                )
             dims = struct.unpack_from(f"{self._endian}{num_dims}Q", self._buf, self._offset)
             self._offset += 8 * num_dims
             ggml_type, offset = self._scalar("I"), self._scalar("Q")
             infos.append((name, dims, ggml_type, offset))
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(
+                f"{self._name} is a damaged GGUF file: general.alignment {alignment!r} is not a "
+                "power of two"
+            )
         data_start = -(-self._offset // alignment) * alignment
+        file_size = len(self._buf)
         tensors = []
         for name, dims, ggml_type, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            elements = 1
-            for d in dims:
-                elements *= d
-            tensors.append(
-                TensorInfo(
-                    name=name,
-                    shape=tuple(int(d) for d in reversed(dims)),
-                    ggml_type=ggml_type,
-                    offset=data_start + offset,
-                    num_bytes=elements // block * type_size,
+            tensors.append(self._tensor(name, dims, ggml_type, offset, data_start, alignment))
+            end = tensors[-1].offset + tensors[-1].num_bytes
+            if end > file_size:
+                raise ValueError(
+                    f"{self._name} is a damaged GGUF file: tensor {name!r} (bytes "
+                    f"{tensors[-1].offset}..{end}) lies past the end of the file ({file_size} "
+                    "bytes): truncated, or a wrong offset or shape"
                 )
-            )
         return GGUFHeader(metadata, tensors)
+
+    def _tensor(
+        self,
+        name: str,
+        dims: tuple[int, ...],
+        ggml_type: int,
+        offset: int,
+        data_start: int,
+        alignment: int,
+    ) -> TensorInfo:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"{self._name}: tensor {name!r} has an unknown tensor type id {ggml_type}"
+            ) from None
+        if offset % alignment:
+            raise ValueError(
+                f"{self._name} is a damaged GGUF file: tensor {name!r}'s offset {offset} is not "
+                f"aligned to {alignment} bytes"
+            )
+        elements = 1
+        for d in dims:
+            elements *= d
+        if elements % block:
+            raise ValueError(
+                f"{self._name} is a damaged GGUF file: tensor {name!r} has {elements} elements, "
+                f"not a multiple of its type's block of {block}"
+            )
+        return TensorInfo(
+            name=name,
+            shape=tuple(int(d) for d in reversed(dims)),
+            ggml_type=ggml_type,
+            offset=data_start + offset,
+            num_bytes=elements // block * type_size,
+        )
+
+    def _check_fits(self, count: int, min_item_bytes: int, what: str) -> None:
+        left = len(self._buf) - self._offset
+        if count * min_item_bytes > left:
+            raise ValueError(
+                f"{self._name} is a damaged GGUF file: {what} {count} at byte {self._offset} "
+                f"runs past the end of the file ({left} bytes left)"
+            )
+
+    def _value_type(self, where: str) -> GGUFValueType:
+        raw = self._scalar("I")
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise ValueError(
+                f"{self._name} is a damaged GGUF file: unknown metadata value type {raw} at {where}"
+            ) from None
 
     def _scalar(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(self._endian + fmt, self._buf, self._offset)
@@ -147,37 +218,45 @@ class _HeaderParser:
 
     def _string(self) -> str:
         length = self._scalar("Q")
+        self._check_fits(length, 1, "string length")
         start = self._offset
         self._offset += length
         return self._buf[start : self._offset].decode("utf-8", errors="replace")
 
-    def _value(self, value_type: GGUFValueType) -> Any:
+    def _array_header(self, key: str) -> tuple[GGUFValueType, int]:
+        item_type = self._value_type(f"key {key!r} (array items)")
+        count = self._scalar("Q")
+        size = struct.calcsize(_SCALAR_FORMATS[item_type]) if item_type in _SCALAR_FORMATS else 8
+        self._check_fits(count, size, f"key {key!r}: array count")
+        return item_type, count
+
+    def _value(self, value_type: GGUFValueType, key: str) -> Any:
         if value_type == GGUFValueType.STRING:
             return self._string()
         if value_type != GGUFValueType.ARRAY:
             return self._scalar(_SCALAR_FORMATS[value_type])
-        item_type = GGUFValueType(self._scalar("I"))
-        count = self._scalar("Q")
+        item_type, count = self._array_header(key)
         if item_type in _SCALAR_FORMATS:
             fmt = f"{self._endian}{count}{_SCALAR_FORMATS[item_type]}"
             values = list(struct.unpack_from(fmt, self._buf, self._offset))
             self._offset += struct.calcsize(fmt)
             return values
-        return [self._value(item_type) for _ in range(count)]
+        return [self._value(item_type, key) for _ in range(count)]
 
-    def _skip(self, value_type: GGUFValueType) -> None:
+    def _skip(self, value_type: GGUFValueType, key: str) -> None:
         if value_type in _SCALAR_FORMATS:
             self._offset += struct.calcsize(_SCALAR_FORMATS[value_type])
         elif value_type == GGUFValueType.STRING:
-            self._offset += 8 + self._scalar("Q")
+            length = self._scalar("Q")
+            self._check_fits(length, 1, "string length")
+            self._offset += length
         else:
-            item_type = GGUFValueType(self._scalar("I"))
-            count = self._scalar("Q")
+            item_type, count = self._array_header(key)
             if item_type in _SCALAR_FORMATS:
                 self._offset += count * struct.calcsize(_SCALAR_FORMATS[item_type])
             else:
                 for _ in range(count):
-                    self._skip(item_type)
+                    self._skip(item_type, key)
 
 
 # ---- summaries ------------------------------------------------------------------------------

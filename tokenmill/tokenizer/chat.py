@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 from jinja2 import nodes
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -240,6 +241,11 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        except Exception as e:
+            # NOTE: a template is a program from the model file: whatever it does at run time
+            # (1 / 0, a bad format string, endless recursion, too big a result) is its error,
+            # a ValueError for the caller (the server's 400), never a crash of the request path.
+            raise ValueError(f"chat template error: {type(e).__name__}: {e}") from e
 
 
 class _GenerationTagExtension(Extension):
@@ -275,8 +281,41 @@ def _tojson(
     )
 
 
+# The most items (characters, list elements) one `*` may build, and the largest power `**`
+# may raise to: a template must not build a terabyte string or an endless integer.
+_MAX_REPEAT = 1 << 20
+_MAX_EXPONENT = 256
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox (no attribute of Python's internals, no mutation of the
+    messages), plus bounds on the two operators that can allocate without limit."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if (
+            operator == "**"
+            and isinstance(right, int)
+            and right > _MAX_EXPONENT
+            and (not isinstance(left, (int, float)) or abs(left) > 1)
+        ):
+            raise SecurityError(f"exponent {right} is too large in a chat template")
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(times, int)
+                    and len(seq) * times > _MAX_REPEAT
+                ):
+                    raise SecurityError(
+                        f"a chat template may not build more than {_MAX_REPEAT} items with '*'"
+                    )
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _TemplateEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTagExtension, loopcontrols],
