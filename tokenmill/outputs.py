@@ -96,6 +96,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
     # has no context); entry i is prompt token i's log-prob given tokens < i, plus alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Set when the request failed inside the engine (the others go on): what went wrong. The
+    # output is finished; its sequences end with finish_reason "abort".
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,7 +112,8 @@ def is_valid(kw: dict[str, Any]) -> bool:
         _real(d["presence_penalty"]) and -2 <= d["presence_penalty"] <= 2,
         _real(d["frequency_penalty"]) and -2 <= d["frequency_penalty"] <= 2,
         d["seed"] is None or (_int(d["seed"]) and -(2**63) <= d["seed"] < 2**63),
-        stop is None or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
+        stop is None
+        or (isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
         d["stop_token_ids"] is None
         or (
             isinstance(d["stop_token_ids"], (list, tuple))

@@ -29,6 +29,11 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the message carries the original error."""
 
 
+class RequestFailedError(EngineDeadError):
+    """One request failed inside the engine; the engine and the other requests go on. (An
+    EngineDeadError subclass, so callers answer both as an engine error: a 500.)"""
+
+
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its limit (``max_queue``)."""
 
@@ -222,7 +227,7 @@ class AsyncEngine:
                     continue
                 if out.finished:
                     self._end(out.request_id)
-                stream.put(out)
+                stream.put(out if out.error is None else RequestFailedError(out.error))
             self._refresh_stats()
 
     def _refresh_stats(self) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import (
@@ -68,6 +69,10 @@ class LLMEngine:
             self.tokenizer, model_config.vocab_size, self.eos_token_ids
         )
         self._ids = itertools.count()
+        # NOTE: for tests only (tests/reliability/test_faults.py), never set by the engine or
+        # the server: called with each sequence id whose step update is about to be processed;
+        # what it raises fails that request alone, as a bug in its output processing would.
+        self.fault_hook: Callable[[str], None] | None = None
         self.info = _engine_info(args, worker, self.config)
         logger.info(
             "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d = %d tokens "
@@ -207,9 +212,22 @@ class LLMEngine:
         else:
             runner_out = self.executor.execute(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
-        for seq_id in self.output_processor.process(updates):
+        for seq_id in self.output_processor.process(updates, self.fault_hook):
             self.scheduler.finish_request(seq_id, FinishReason.STOP)
-        return self.output_processor.collect()
+        outputs = self.output_processor.collect()
+        for request_id, error in self.output_processor.pop_failed().items():
+            outputs.append(self._fail_request(request_id, error))
+        return outputs
+
+    def _fail_request(self, request_id: str, error: str) -> RequestOutput:
+        """One request failed outside the model (its output processing): free its blocks and
+        end it with the error; the step and every other request go on."""
+        seq_ids = self.output_processor.seq_ids(request_id)
+        for seq_id in seq_ids:
+            self.scheduler.finish_request(seq_id, FinishReason.ABORT)
+        out = self.output_processor.fail(request_id, error)
+        assert out is not None
+        return out
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

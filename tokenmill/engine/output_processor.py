@@ -6,6 +6,8 @@ A request with ``n > 1`` runs as ``n`` sequences in the scheduler (ids ``<id>`` 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
@@ -20,6 +22,8 @@ from tokenmill.outputs import (
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,6 +62,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self._seq_owner: dict[str, tuple[RequestState, SeqState]] = {}
         self._changed: dict[str, RequestState] = {}
+        self._failed: dict[str, str] = {}
 
     def add_request(
         self, request_id: str, prompt: str | None, seqs: list[Request], params: SamplingParams
@@ -77,9 +82,15 @@ class OutputProcessor:
         state = self.states.get(request_id)
         return [s.request.req_id for s in state.seqs] if state else []
 
-    def process(self, updates: list[RequestUpdate]) -> list[str]:
+    def process(
+        self, updates: list[RequestUpdate], fault_hook: Callable[[str], None] | None = None
+    ) -> list[str]:
         """Apply one step's updates; returns the sequences a stop string ended (the scheduler
-        must finish them). ``collect`` then builds the outputs."""
+        must finish them). ``collect`` then builds the outputs.
+
+        An update that raises (``fault_hook``, the engine's test-only hook, or a bug in
+        detokenizing one request) fails its request alone: ``pop_failed`` names it.
+        """
         changed = self._changed
         stopped_seqs: list[str] = []
         for update in updates:
@@ -87,16 +98,38 @@ class OutputProcessor:
             if owner is None:
                 continue
             state, seq = owner
-            # n > 1 siblings compute the same prompt: only the first sequence's entries are kept.
-            if update.prompt_logprobs is not None and seq.index == 0:
-                self._append_prompt_logprobs(state, update.prompt_logprobs)
-            if not update.new_token_ids and update.finish_reason is None:
-                continue  # a prompt chunk's log-probs: nothing to stream until the first token
-            self._append(seq, update, state.params)
+            if state.request_id in self._failed:
+                continue
+            try:
+                if fault_hook is not None:
+                    fault_hook(update.req_id)
+                # n > 1 siblings compute the same prompt: only the first sequence's are kept.
+                if update.prompt_logprobs is not None and seq.index == 0:
+                    self._append_prompt_logprobs(state, update.prompt_logprobs)
+                if not update.new_token_ids and update.finish_reason is None:
+                    continue  # a prompt chunk's log-probs: nothing to stream until a token
+                self._append(seq, update, state.params)
+            except Exception as e:
+                logger.exception("request %s failed while processing its output", state.request_id)
+                self._failed[state.request_id] = f"{type(e).__name__}: {e}"
+                changed.pop(state.request_id, None)
+                continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
             changed[state.request_id] = state
         return stopped_seqs
+
+    def pop_failed(self) -> dict[str, str]:
+        """Requests whose updates raised since the last call: request id -> the error."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a failed request: its final output, finished, with ``error`` set."""
+        out = self.abort(request_id)
+        if out is not None:
+            out.error = error
+        return out
 
     def collect(self) -> list[RequestOutput]:
         outputs = [self._make_output(s) for s in self._changed.values()]

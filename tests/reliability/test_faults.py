@@ -1,0 +1,291 @@
+"""Faults through a real server on loopback (the tiny random-weight Llama): clients that leave
+at random points, aborted requests, a request that fails inside the engine, queue overflow and
+KV exhaustion. After each, the other requests got exactly what they get alone, the failing one
+an error (a 500, or an in-stream error chunk then [DONE]), and every KV block is free again.
+
+The in-engine failure uses ``LLMEngine.fault_hook`` (test-only; see engine/llm_engine.py): it
+is called with each sequence id whose step update is processed, and what it raises fails that
+request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from live_server import MODEL_NAME, running_server, scrape  # noqa: E402
+
+NUM_TOKENS = 24
+LAST_CHUNK = -1  # a leave_after: go once the chunk with the finish reason is read
+BYSTANDERS = [f"bystander {i} counts sheep" + " and goats" * (i % 3) for i in range(6)]
+
+
+def _body(prompt: str, max_tokens: int = NUM_TOKENS, stream: bool = True, **extra: Any) -> dict:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body | extra
+
+
+async def _stream(
+    client: httpx.AsyncClient, body: dict, leave_after: int | None = None
+) -> dict[str, Any]:
+    """One streamed completion; ``leave_after``: close the connection after that many content
+    chunks (0: right after the response headers, before any token; LAST_CHUNK: with the
+    finish chunk read, before [DONE])."""
+    seen: dict[str, Any] = {"text": "", "chunks": 0, "finish": None, "usage": None, "error": None}
+    seen["done"] = False
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        seen["status"] = response.status_code
+        if response.status_code != 200:
+            seen["error"] = json.loads(await response.aread())["error"]
+            return seen
+        if leave_after == 0:
+            return seen
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                seen["done"] = True
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                seen["error"] = chunk["error"]
+                continue
+            if chunk.get("usage"):
+                seen["usage"] = chunk["usage"]
+            for choice in chunk["choices"]:
+                seen["text"] += choice["text"]
+                seen["chunks"] += 1
+                seen["finish"] = choice["finish_reason"] or seen["finish"]
+            if leave_after == LAST_CHUNK:
+                if seen["finish"] is not None:
+                    return seen  # the finish came; [DONE] (and the usage) never read
+            elif leave_after is not None and seen["chunks"] >= leave_after:
+                return seen
+    return seen
+
+
+def _send_and_close(url: str, body: dict) -> None:
+    """A client that sends its request and is gone before any byte of the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + payload)
+
+
+def _baseline(url: str, prompts: list[str], **extra: Any) -> list[dict]:
+    """Each prompt alone, one after another: what every concurrent run must reproduce."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        out = []
+        for prompt in prompts:
+            r = client.post("/v1/completions", json=_body(prompt, stream=False, **extra))
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0])
+        return out
+
+
+def _check_bystanders(results: list[dict], baseline: list[dict]) -> None:
+    for got, want in zip(results, baseline, strict=True):
+        assert got["status"] == 200 and got["error"] is None and got["done"]
+        assert got["text"] == want["text"]
+        assert got["finish"] == "length" and got["usage"]["completion_tokens"] == NUM_TOKENS
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(tiny_model_dir("llama"), engine_overrides={"max_num_seqs": 32}) as srv:
+        yield srv
+
+
+def test_clients_leaving_at_random_points(server) -> None:
+    """Leavers before the request is read, before the first token, mid-stream, during the last
+    chunk and at random points, among bystanders whose streams must not change."""
+    baseline = _baseline(server.url, BYSTANDERS)
+    before = scrape(server.url)
+    rng = random.Random(26)
+    # Leavers ask for 200 tokens, so they leave long before their end, but for the last-chunk
+    # ones, which ask for NUM_TOKENS and leave with the finish chunk.
+    leave_points = [0, 0, 0, 1, 5, 12, LAST_CHUNK, LAST_CHUNK]
+    leave_points += [rng.randint(0, NUM_TOKENS) for _ in range(8)]
+
+    async def scenario() -> tuple[list[dict], list[dict]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            loop = asyncio.get_running_loop()
+            gone = [
+                loop.run_in_executor(None, _send_and_close, server.url, _body(f"gone {i}", 200))
+                for i in range(4)
+            ]
+            leavers = [
+                _stream(
+                    client,
+                    _body(f"leaver {i}", NUM_TOKENS if n == LAST_CHUNK else 200),
+                    leave_after=n,
+                )
+                for i, n in enumerate(leave_points)
+            ]
+            bystanders = [_stream(client, _body(p)) for p in BYSTANDERS]
+            results = await asyncio.gather(*bystanders, *leavers, *gone)
+            return results[: len(BYSTANDERS)], results[len(BYSTANDERS) : -len(gone)]
+
+    bystanders, leavers = asyncio.run(scenario())
+    _check_bystanders(bystanders, baseline)
+    # Every leaver really left early: it saw no [DONE] (a last-chunk leaver missed the finish).
+    assert all(not r["done"] for r in leavers)
+    server.wait_idle()
+    # The engine aborted the leavers (the raw-socket ones included) instead of running them
+    # to their end; the last-chunk leavers had finished.
+    after = scrape(server.url)
+
+    def delta(reason: str) -> float:
+        key = f"tokenmill:request_success_total{{finished_reason={reason}}}"
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("abort") == len(leave_points) - 2 + 4
+    assert delta("length") == len(BYSTANDERS) + 2
+    r = httpx.post(f"{server.url}/v1/completions", json=_body(BYSTANDERS[0], stream=False))
+    assert r.json()["choices"][0]["text"] == baseline[0]["text"]
+
+
+def test_a_non_streamed_client_that_gives_up_is_aborted(server) -> None:
+    key = "tokenmill:request_success_total{finished_reason=abort}"
+    before = scrape(server.url).get(key, 0.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=_body("slow", 230, False), timeout=0.3)
+    server.wait_idle()
+    assert scrape(server.url)[key] == before + 1
+
+
+def test_a_request_failing_inside_the_engine_fails_alone(server) -> None:
+    """The fault hook raises for the victims' sequences after their third token: a streamed
+    victim gets an error chunk then [DONE], a non-streamed one a 500; the bystanders' greedy
+    text is unchanged, the engine stays healthy and frees every block."""
+    baseline = _baseline(server.url, BYSTANDERS)
+    llm = server.engine.engine
+    tokenizer = llm.tokenizer
+
+    def fault(seq_id: str) -> None:
+        req = llm.scheduler.requests.get(seq_id)
+        if (
+            req is not None
+            and req.num_output_tokens >= 3
+            and "VICTIM" in tokenizer.decode(req.prompt_token_ids)
+        ):
+            raise RuntimeError("injected fault")
+
+    llm.fault_hook = fault
+    try:
+
+        async def scenario() -> tuple[list[dict], dict, httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                victim = _stream(client, _body("VICTIM streamed", 40))
+                plain = client.post("/v1/completions", json=_body("VICTIM plain", 40, False))
+                n_victim = _stream(client, _body("VICTIM with n", 40, n=3))
+                results = await asyncio.gather(
+                    *[_stream(client, _body(p)) for p in BYSTANDERS], victim, plain, n_victim
+                )
+                *bystanders, streamed, plain_r, n_streamed = results
+                assert n_streamed["error"] is not None and n_streamed["done"]
+                return bystanders, streamed, plain_r
+
+        bystanders, streamed, plain = asyncio.run(scenario())
+    finally:
+        llm.fault_hook = None
+    _check_bystanders(bystanders, baseline)
+    assert streamed["status"] == 200 and streamed["done"]
+    assert streamed["error"]["code"] == "engine_error"
+    assert "injected fault" in streamed["error"]["message"]
+    assert 0 < streamed["chunks"] <= 3 and streamed["finish"] is None
+    assert plain.status_code == 500 and plain.json()["error"]["code"] == "engine_error"
+    server.wait_idle()
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert not server.engine.is_dead
+    r = httpx.post(f"{server.url}/v1/completions", json=_body("VICTIM now fine", stream=False))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == NUM_TOKENS
+
+
+def test_queue_overflow_is_429_and_recovers(tiny_model_dir) -> None:
+    """2 running + 2 waiting admitted; the rest refused with 429 and Retry-After, every
+    admitted one completes, and once idle every refused one is served."""
+    with running_server(
+        tiny_model_dir("llama"), engine_overrides={"max_num_seqs": 2}, max_queue=2
+    ) as srv:
+
+        async def burst(prompts: list[str]) -> list[dict]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+                return await asyncio.gather(*[_stream(client, _body(p, 60)) for p in prompts])
+
+        prompts = [f"crowd {i}" for i in range(12)]
+        results = asyncio.run(burst(prompts))
+        refused = [p for p, r in zip(prompts, results) if r["status"] == 429]
+        served = [r for r in results if r["status"] == 200]
+        assert refused and len(served) >= 4 and len(served) + len(refused) == len(prompts)
+        assert all(r["error"]["code"] == "queue_full" for r in results if r["status"] == 429)
+        assert all(r["usage"]["completion_tokens"] == 60 and r["done"] for r in served)
+        srv.wait_idle()
+        assert srv.state.num_admitted == 0
+        retried = asyncio.run(burst(refused[:4]))
+        assert all(r["status"] == 200 and r["usage"]["completion_tokens"] == 60 for r in retried)
+        srv.wait_idle()
+
+
+def test_kv_exhaustion_preemption_storm_keeps_greedy_outputs(tiny_model_dir) -> None:
+    """12 requests of ~100 tokens on a pool of 19 blocks (304 tokens; each needs 6-7 blocks):
+    requests are preempted over and over, and the greedy tokens and log-probs equal those of
+    a pool that never runs out. Tolerance on log-probs: 1e-4 (a resumed request recomputes its
+    context in one prefill instead of step by step: float32 sums in another order)."""
+    prompts = [f"storm {i} " + "wind " * (i % 5) for i in range(12)]
+    extra = {"logprobs": 3, "max_tokens": 80}
+
+    async def run_all(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            rs = await asyncio.gather(
+                *[
+                    client.post("/v1/completions", json=_body(p, stream=False, **extra))
+                    for p in prompts
+                ]
+            )
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["choices"][0] for r in rs]
+
+    results = {}
+    for name, memory in (("big", "8MiB"), ("tiny", "152KiB")):
+        overrides = {"kv_cache_memory": memory, "max_num_seqs": 12}
+        with running_server(tiny_model_dir("llama"), engine_overrides=overrides) as srv:
+            llm = srv.engine.engine
+            if name == "tiny":
+                assert llm.num_total_blocks <= 19
+            results[name] = asyncio.run(run_all(srv.url))
+            srv.wait_idle()
+            results[name + "_preemptions"] = srv.engine.stats.num_preemptions
+    assert results["big_preemptions"] == 0
+    assert results["tiny_preemptions"] >= 12
+    for big, tiny in zip(results["big"], results["tiny"], strict=True):
+        assert tiny["text"] == big["text"] and tiny["finish_reason"] == "length"
+        assert tiny["logprobs"]["tokens"] == big["logprobs"]["tokens"]
+        for a, b in zip(tiny["logprobs"]["token_logprobs"], big["logprobs"]["token_logprobs"]):
+            assert abs(a - b) <= 1e-4
+        for a, b in zip(tiny["logprobs"]["top_logprobs"], big["logprobs"]["top_logprobs"]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) <= 1e-4 for k in a)
