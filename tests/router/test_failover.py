@@ -20,9 +20,9 @@ MAX_TOKENS = 96
 class StreamClient(threading.Thread):
     """One streamed completion through the router, recording when its first token came."""
 
-    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS, n: int = 1) -> None:
         super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.url, self.prompt, self.max_tokens, self.n = url, prompt, max_tokens, n
         self.text = ""
         self.first_token_at: float | None = None
         self.errors: list[dict] = []
@@ -31,7 +31,7 @@ class StreamClient(threading.Thread):
 
     def run(self) -> None:
         body = {"model": MODEL_NAME, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+                "temperature": 0, "ignore_eos": True, "stream": True, "n": self.n}  # fmt: skip
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=AUTH,
                           timeout=120) as r:  # fmt: skip
             self.replica = r.headers.get("x-tokenmill-replica")
@@ -49,10 +49,10 @@ class StreamClient(threading.Thread):
                 self.finish_reason = choice["finish_reason"] or self.finish_reason
 
 
-def _wait(predicate, timeout: float = 60.0) -> None:
+def _wait(predicate, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out waiting for {what()}"
         time.sleep(0.005)
 
 
@@ -85,13 +85,21 @@ def test_a_replica_that_goes_loses_no_request_it_had_not_started(
             expected[p] = r.json()["choices"][0]["text"]
         before = scrape(router.url)
 
-        running = StreamClient(router.url, first, max_tokens=400)
+        # n=4 at one sequence at a time: the others queue behind 4 x 400 tokens, time enough
+        # for them to arrive even on a loaded machine.
+        running = StreamClient(router.url, first, max_tokens=400, n=4)
         running.start()
-        _wait(lambda: running.first_token_at is not None)
+        _wait(
+            lambda: running.first_token_at is not None,
+            lambda: f"a first token: {running.errors} {running.is_alive()}",
+        )
         waiting = [StreamClient(router.url, p) for p in queued]
         for client in waiting:
             client.start()
-        _wait(lambda: router.replicas[0].in_flight == 4)
+        _wait(
+            lambda: router.replicas[0].in_flight == 4,
+            lambda: f"4 in flight: {router.replicas.status()} {running.finish_reason}",
+        )
         killed_at = time.monotonic()
         if how == "kill":
             replicas[0].kill()

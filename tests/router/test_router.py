@@ -4,6 +4,9 @@ prefix-cache counters, streamed text equal to a replica's, keys, error bodies, /
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,6 +21,7 @@ from router_helpers import (
     free_port,
     scrape,
     start_replicas,
+    wait_healthy,
 )
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -226,3 +230,28 @@ def test_a_client_that_leaves_aborts_the_replicas_request(cluster) -> None:
         time.sleep(0.02)
     generated = scrape(replicas[serving].url)["tokenmill:generation_tokens_total"]
     assert generated - before[serving] < 400
+
+
+def test_the_router_command(cluster, tmp_path) -> None:
+    _, replicas = cluster
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(port),
+           "--api-key", KEY, *(a for r in replicas for a in ("--replica", r.url))]  # fmt: skip
+    log_path = tmp_path / "router.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 30, proc, log_path)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4)
+        assert out.usage.completion_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log_path.read_text()
+    assert f"router at http://127.0.0.1:{port}/v1 over 2 replicas" in text
+    assert "HTTP Request:" not in text  # httpx's per-request lines stay out of the log
