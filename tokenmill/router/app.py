@@ -17,6 +17,7 @@ import hmac
 from collections.abc import AsyncIterator
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -74,7 +75,7 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def metrics(_: Request) -> Response:
-        return Response(render(registry), media_type="text/plain; version=0.0.4")
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
