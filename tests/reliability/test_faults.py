@@ -5,16 +5,19 @@ an error (a 500, or an in-stream error chunk then [DONE]), and every KV block is
 
 The in-engine failure uses ``LLMEngine.fault_hook`` (test-only; see engine/llm_engine.py): it
 is called with each sequence id whose step update is processed, and what it raises fails that
-request alone.
+request alone. The same hook, sleeping instead, slows chosen requests (``slowed``), so that a
+fast machine cannot finish them before their client's disconnect is noticed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +116,28 @@ def _check_bystanders(results: list[dict], baseline: list[dict]) -> None:
         assert got["finish"] == "length" and got["usage"]["completion_tokens"] == NUM_TOKENS
 
 
+@contextlib.contextmanager
+def slowed(llm, markers: tuple[str, ...], seconds: float = 0.005):
+    """Each step of a request whose prompt holds one of ``markers`` takes ``seconds`` more (the
+    fault hook, sleeping): on a fast machine it would otherwise finish before its client's
+    disconnect or timeout is noticed. Greedy outputs do not change."""
+    prompts: dict[str, bool] = {}
+
+    def hook(seq_id: str) -> None:
+        if seq_id not in prompts:
+            req = llm.scheduler.requests.get(seq_id)
+            text = llm.tokenizer.decode(req.prompt_token_ids) if req is not None else ""
+            prompts[seq_id] = any(m in text for m in markers)
+        if prompts[seq_id]:
+            time.sleep(seconds)
+
+    llm.fault_hook = hook
+    try:
+        yield
+    finally:
+        llm.fault_hook = None
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with running_server(tiny_model_dir("llama"), engine_overrides={"max_num_seqs": 32}) as srv:
@@ -149,7 +174,9 @@ def test_clients_leaving_at_random_points(server) -> None:
             results = await asyncio.gather(*bystanders, *leavers, *gone)
             return results[: len(BYSTANDERS)], results[len(BYSTANDERS) : -len(gone)]
 
-    bystanders, leavers = asyncio.run(scenario())
+    with slowed(server.engine.engine, ("leaver", "gone"), 0.002):
+        bystanders, leavers = asyncio.run(scenario())
+        server.wait_idle()
     _check_bystanders(bystanders, baseline)
     # Every leaver really left early: it saw no [DONE] (a last-chunk leaver missed the finish).
     assert all(not r["done"] for r in leavers)
@@ -171,7 +198,7 @@ def test_clients_leaving_at_random_points(server) -> None:
 def test_a_non_streamed_client_that_gives_up_is_aborted(server) -> None:
     key = "tokenmill:request_success_total{finished_reason=abort}"
     before = scrape(server.url).get(key, 0.0)
-    with pytest.raises(httpx.ReadTimeout):
+    with slowed(server.engine.engine, ("slow",)), pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=_body("slow", 230, False), timeout=0.3)
     server.wait_idle()
     assert scrape(server.url)[key] == before + 1
@@ -237,7 +264,8 @@ def test_queue_overflow_is_429_and_recovers(tiny_model_dir) -> None:
                 return await asyncio.gather(*[_stream(client, _body(p, 60)) for p in prompts])
 
         prompts = [f"crowd {i}" for i in range(12)]
-        results = asyncio.run(burst(prompts))
+        with slowed(srv.engine.engine, ("crowd",)):
+            results = asyncio.run(burst(prompts))
         refused = [p for p, r in zip(prompts, results) if r["status"] == 429]
         served = [r for r in results if r["status"] == 200]
         assert refused and len(served) >= 4 and len(served) + len(refused) == len(prompts)

@@ -23,7 +23,7 @@ from live_server import MODEL_NAME, free_port  # noqa: E402
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
 NUM_CLIENTS = 12
-NUM_TOKENS = 48
+NUM_TOKENS = 200  # long enough that no stream ends before the signal, even on a GPU
 
 
 def start(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
