@@ -21,6 +21,7 @@ from tokenmill.tokenizer.chat import ChatTemplate
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
 TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁hi", "▁there"]
+FIRST_KEY_POS = 24  # magic, version, tensor count, key count: then the first key's length
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
@@ -76,8 +77,7 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 def _tensor_info_at(data: bytes, name: str) -> int:
     """Byte position of tensor ``name``'s info (its name's length field)."""
     encoded = name.encode()
-    pos = data.index(struct.pack("<Q", len(encoded)) + encoded)
-    return pos
+    return data.index(struct.pack("<Q", len(encoded)) + encoded)
 
 
 def _info_fields(data: bytes, name: str) -> dict[str, int]:
@@ -93,10 +93,6 @@ def _patch(data: bytes, pos: int, fmt: str, value: int) -> bytes:
     out = bytearray(data)
     struct.pack_into(fmt, out, pos, value)
     return bytes(out)
-
-
-def _first_key_length(data: bytes) -> int:
-    return 24  # magic, version, tensor count, key count, then the first key's length
 
 
 def _value_type_pos(data: bytes, key: str) -> int:
@@ -119,7 +115,7 @@ def _corruptions(good: bytes) -> dict[str, tuple[bytes, str]]:
             "past the end of the file",
         ),
         "too many dimensions": (_patch(good, q["n_dims"], "<I", 2**31), "dimensions"),
-        "string past the end": (_patch(good, _first_key_length(good), "<Q", 2**40), "past the end"),
+        "string past the end": (_patch(good, FIRST_KEY_POS, "<Q", 2**40), "past the end"),
         "unknown tensor type": (_patch(good, q["type"], "<I", 0xFFFF), "unknown tensor type"),
         "unknown value type": (
             _patch(good, _value_type_pos(good, "llama.block_count"), "<I", 99),
@@ -263,3 +259,20 @@ def test_hostile_template_in_a_gguf_file(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert not marker.exists()
     assert code == 2 and len(err) == 1 and "chat template" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "name", ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_norm.weight"]
+)
+def test_tensor_shape_disagreeing_with_the_metadata(
+    good: bytes, tmp_path: Path, capsys, name: str
+) -> None:
+    """A tensor that fits in the file but not the model the metadata describes (its first
+    dimension halved): the loader names it and both shapes."""
+    pos = _info_fields(good, name)["dims"]
+    (cols,) = struct.unpack_from("<Q", good, pos)
+    path = tmp_path / "shape.gguf"
+    path.write_bytes(_patch(good, pos, "<Q", cols // 2))
+    assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has shape" in err[0] and "the model expects" in err[0], err
