@@ -14,6 +14,9 @@ import psutil
 from router_helpers import KEY, MODEL_NAME, REPLICA_FLAGS, free_port, wait_healthy
 
 from tokenmill.cli import main
+from tokenmill.router.policy import rank, request_key
+
+ADMIN = "admin-key"
 
 
 def test_serve_data_parallel_starts_answers_and_stops(tiny_model_dir, tmp_path) -> None:
@@ -21,7 +24,8 @@ def test_serve_data_parallel_starts_answers_and_stops(tiny_model_dir, tmp_path) 
     while any(_in_use(port + i) for i in (1, 2)):
         port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir("llama")),
-           *REPLICA_FLAGS, "--port", str(port), "--api-key", KEY,
+           *REPLICA_FLAGS, "--port", str(port), "--api-key", KEY, "--admin-api-key", ADMIN,
+           "--usage-db", str(tmp_path / "usage.db"), "--usage-flush-interval", "0.1",
            "--data-parallel-size", "2"]  # fmt: skip
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
@@ -38,6 +42,26 @@ def test_serve_data_parallel_starts_answers_and_stops(tiny_model_dir, tmp_path) 
         args = dict(model=MODEL_NAME, prompt="Hello, router", max_tokens=8, temperature=0)
         first = client.completions.create(**args)
         assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens == 8
+        # One request on each replica: both meter into the one --usage-db, so /v1/usage
+        # through the router (answered by either) counts them all.
+        urls = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+        other = 1 - rank(request_key({"prompt": args["prompt"]}), urls)[0]
+        prompt = next(p for p in (f"Prompt {i}" for i in range(100))
+                      if rank(request_key({"prompt": p}), urls)[0] == other)  # fmt: skip
+        client.completions.create(**(args | {"prompt": prompt}))
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+
+        def metered() -> int:
+            usage = httpx.get(f"{url}/v1/usage", headers=admin).json()
+            return usage["total"]["requests"]
+
+        sent = httpx.get(f"{url}/metrics", headers=admin).text
+        for replica_url in urls:
+            assert f'replica_requests_total{{replica="{replica_url}"}} 1.0' in sent
+        _wait(lambda: metered() == 2)
+        assert (
+            httpx.get(f"{url}/v1/usage", headers=admin).json()["total"]["completion_tokens"] == 16
+        )
 
         # A replica that dies is logged and shown by /health; the other serves on.
         victim = next(c for c in children if _port_of(c) == port + 2)

@@ -255,3 +255,22 @@ def test_the_router_command(cluster, tmp_path) -> None:
     text = log_path.read_text()
     assert f"router at http://127.0.0.1:{port}/v1 over 2 replicas" in text
     assert "HTTP Request:" not in text  # httpx's per-request lines stay out of the log
+
+
+def test_a_prefix_cache_reset_reaches_every_replica(cluster) -> None:
+    router, replicas = cluster
+    urls = [r.url for r in replicas]
+
+    def cached(prompt: str) -> int:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    prompts = [_prefix_for(urls, target, f"reset{target}") for target in (0, 1)]
+    for prompt in prompts:
+        cached(prompt)
+        assert cached(prompt) > 0
+    r = httpx.post(f"{router.url}/reset_prefix_cache", headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert [cached(prompt) for prompt in prompts] == [0, 0]
+    assert httpx.post(f"{router.url}/reset_prefix_cache").status_code == 401

@@ -2,8 +2,9 @@
 
 POST /v1/completions, /v1/chat/completions, /api/generate, /api/chat
                     routed by prompt prefix (policy.py), streamed through (proxy.py)
-GET  /v1/models, /v1/models/{id}, /api/tags, /api/ps, /api/version; POST /api/show,
-     /tokenize, /detokenize                   sent to the least-loaded healthy replica
+GET  /v1/models, /v1/models/{id}, /api/tags, /api/ps, /api/version, /v1/usage;
+     POST /api/show, /tokenize, /detokenize   sent to the least-loaded healthy replica
+POST /reset_prefix_cache                      sent to every healthy replica
 GET  /health        200 while a replica is up (503 when none), each replica's state
 GET  /metrics       the router's own (metrics.py); replicas keep theirs
 """
@@ -34,6 +35,9 @@ from tokenmill.router.replicas import ReplicaSet
 ROUTED = ("/v1/completions", "/v1/chat/completions", "/api/generate", "/api/chat")
 READ_GET = ("/v1/models", "/v1/models/{model_id:path}", "/api/tags", "/api/ps", "/api/version")
 READ_POST = ("/api/show", "/tokenize", "/detokenize")
+# Every replica keeps its own; with --usage-db the replicas share one file, so any answers.
+READ_GET += ("/v1/usage",)
+BROADCAST = ("/reset_prefix_cache",)
 # NOTE: the connect timeout is what a dead host costs a request before its retry; reads
 # have none (a non-streamed completion sends nothing until it is done).
 CONNECT_TIMEOUT_S = 5.0
@@ -69,6 +73,10 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
         assert proxy is not None
         return await proxy.forward(request, routed=False)
 
+    async def broadcast(request: Request) -> Response:
+        assert proxy is not None
+        return await proxy.broadcast(request)
+
     async def health(_: Request) -> JSONResponse:
         up = replicas.num_healthy > 0
         body = {"status": "ok" if up else "no_healthy_replica", "replicas": replicas.status()}
@@ -92,6 +100,7 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
         *(Route(p, routed, methods=["POST"]) for p in ROUTED),
         *(Route(p, read_only, methods=["GET"]) for p in READ_GET),
         *(Route(p, read_only, methods=["POST"]) for p in READ_POST),
+        *(Route(p, broadcast, methods=["POST"]) for p in BROADCAST),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}

@@ -157,6 +157,29 @@ class Proxy:
             )  # fmt: skip
         return error_response(path, 503, "no healthy replica", "no_healthy_replica")
 
+    async def broadcast(self, request: Request) -> Response:
+        """Send ``request`` to every healthy replica (a prefix-cache reset): the first answer
+        that is not 2xx, else the last one."""
+        path = request.url.path
+        body = await request.body()
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP_HEADERS]
+        healthy = [r for r in self.replicas.replicas if r.healthy]
+        if not healthy:
+            return error_response(path, 503, "no healthy replica", "no_healthy_replica")
+        answers = []
+        for replica in healthy:
+            try:
+                answers.append(
+                    await self.client.request(
+                        request.method, replica.url + path, headers=headers, content=body
+                    )
+                )
+            except httpx.TransportError as e:
+                message = f"replica {replica.url} did not answer: {type(e).__name__}"
+                return error_response(path, 502, message, "replica_unavailable")
+        answer = next((a for a in answers if not a.is_success), answers[-1])
+        return Response(answer.content, answer.status_code, _headers(answer))
+
     async def _attempt(
         self, idx: int, method: str, target: str, headers: list, body: bytes
     ) -> Response | None:
