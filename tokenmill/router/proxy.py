@@ -5,9 +5,9 @@ connection breaks before the first token, the replica answers 5xx (a 503 also ma
 or its stream's first event is an error another replica may not have (RETRYABLE_CODES: a
 draining replica aborts the requests it queued). Nothing has reached the client then: the
 router holds the response until the first chunk that carries output (for SSE, the first event
-that is not chat's role-only preamble).
-After that the upstream body passes through chunk by chunk; a replica lost mid-stream ends
-an SSE stream with an error event and ``[DONE]`` (the server's own abort shape).
+that is not chat's role-only preamble). After that the upstream body passes through chunk by
+chunk; a replica lost mid-stream ends an SSE stream with an error event and ``[DONE]`` (the
+server's own abort shape).
 """
 
 from __future__ import annotations
