@@ -14,6 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tokenmill.cli import main
 from tokenmill.modelfile import read_gguf
@@ -276,3 +278,33 @@ def test_tensor_shape_disagreeing_with_the_metadata(
     assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has shape" in err[0] and "the model expects" in err[0], err
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_random_header_damage_is_a_value_error_or_reads(good: bytes, tmp_path: Path, data) -> None:
+    """Random bytes overwritten in the header, or the file cut anywhere: read_gguf returns a
+    header whose tensors all lie inside the file, or raises ValueError; nothing else."""
+    header_len = read_gguf_header_len(good)
+    raw = bytearray(good)
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, header_len - 1))
+        width = data.draw(st.sampled_from([1, 4, 8]))
+        raw[pos : pos + width] = data.draw(st.binary(min_size=width, max_size=width))
+    if data.draw(st.booleans()):
+        del raw[data.draw(st.integers(0, len(raw))) :]
+    path = tmp_path / "fuzz.gguf"
+    path.write_bytes(bytes(raw))
+    try:
+        header = read_gguf(path)
+    except ValueError:
+        return
+    for tensor in header.tensors:
+        assert tensor.offset >= 0 and tensor.offset + tensor.num_bytes <= len(raw)
+
+
+def read_gguf_header_len(data: bytes) -> int:
+    """Where the tensor data starts in the control file (the header is everything before)."""
+    return _info_fields(data, "blk.0.ffn_down.weight")["offset"] + 8
