@@ -258,6 +258,20 @@ class ModelConfig:
                     f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive integer; "
                     f"got {value!r}"
                 )
+        for key in ("attention.head_count_kv", "attention.key_length", "vocab_size"):
+            value = get(key)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(
+                    f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive integer; "
+                    f"got {value!r}"
+                )
+        if get("attention.head_count") % get("attention.head_count_kv", 1):
+            raise ValueError(
+                f"{path}: {gguf_arch}.attention.head_count ({get('attention.head_count')}) is "
+                f"not a multiple of attention.head_count_kv ({get('attention.head_count_kv')})"
+            )
+        if not metadata.get("tokenizer.ggml.tokens") and get("vocab_size") is None:
+            raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens nor vocab_size")
         if not isinstance(get("feed_forward_length"), int):
             raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.feed_forward_length")
         layers = {n.split(".")[1] for n in tensor_names if n.startswith("blk.")}
@@ -279,6 +293,13 @@ class ModelConfig:
         if scaling_type == "linear":
             rope_scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
         eos = metadata.get("tokenizer.ggml.eos_token_id")
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            token_id = metadata.get(key)
+            if token_id is not None and not 0 <= token_id < vocab:
+                raise ValueError(
+                    f"{path}: GGUF metadata {key} is {token_id}, outside the vocabulary of "
+                    f"{vocab} tokens"
+                )
         common: dict[str, Any] = dict(
             vocab_size=vocab,
             hidden_size=hidden,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -27,26 +28,33 @@ FIRST_KEY_POS = 24  # magic, version, tensor count, key count: then the first ke
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
-def write_gguf(path: Path, block_count: int | None = 1, template: str = TEMPLATE) -> Path:
-    """A 1-layer Llama of float32 random weights with a SentencePiece vocabulary."""
+def write_gguf(
+    path: Path, block_count: int | None = 1, template: str = TEMPLATE, **meta: Any
+) -> Path:
+    """A 1-layer Llama of float32 random weights with a SentencePiece vocabulary; ``meta``
+    replaces what one GGUFWriter.add_<name> call writes (``head_count=10**6``)."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
+
+    def add(name: str, value: Any) -> None:
+        getattr(writer, f"add_{name}")(meta.get(name, value))
+
     if block_count is not None:
         writer.add_block_count(block_count)
-    writer.add_context_length(128)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
+    add("context_length", 128)
+    add("embedding_length", HIDDEN)
+    add("feed_forward_length", FFN)
+    add("head_count", HEADS)
+    add("head_count_kv", KV_HEADS)
+    add("key_length", HEAD_DIM)
+    add("value_length", HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(TOKENS)
+    add("tokenizer_model", "llama")
+    add("token_list", TOKENS)
     writer.add_token_types([2, 3, 3, *[6] * 256, 1, 1])
     writer.add_token_scores([0.0] * len(TOKENS))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    add("bos_token_id", 1)
+    add("eos_token_id", 2)
     writer.add_chat_template(template)
     shapes = {"token_embd.weight": (len(TOKENS), HIDDEN), "output_norm.weight": (HIDDEN,)}
     kv = KV_HEADS * HEAD_DIM
@@ -193,6 +201,54 @@ def test_metadata_that_disagrees_with_the_tensors(
     assert len(err) == 1 and phrase in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("meta", "phrase"),
+    [
+        ({"bos_token_id": 10**6}, "bos_token_id is 1000000, outside the vocabulary"),
+        ({"eos_token_id": 10**6}, "eos_token_id is 1000000, outside the vocabulary"),
+        ({"token_list": []}, "no tokenizer.ggml.tokens nor vocab_size"),
+        ({"head_count": 10**6}, "but the metadata describes (16000000, 64)"),
+        ({"head_count_kv": 0}, "head_count_kv must be a positive integer"),
+        ({"head_count_kv": 3}, "not a multiple of attention.head_count_kv"),
+        ({"key_length": 10**9}, "tensor 'blk.0.attn_q.weight' has shape (64, 64)"),
+        ({"embedding_length": 2**31}, "tensor 'token_embd.weight' has shape"),
+        ({"tokenizer_model": "weird"}, "Unsupported GGUF tokenizer model"),
+    ],
+)
+def test_metadata_dimensions_are_checked_before_building(
+    tmp_path: Path, capsys, meta: dict[str, Any], phrase: str
+) -> None:
+    """Metadata the tensors do not back: a BOS id past the vocabulary segfaulted in the
+    embedding kernel; a zero KV head count divided by zero; a million heads or a 10**9 key
+    length were allocated for (RuntimeError) before any weight was read."""
+    path = write_gguf(tmp_path / "meta.gguf", **meta)
+    assert main(["generate", str(path), "--prompt", "hi there", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and phrase in err[0], err
+
+
+def test_tokenizer_ids_past_the_model_vocabulary_are_refused(tiny_model_dir, tmp_path) -> None:
+    """A Hugging Face directory whose tokenizer has more tokens than the model's embedding:
+    a prompt that encodes to such an id is a ValueError, not an unchecked row index."""
+    import shutil
+
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from tokenmill.engine import LLMEngine
+
+    model_dir = tmp_path / "mismatch"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
+    backend.add_special_tokens([f"<extra{i}>" for i in range(130)])  # ids 259..388 >= 384
+    backend.save(str(model_dir / "tokenizer.json"))
+    engine = LLMEngine.from_args(model=str(model_dir), max_model_len=64, kv_cache_memory="1MiB")
+    with pytest.raises(ValueError, match="token id 388, outside the model's vocabulary of 384"):
+        engine.add_request("hi <extra129>")
+    engine.add_request("hi <extra0>")  # id 259 is inside the embedding: served
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 # ---- chat templates --------------------------------------------------------------------------
 
 ESCAPES = [
@@ -270,14 +326,16 @@ def test_tensor_shape_disagreeing_with_the_metadata(
     good: bytes, tmp_path: Path, capsys, name: str
 ) -> None:
     """A tensor that fits in the file but not the model the metadata describes (its first
-    dimension halved): the loader names it and both shapes."""
+    dimension halved): the load names it and both shapes (the norm, in the loader's own
+    check; the others before the model is built)."""
     pos = _info_fields(good, name)["dims"]
     (cols,) = struct.unpack_from("<Q", good, pos)
     path = tmp_path / "shape.gguf"
     path.write_bytes(_patch(good, pos, "<Q", cols // 2))
     assert main(["generate", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "has shape" in err[0] and "the model expects" in err[0], err
+    assert len(err) == 1 and "has shape" in err[0], err
+    assert ("the model expects" if "norm" in name else f"tensor {name!r}") in err[0], err
 
 
 @settings(

@@ -103,13 +103,22 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        vocab = self.config.model_config.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            # NOTE: the embedding kernels index rows unchecked: a tokenizer that disagrees with
+            # the model (a GGUF's BOS id past its vocabulary) must not reach them.
+            if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(
+                    f"the tokenizer produced token id {bad}, outside the model's vocabulary "
+                    f"of {vocab}: the model's tokenizer does not match its weights"
+                )
+            return ids
         if not prompt:
             raise ValueError("prompt must not be empty")
-        vocab = self.config.model_config.vocab_size
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")

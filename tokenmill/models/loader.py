@@ -67,7 +67,29 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     if source.format == "hf":
         return ModelConfig.from_hf(source.path)
     gguf_file = GGUFFile(source.path)
-    return ModelConfig.from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
+    config = ModelConfig.from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
+    _check_gguf_shapes(config, gguf_file)
+    return config
+
+
+def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
+    """The metadata's dimensions against the tensors that carry them, before a model of those
+    dimensions is built: a broken or hostile file (a million heads, a 10**9 key length) would
+    otherwise allocate for them, or fail deep inside a layer."""
+    shapes = {t.name: t.shape for t in gguf_file.tensors}
+    hidden = config.hidden_size
+    expected = {
+        "token_embd.weight": (config.vocab_size, hidden),
+        "blk.0.attn_q.weight": (config.num_attention_heads * config.head_dim, hidden),
+        "blk.0.attn_k.weight": (config.num_key_value_heads * config.head_dim, hidden),
+        "blk.0.attn_v.weight": (config.num_key_value_heads * config.head_dim, hidden),
+    }
+    for name, shape in expected.items():
+        if name in shapes and tuple(shapes[name]) != shape:
+            raise ValueError(
+                f"{gguf_file.path}: tensor {name!r} has shape {tuple(shapes[name])}, but the "
+                f"metadata describes {shape} (vocabulary, heads, head and hidden sizes)"
+            )
 
 
 def load_model(
