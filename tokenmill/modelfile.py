@@ -408,8 +408,8 @@ def _summarize_hf(path: Path) -> ModelSummary:
     )
 
 
-def safetensors_tensors(model_dir: Path) -> list[tuple[str, int, int, str]]:
-    """(name, elements, dimensions, dtype) of every tensor in a directory's safetensors files."""
+def safetensors_tensors(model_dir: Path) -> list[tuple[str, int, tuple[int, ...], str]]:
+    """(name, elements, shape, dtype) of every tensor in a directory's safetensors files."""
     out = []
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         for name, entry in _safetensors_header(file).items():
@@ -418,7 +418,7 @@ def safetensors_tensors(model_dir: Path) -> list[tuple[str, int, int, str]]:
             n = 1
             for d in entry["shape"]:
                 n *= d
-            out.append((name, n, len(entry["shape"]), entry["dtype"]))
+            out.append((name, n, tuple(entry["shape"]), entry["dtype"]))
     return out
 
 

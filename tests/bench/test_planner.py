@@ -85,9 +85,13 @@ def test_decode_step_terms_by_hand(tiny_model_dir) -> None:
     assert step.kv_read == pytest.approx(4 * LAYERS * 100 * m.kv_bytes_per_token / 1e9)
     assert step.attention_compute == pytest.approx(4 * 4 * HEADS * HEAD_DIM * LAYERS * 100 / 1e9)
     assert step.host == pytest.approx(1e-3 + 4e-4)
+    # Elementwise ops: 12 passes of the hidden state and 3 of the MLP width, float32, a layer.
+    assert m.activation_bytes_per_token == LAYERS * 4 * (12 * H + 3 * FFN)
+    assert step.activation_read == pytest.approx(4 * m.activation_bytes_per_token / 1e9)
     expected = (
         max(step.weight_read, step.linear_compute)
         + max(step.kv_read, step.attention_compute)
+        + step.activation_read
         + step.host
     )
     assert step.total == pytest.approx(expected)
@@ -169,17 +173,21 @@ def test_presets_are_datasheets_with_their_assumptions_stated() -> None:
     assert slow / fast == pytest.approx(4.8 / 0.3)
 
 
-def test_each_weight_type_runs_at_its_own_kernels_rate() -> None:
+def test_each_matmul_kind_runs_at_its_own_kernels_rate() -> None:
     from tokenmill.bench.planner import linear_seconds
 
     m = model_facts("gemma-3-270m")
-    assert m.head_type == "Q8_0"
-    assert sum(m.dense_params_by_type.values()) == m.dense_params
-    assert set(m.dense_params_by_type) <= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
-    rates = {t: {1: 1e9 * (i + 1)} for i, t in enumerate([*m.dense_params_by_type, "Q8_0"])}
-    hw = Hardware(**{**_fields(UNIT), "matmul_ops_by_type": rates})
-    expected = sum(2 * 8 * n / rates[t][1] for t, n in m.dense_params_by_type.items())
-    expected += 2 * 1 * m.head_params / rates["Q8_0"][1]
+    assert m.head_kind == "Q8_0@640"
+    assert sum(m.dense_params_by_kind.values()) == m.dense_params
+    types = {kind.split("@")[0] for kind in m.dense_params_by_kind}
+    inputs = {int(kind.split("@")[1]) for kind in m.dense_params_by_kind}
+    assert types <= {"Q5_0", "Q8_0", "Q4_K", "Q6_K"} and inputs == {640, 1024, 2048}
+    kinds = [*m.dense_params_by_kind, m.head_kind]
+    rates = {kind: {1: 1e9 * (i + 1)} for i, kind in enumerate(kinds)}
+    hw = Hardware(**{**_fields(UNIT), "matmul_ops_by_kind": rates})
+    expected = sum(2 * 8 * n / rates[kind][1] for kind, n in m.dense_params_by_kind.items())
+    expected += 2 * 1 * m.head_params / rates[m.head_kind][1]
     assert linear_seconds(m, hw, rows=8, head_rows=1) == pytest.approx(expected)
     as_int4 = model_facts("gemma-3-270m", quantization="int4")
-    assert set(as_int4.dense_params_by_type) == {"int4"} and as_int4.head_type == "int4"
+    assert {kind.split("@")[0] for kind in as_int4.dense_params_by_kind} == {"int4"}
+    assert as_int4.head_kind == "int4@640"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import create_kernel_backend, default_kernel_backend
-from tokenmill.kernels.probe import _GGUF_IDS, _best, _weight
+from tokenmill.kernels.probe import _GGUF_IDS, _typical, _weight, parse_kind
 
 
 @pytest.mark.parametrize("weight_type", [*_GGUF_IDS, "int8", "int4"])
@@ -29,7 +29,14 @@ def test_float_weights_are_plain_tensors_and_unknown_types_are_refused() -> None
         _weight("Q1_X", 8, 32, gen)
 
 
-def test_best_keeps_the_fastest_call_and_runs_at_least_the_asked_number() -> None:
+def test_typical_is_the_median_of_at_least_the_asked_number_of_calls() -> None:
     calls = []
-    assert _best(lambda: calls.append(1), runs=7, budget_s=0.0) >= 0.0
+    assert _typical(lambda: calls.append(1), runs=7, budget_s=0.0) >= 0.0
     assert len(calls) == 8  # one warm-up, then seven timed
+
+
+def test_matmul_kinds_read_type_at_inputs() -> None:
+    assert parse_kind("Q4_K@4096") == ("Q4_K", 4096)
+    for bad in ("Q4_K", "Q4_K@", "Q4_K@x", "Q4_K@0"):
+        with pytest.raises(ValueError, match="TYPE@K"):
+            parse_kind(bad)

@@ -269,7 +269,11 @@ def _throughput(
     engine, spec: DatasetSpec, input_len: int, output_len: int
 ) -> tuple[dict, RunReport]:
     dataset = sample_requests(spec, engine.tokenizer, token_ids=True)
-    warmup = DatasetSpec(input_len=16, output_len=4, num_prompts=1, seed=2)
+    # Warm up at the measured batch size (other random prompts, so no prefix-cache hits): the
+    # first steps of a new size build its buffers and record its decode-step graph.
+    warmup = DatasetSpec(
+        input_len=input_len, output_len=4, num_prompts=spec.num_prompts, seed=spec.seed + 1
+    )
     run_timed(engine, sample_requests(warmup, engine.tokenizer, True), time.perf_counter())
     clock_zero = time.perf_counter()
     results = run_timed(engine, dataset, clock_zero)

@@ -116,10 +116,19 @@ def _measure_latency(model: str, prompt_len: int, threads: int | None) -> tuple[
 
 def _hardware(ns: argparse.Namespace, facts: ModelFacts) -> Hardware:
     if ns.hardware.lower() == "measure":
-        types = tuple(dict.fromkeys([*facts.dense_params_by_type, facts.head_type]))
+        kinds = [*facts.dense_params_by_kind, facts.head_kind]
         if facts.num_experts:
-            types += (facts.expert_type,)
-        return measure_hardware(types, ns.num_threads, ns.price_per_hour or 0.0)
+            kinds.append(facts.expert_kind)
+        heads = (facts.num_heads, facts.num_kv_heads, facts.head_dim)
+        # The engine runs a layer's q/k/v and its gate/up as one matmul each: 4 calls a layer.
+        layer_matrix = facts.dense_bytes // max(1, 4 * facts.num_layers)
+        return measure_hardware(
+            tuple(dict.fromkeys(kinds)),
+            heads,
+            layer_matrix,
+            ns.num_threads,
+            ns.price_per_hour or 0.0,
+        )
     return with_price(hardware_named(ns.hardware), ns.price_per_hour)
 
 

@@ -32,13 +32,15 @@ class Hardware:
     # Host work each step: scheduling, sampling, outputs (a fixed part and a part per request).
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
-    # Per weight type where the kernels differ (a CPU's packed layouts): type -> rows -> rate.
-    matmul_ops_by_type: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Weights streamed through a layer's smaller matrices, a call each (None: the bandwidth).
+    layer_bandwidth_bytes_per_s: float | None = None
+    # Per matmul kind "TYPE@K" where kernels differ (a CPU's packed layouts): kind -> rows -> rate.
+    matmul_ops_by_kind: dict[str, dict[int, float]] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def matmul_rate(self, rows: int, weight_type: str | None = None) -> float:
-        """The linear layers' rate at ``rows`` rows for weights of ``weight_type``."""
-        rates = self.matmul_ops_by_type.get(weight_type or "", self.matmul_ops_per_s)
+    def matmul_rate(self, rows: int, kind: str | None = None) -> float:
+        """The linear layers' rate at ``rows`` rows for weights of ``kind`` ("TYPE@K")."""
+        rates = self.matmul_ops_by_kind.get(kind or "", self.matmul_ops_per_s)
         sizes = sorted(rates)
         idx = max(0, bisect.bisect_right(sizes, rows) - 1)
         return rates[sizes[idx]]
@@ -92,30 +94,39 @@ def hardware_named(name: str) -> Hardware:
 
 
 def measure_hardware(
-    weight_types: tuple[str, ...], threads: int | None = None, price_per_hour: float = 0.0
+    matmul_kinds: tuple[str, ...],
+    attention_heads: tuple[int, int, int],
+    layer_matrix_bytes: int,
+    threads: int | None = None,
+    price_per_hour: float = 0.0,
 ) -> Hardware:
-    """This machine, probed with the engine's kernels for ``weight_types`` (a few seconds a
-    type); its memory is what is available now."""
+    """This machine, probed with the engine's kernels on a model's matmul kinds ("TYPE@K"),
+    attention heads and layer matrix size (a few seconds a kind); its memory is what is
+    available now."""
     from tokenmill.kernels.probe import probe_cpu
     from tokenmill.modelfile import available_memory
 
-    probe = probe_cpu(threads, weight_types)
-    by_type = probe.gemm_ops_per_s
+    probe = probe_cpu(threads, matmul_kinds, attention_heads, layer_matrix_bytes)
+    by_kind = probe.gemm_ops_per_s
     return Hardware(
         name=f"this machine ({probe.threads} threads, {probe.backend})",
         bandwidth_bytes_per_s=probe.stream_bytes_per_s,
-        matmul_ops_per_s=by_type[weight_types[0]],
+        layer_bandwidth_bytes_per_s=probe.layer_stream_bytes_per_s,
+        matmul_ops_per_s=by_kind[matmul_kinds[0]],
         decode_attention_flops=probe.decode_attention_flops,
         prefill_attention_flops=probe.prefill_attention_flops,
         memory_bytes=available_memory() or 0,
         price_per_hour=price_per_hour,
         step_overhead_s=CPU_STEP_OVERHEAD_S,
         request_overhead_s=CPU_REQUEST_OVERHEAD_S,
-        matmul_ops_by_type=by_type,
+        matmul_ops_by_kind=by_kind,
         notes=(
-            "rates probed just now with the engine's kernels (kernels/probe.py): "
-            + ", ".join(f"{t} {max(r.values()) / 1e9:.0f}" for t, r in by_type.items())
-            + " GOP/s",
+            f"weights stream at {probe.stream_bytes_per_s / 1e9:.0f} GB/s through one big matrix, "
+            f"{probe.layer_stream_bytes_per_s / 1e9:.0f} GB/s through a layer's",
+            "rates probed just now with the engine's kernels (kernels/probe.py), GOP/s: "
+            + ", ".join(f"{k} {max(r.values()) / 1e9:.0f}" for k, r in by_kind.items()),
+            f"attention GFLOP/s: decode {probe.decode_attention_flops / 1e9:.0f}, prefill "
+            f"{probe.prefill_attention_flops / 1e9:.0f}",
         ),
     )
 

@@ -2,8 +2,9 @@
 
 A step of the engine reads its weights (and, for each request, its cached K/V) from memory and
 computes its linear layers and attention; each part takes the longer of its read time (bytes /
-bandwidth) and its compute time (flops / rate), and the host adds a fixed cost per step and a
-cost per request. From that:
+bandwidth) and its compute time (flops / rate); the elementwise ops add their activations' reads
+and writes over the bandwidth, and the host a fixed cost per step and a cost per request. From
+that:
 
 - prefill of a prompt (chunks of ``max_num_batched_tokens``) -> time to first token;
 - a decode step of B requests at context c -> each user's tokens/s (1 / step time);
@@ -65,11 +66,12 @@ class ModelFacts:
     dense_bytes: int
     head_params: int  # the output head, run for rows that need logits
     head_bytes: int
-    # Weight type (GGUF type name, "F32" / "BF16" float, "int8" / "int4") -> parameters of it
-    # among the dense weights, and the head's and the experts' types: kernels differ by type.
-    dense_params_by_type: dict[str, int]
-    head_type: str
-    expert_type: str
+    # Matmul kind "TYPE@K" (a GGUF type name, "F32" / "BF16" float, "int8" / "int4"; K inputs)
+    # -> parameters of it among the dense weights, and the head's and the experts' kinds: the
+    # kernels' rates differ by layout and by row length.
+    dense_params_by_kind: dict[str, int]
+    head_kind: str
+    expert_kind: str
     embedding_bytes: int  # the table (one row read a token); 0 when it is the tied head
     num_experts: int  # per sparse layer (0: dense model)
     top_k: int
@@ -77,6 +79,10 @@ class ModelFacts:
     expert_bytes: int
     kv_bytes_per_token: float  # K and V of one token in one layer
     max_model_len: int
+    # Float32 activations the elementwise ops (norms, residual adds, RoPE, the gated activation)
+    # read and write for one token over all layers: about 12 passes over the hidden state and
+    # 3 over the MLP's width (gate and up read, their product written) a layer.
+    activation_bytes_per_token: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -120,40 +126,46 @@ def model_facts(
         config = ModelConfig.from_gguf(
             source.path, header.metadata, {t.name for t in header.tensors}
         )
-        tensors = [(t.name, t.num_elements, len(t.shape), t.type_name) for t in header.tensors]
+        tensors = [  # (name, elements, inputs K of a matrix or 0, type)
+            (t.name, t.num_elements, t.shape[-1] if len(t.shape) > 1 else 0, t.type_name)
+            for t in header.tensors
+        ]
     else:
         config = ModelConfig.from_hf(source.path)
-        tensors = [(name, n, ndim, "") for name, n, ndim, _ in safetensors_tensors(source.path)]
+        tensors = [
+            (name, n, shape[-1] if len(shape) > 1 else 0, "")
+            for name, n, shape, _ in safetensors_tensors(source.path)
+        ]
     float_type = "BF16" if gpu else "F32"
     kept = RESIDENT_BYTES_PER_WEIGHT if quantization in (None, "gguf") else {}
-    held = []  # (name, elements, type as held, bytes a weight)
-    for name, numel, ndim, stored in tensors:
-        if ndim < 2:
+    held = []  # (name, elements, matmul kind as held, bytes a weight)
+    for name, numel, k, stored in tensors:
+        if not k:
             continue  # norms and biases: no matmul, few bytes
         if quantization in _QUANTIZED_BYTES:
-            held.append((name, numel, quantization, _QUANTIZED_BYTES[quantization]))
+            held.append((name, numel, f"{quantization}@{k}", _QUANTIZED_BYTES[quantization]))
         elif stored in kept:
-            held.append((name, numel, stored, kept[stored]))
+            held.append((name, numel, f"{stored}@{k}", kept[stored]))
         else:  # float, or a type the engine dequantizes at load
-            held.append((name, numel, float_type, float_bytes))
+            held.append((name, numel, f"{float_type}@{k}", float_bytes))
 
     dense = head = embed = expert = 0
     dense_b = head_b = embed_b = expert_b = 0.0
-    by_type: dict[str, int] = {}
-    head_type = expert_type = embed_type = float_type
-    for name, numel, weight_type, per in held:
+    by_kind: dict[str, int] = {}
+    head_kind = expert_kind = embed_kind = f"{float_type}@{config.hidden_size}"
+    for name, numel, kind, per in held:
         nbytes = numel * per
         if name in _HEAD_NAMES:
-            head, head_b, head_type = head + numel, head_b + nbytes, weight_type
+            head, head_b, head_kind = head + numel, head_b + nbytes, kind
         elif name in _EMBED_NAMES:
-            embed, embed_b, embed_type = embed + numel, embed_b + nbytes, weight_type
+            embed, embed_b, embed_kind = embed + numel, embed_b + nbytes, kind
         elif _EXPERT.search(name):
-            expert, expert_b, expert_type = expert + numel, expert_b + nbytes, weight_type
+            expert, expert_b, expert_kind = expert + numel, expert_b + nbytes, kind
         else:
             dense, dense_b = dense + numel, dense_b + nbytes
-            by_type[weight_type] = by_type.get(weight_type, 0) + numel
+            by_kind[kind] = by_kind.get(kind, 0) + numel
     if not head:  # tied: the table is the head
-        head, head_b, embed_b, head_type = embed, embed_b, 0.0, embed_type
+        head, head_b, embed_b, head_kind = embed, embed_b, 0.0, embed_kind
     moe = config.moe
     num_experts = moe.num_experts if moe else 0
     kv_dtype = kv_cache_dtype if kv_cache_dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -172,9 +184,9 @@ def model_facts(
         dense_bytes=int(dense_b),
         head_params=head,
         head_bytes=int(head_b),
-        dense_params_by_type=by_type,
-        head_type=head_type,
-        expert_type=expert_type,
+        dense_params_by_kind=by_kind,
+        head_kind=head_kind,
+        expert_kind=expert_kind,
         embedding_bytes=int(embed_b),
         num_experts=num_experts,
         top_k=moe.top_k if moe else 0,
@@ -182,19 +194,31 @@ def model_facts(
         expert_bytes=int(expert_b / num_experts) if num_experts else 0,
         kv_bytes_per_token=2 * config.num_key_value_heads * config.head_dim * elem,
         max_model_len=config.max_position_embeddings,
+        activation_bytes_per_token=config.num_hidden_layers
+        * 4
+        * (12 * config.hidden_size + 3 * _mlp_width(config)),
     )
+
+
+def _mlp_width(config: ModelConfig) -> int:
+    """The MLP width one token runs: the dense one, or its experts' and the shared expert's."""
+    moe = config.moe
+    if moe is None:
+        return config.intermediate_size
+    return moe.top_k * moe.intermediate_size + moe.shared_intermediate_size
 
 
 def linear_seconds(m: ModelFacts, hw: Hardware, rows: int, head_rows: int) -> float:
     """Compute time of a step's linear layers for ``rows`` tokens, ``head_rows`` of which need
-    logits: each weight type at its kernel's rate."""
+    logits: each matmul kind at its kernel's rate."""
     seconds = sum(
-        2 * rows * params / hw.matmul_rate(rows, t) for t, params in m.dense_params_by_type.items()
+        2 * rows * params / hw.matmul_rate(rows, kind)
+        for kind, params in m.dense_params_by_kind.items()
     )
     if m.expert_params:
-        seconds += 2 * rows * m.top_k * m.expert_params / hw.matmul_rate(rows, m.expert_type)
+        seconds += 2 * rows * m.top_k * m.expert_params / hw.matmul_rate(rows, m.expert_kind)
     if head_rows:
-        seconds += 2 * head_rows * m.head_params / hw.matmul_rate(head_rows, m.head_type)
+        seconds += 2 * head_rows * m.head_params / hw.matmul_rate(head_rows, m.head_kind)
     return seconds
 
 
@@ -206,6 +230,7 @@ class StepTime:
     linear_compute: float
     kv_read: float
     attention_compute: float
+    activation_read: float  # the elementwise ops, bound by bandwidth
     host: float
 
     @property
@@ -213,6 +238,7 @@ class StepTime:
         return (
             max(self.weight_read, self.linear_compute)
             + max(self.kv_read, self.attention_compute)
+            + self.activation_read
             + self.host
         )
 
@@ -224,6 +250,7 @@ class StepTime:
             "compute (linear layers)": self.linear_compute,
             "bandwidth (KV cache reads)": self.kv_read,
             "compute (attention)": self.attention_compute,
+            "bandwidth (elementwise ops)": self.activation_read,
             "host (scheduling, sampling)": self.host,
         }
         return max(parts, key=parts.__getitem__)
@@ -234,23 +261,25 @@ class StepTime:
             self.linear_compute + other.linear_compute,
             self.kv_read + other.kv_read,
             self.attention_compute + other.attention_compute,
+            self.activation_read + other.activation_read,
             self.host + other.host,
         )
 
 
-_ZERO = StepTime(0.0, 0.0, 0.0, 0.0, 0.0)
+_ZERO = StepTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def decode_step(m: ModelFacts, hw: Hardware, batch: int, context_len: int) -> StepTime:
     """A step that decodes one token for each of ``batch`` requests at ``context_len``."""
-    weight_bytes = m.dense_bytes + m.head_bytes + m.experts_touched(batch) * m.expert_bytes
+    layer_bytes = m.dense_bytes + m.experts_touched(batch) * m.expert_bytes
     kv_tokens = m.kv_tokens_read(context_len)
     return StepTime(
-        weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
+        weight_read=_read_seconds(hw, layer_bytes, m.head_bytes),
         linear_compute=linear_seconds(m, hw, batch, batch),
         kv_read=batch * kv_tokens * m.kv_bytes_per_token / hw.bandwidth_bytes_per_s,
         attention_compute=4 * batch * m.num_heads * m.head_dim * kv_tokens
         / hw.decode_attention_flops,
+        activation_read=batch * m.activation_bytes_per_token / hw.bandwidth_bytes_per_s,
         host=hw.step_overhead_s + batch * hw.request_overhead_s,
     )  # fmt: skip
 
@@ -261,19 +290,24 @@ def prefill_step(
     """A step that prefills ``chunks`` (start position, tokens) of prompts; ``num_logits``
     prompts finish in it and need the head."""
     num_tokens = sum(n for _, n in chunks)
-    weight_bytes = m.dense_bytes + m.experts_touched(num_tokens) * m.expert_bytes
-    if num_logits:
-        weight_bytes += m.head_bytes
+    layer_bytes = m.dense_bytes + m.experts_touched(num_tokens) * m.expert_bytes
     kv_tokens = sum(
         _causal_kv_tokens(start, n, window) for start, n in chunks for window in m.layer_windows
     )
     return StepTime(
-        weight_read=weight_bytes / hw.bandwidth_bytes_per_s,
+        weight_read=_read_seconds(hw, layer_bytes, m.head_bytes if num_logits else 0),
         linear_compute=linear_seconds(m, hw, num_tokens, num_logits),
         kv_read=0.0,  # a prompt's own K/V come from the step's activations
         attention_compute=4 * m.num_heads * m.head_dim * kv_tokens / hw.prefill_attention_flops,
+        activation_read=num_tokens * m.activation_bytes_per_token / hw.bandwidth_bytes_per_s,
         host=hw.step_overhead_s + len(chunks) * hw.request_overhead_s,
     )
+
+
+def _read_seconds(hw: Hardware, layer_bytes: float, head_bytes: float) -> float:
+    """Weights read: the layers' matrices at their (smaller-matrix) rate, the head at the big."""
+    layer_rate = hw.layer_bandwidth_bytes_per_s or hw.bandwidth_bytes_per_s
+    return layer_bytes / layer_rate + head_bytes / hw.bandwidth_bytes_per_s
 
 
 def _causal_kv_tokens(start: int, num_tokens: int, window: int | None) -> int:

@@ -1,21 +1,25 @@
 """Hardware probes for the capacity planner: how fast the kernels the engine runs go here.
 
-Each probe times one kernel on random data of a fixed shape (best of a few runs), with the
-backend the engine would pick (the C kernels where they load, else torch), so the planner's
-terms are this machine's rates for the engine's own code, not datasheet peaks:
+Each probe times one kernel on random data (the median of repeated calls), with the backend the
+engine would pick (the C kernels where they load, else torch), on the shapes of the model being
+planned, so the planner's terms are this machine's rates for the engine's own code, not
+datasheet peaks:
 
 - weight streaming: a packed int8 matmul of one row over 256 MiB of codes (a decode step's
-  weight reads), in bytes per second;
-- matmul throughput: for each weight type asked for (a GGUF type such as "Q4_K", "F32" for
-  float weights, "int8" / "int4" for --quantization), the kernel the engine runs for it with
-  16, 64 and 256 rows against a [2048, 1024] weight of random codes (a step's linear layers),
-  in multiply-adds x 2 per second;
-- decode attention: 16 sequences of 512 tokens, 8 query heads on 2 KV heads of 128;
+  weight reads), as one matrix (an output head) and as many of a layer's matrix size (a call
+  each, as a step makes them), in bytes per second;
+- matmul throughput: for each matmul kind asked for, "TYPE@K" (a GGUF type such as "Q4_K",
+  "F32" for float weights, "int8" / "int4" for --quantization; K inputs), the kernel the engine
+  runs for it with 16, 64, 256 and 512 rows against a [2048, K] weight of random codes (a step's
+  linear layers), in multiply-adds x 2 per second;
+- decode attention: sequences of 512 tokens whose K/V fill 256 MiB (read from memory, as an
+  engine's KV pool is), with the model's query heads, KV heads and head dim;
 - prefill attention: a causal 512-token prompt, the same heads, through SDPA as prefills run.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,42 +39,44 @@ from tokenmill.quant.packed import (
     pack_half,
 )
 
-__all__ = ["ProbeResult", "probe_cpu"]
+__all__ = ["ProbeResult", "parse_kind", "probe_cpu"]
 
-GEMM_ROWS = (16, 64, 256)
+GEMM_ROWS = (16, 64, 256, 512)
 _STREAM_BYTES = 256 << 20
-_GEMM_SHAPE = (2048, 1024)  # [N, K]
+_GEMM_OUTPUTS = 2048  # N of the probed weights [N, K]
 # GGUF type name -> ggml id, and where a block's float16 scales sit (Q4_1, Q5_1, Q4_K, Q5_K: d
 # and m / dmin first; Q6_K: d last; the others: d first).
 _GGUF_IDS = {"F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
              "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}  # fmt: skip
 _SCALE_OFFSETS = {3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}
-_HEADS, _KV_HEADS, _HEAD_DIM, _CONTEXT, _SEQS, _BLOCK = 8, 2, 128, 512, 16, 16
+_CONTEXT, _SEQS, _BLOCK = 512, 16, 16
+_DECODE_KV_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     """Rates measured here with ``threads`` threads (see the module docstring)."""
 
-    stream_bytes_per_s: float
-    gemm_ops_per_s: dict[str, dict[int, float]]  # weight type -> rows -> 2 x multiply-adds / s
+    stream_bytes_per_s: float  # one matrix of 256 MiB (an output head)
+    layer_stream_bytes_per_s: float  # matrices of a layer's size
+    gemm_ops_per_s: dict[str, dict[int, float]]  # matmul kind -> rows -> 2 x multiply-adds / s
     decode_attention_flops: float
     prefill_attention_flops: float
     threads: int
     backend: str  # "C kernels (<isa>)" or "torch"
 
 
-def _best(fn: Callable[[], object], runs: int = 5, budget_s: float = 0.3) -> float:
-    """The fastest of at least ``runs`` calls, more while under ``budget_s``: on a shared
-    machine one call in a few stalls for milliseconds, and the fastest call is the kernel's."""
+def _typical(fn: Callable[[], object], runs: int = 5, budget_s: float = 0.3) -> float:
+    """The median of at least ``runs`` calls, more while under ``budget_s``: what a kernel
+    sustains call after call (the engine's steps run back to back), robust to the odd stall of
+    a shared machine."""
     fn()  # warm caches and lazily built state
-    best, spent, done = float("inf"), 0.0, 0
-    while done < runs or spent < budget_s:
+    times: list[float] = []
+    while len(times) < runs or sum(times) < budget_s:
         start = time.perf_counter()
         fn()
-        took = time.perf_counter() - start
-        best, spent, done = min(best, took), spent + took, done + 1
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _int8_weight(n: int, k: int, gen: torch.Generator) -> PackedWeight:
@@ -103,8 +109,17 @@ def _weight(weight_type: str, n: int, k: int, gen: torch.Generator) -> PackedWei
     return pack_gguf(data.reshape(-1), ggml_type, (n, k))
 
 
-def _matmul_rate(weight_type: str, rows: int, use_c: bool, gen: torch.Generator) -> float:
-    n, k = _GEMM_SHAPE
+def parse_kind(kind: str) -> tuple[str, int]:
+    """ "Q5_0@640" -> ("Q5_0", 640): a weight type and the input size of its matmul."""
+    weight_type, sep, k = kind.partition("@")
+    if not sep or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"a matmul kind reads TYPE@K, e.g. Q4_K@4096; got {kind!r}")
+    return weight_type, int(k)
+
+
+def _matmul_rate(kind: str, rows: int, use_c: bool, gen: torch.Generator) -> float:
+    weight_type, k = parse_kind(kind)
+    n = _GEMM_OUTPUTS
     w = _weight(weight_type, n, k, gen)
     x = torch.randn(rows, k, generator=gen)
     if isinstance(w, torch.Tensor):
@@ -112,12 +127,19 @@ def _matmul_rate(weight_type: str, rows: int, use_c: bool, gen: torch.Generator)
     else:
         backend = create_kernel_backend("cpu" if use_c else "torch")
         run = lambda: backend.packed_matmul(x, w, None, True)  # noqa: E731
-    return 2 * rows * n * k / _best(run)
+    return 2 * rows * n * k / _typical(run)
 
 
-def probe_cpu(threads: int | None = None, weight_types: Iterable[str] = ("Q8_0",)) -> ProbeResult:
-    """Run the probes (a few seconds) with ``threads`` torch threads (default: torch's), timing
-    the matmuls of each of ``weight_types``."""
+def probe_cpu(
+    threads: int | None = None,
+    matmul_kinds: Iterable[str] = ("Q8_0@1024",),
+    attention_heads: tuple[int, int, int] = (8, 2, 128),
+    layer_matrix_bytes: int = 4 << 20,
+) -> ProbeResult:
+    """Run the probes (a few seconds) with ``threads`` torch threads (default: torch's): the
+    matmuls of each of ``matmul_kinds`` ("TYPE@K", see parse_kind) and attention with
+    ``attention_heads`` = (query heads, KV heads, head dim), the planned model's; weight
+    streaming through one big matrix and through many of ``layer_matrix_bytes``."""
     saved = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -125,14 +147,15 @@ def probe_cpu(threads: int | None = None, weight_types: Iterable[str] = ("Q8_0",
         gen = torch.Generator().manual_seed(0)
         use_c = lib.available()
         gemm = {
-            t: {rows: _matmul_rate(t, rows, use_c, gen) for rows in GEMM_ROWS}
-            for t in dict.fromkeys(weight_types)
+            kind: {rows: _matmul_rate(kind, rows, use_c, gen) for rows in GEMM_ROWS}
+            for kind in dict.fromkeys(matmul_kinds)
         }
         return ProbeResult(
-            stream_bytes_per_s=_stream_rate(use_c, gen),
+            stream_bytes_per_s=_stream_rate(use_c, gen, _STREAM_BYTES),
+            layer_stream_bytes_per_s=_stream_rate(use_c, gen, layer_matrix_bytes),
             gemm_ops_per_s=gemm,
-            decode_attention_flops=_decode_attention_rate(use_c, gen),
-            prefill_attention_flops=_prefill_attention_rate(gen),
+            decode_attention_flops=_decode_attention_rate(use_c, gen, *attention_heads),
+            prefill_attention_flops=_prefill_attention_rate(gen, *attention_heads),
             threads=torch.get_num_threads(),
             backend=f"C kernels ({lib.isa()})" if use_c else "torch",
         )
@@ -140,39 +163,52 @@ def probe_cpu(threads: int | None = None, weight_types: Iterable[str] = ("Q8_0",
         torch.set_num_threads(saved)
 
 
-def _stream_rate(use_c: bool, gen: torch.Generator) -> float:
+def _stream_rate(use_c: bool, gen: torch.Generator, matrix_bytes: int) -> float:
+    """One row through matrices of ``matrix_bytes`` each, 256 MiB of them in all (more than any
+    cache), one call a matrix as a decode step makes: bytes per second, the calls' own costs
+    (thread hand-offs) included."""
     k = 1024
-    big = _int8_weight(_STREAM_BYTES // k, k, gen)
+    rows = max(64, min(_STREAM_BYTES, matrix_bytes) // k // 64 * 64)
+    mats = [_int8_weight(rows, k, gen) for _ in range(max(1, _STREAM_BYTES // (rows * k)))]
     x = torch.randn(1, k, generator=gen)
     if use_c:
-        return big.nbytes / _best(lambda: lib.qgemm(x, big, None, True, None, True))
-    dense = big.dequantize()  # torch dequantizes first: its stream is a float32 read
-    return dense.numel() * 4 / _best(lambda: F.linear(x, dense))
+        run = lambda: [lib.qgemm(x, w, None, True, None, True) for w in mats]  # noqa: E731
+        return sum(w.nbytes for w in mats) / _typical(run)
+    dense = [w.dequantize() for w in mats]  # torch dequantizes first: a float32 read
+    run = lambda: [F.linear(x, w) for w in dense]  # noqa: E731
+    return sum(w.numel() * 4 for w in dense) / _typical(run)
 
 
-def _decode_attention_rate(use_c: bool, gen: torch.Generator) -> float:
+def _decode_attention_rate(
+    use_c: bool, gen: torch.Generator, heads: int, kv_heads: int, head_dim: int
+) -> float:
+    # NOTE: enough sequences that their K/V (float32) outgrow any cache, as an engine's KV pool
+    # does: a cache-resident probe ran twice as fast as the engine's decode attention.
+    seqs = max(_SEQS, -(-_DECODE_KV_BYTES // (_CONTEXT * kv_heads * head_dim * 8)))
     blocks_per_seq = _CONTEXT // _BLOCK
-    num_blocks = _SEQS * blocks_per_seq
-    k_cache, v_cache = torch.randn(2, num_blocks, _BLOCK, _KV_HEADS, _HEAD_DIM, generator=gen)
-    table = torch.randperm(num_blocks, generator=gen).reshape(_SEQS, blocks_per_seq)
-    seq_lens = torch.full((_SEQS,), _CONTEXT, dtype=torch.long)
-    q = torch.randn(_SEQS, _HEADS, _HEAD_DIM, generator=gen)
-    scale = _HEAD_DIM**-0.5
+    num_blocks = seqs * blocks_per_seq
+    k_cache, v_cache = torch.randn(2, num_blocks, _BLOCK, kv_heads, head_dim, generator=gen)
+    table = torch.arange(num_blocks).reshape(seqs, blocks_per_seq)  # a fresh pool: in order
+    seq_lens = torch.full((seqs,), _CONTEXT, dtype=torch.long)
+    q = torch.randn(seqs, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
     if use_c:
         run = lambda: lib.decode_attention(q, k_cache, v_cache, table, seq_lens, None, scale)  # noqa: E731
     else:
-        keys = k_cache[table].reshape(_SEQS, _CONTEXT, _KV_HEADS, _HEAD_DIM).transpose(1, 2)
-        values = v_cache[table].reshape(_SEQS, _CONTEXT, _KV_HEADS, _HEAD_DIM).transpose(1, 2)
+        keys = k_cache[table].reshape(seqs, _CONTEXT, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[table].reshape(seqs, _CONTEXT, kv_heads, head_dim).transpose(1, 2)
         run = lambda: F.scaled_dot_product_attention(  # noqa: E731
             q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True
         )
-    flops = 4 * _SEQS * _HEADS * _HEAD_DIM * _CONTEXT  # q·k and p·v, 2 flops a multiply-add
-    return flops / _best(run)
+    flops = 4 * seqs * heads * head_dim * _CONTEXT  # q·k and p·v, 2 flops a multiply-add
+    return flops / _typical(run)
 
 
-def _prefill_attention_rate(gen: torch.Generator) -> float:
-    q = torch.randn(1, _HEADS, _CONTEXT, _HEAD_DIM, generator=gen)
-    k, v = torch.randn(2, 1, _KV_HEADS, _CONTEXT, _HEAD_DIM, generator=gen)
+def _prefill_attention_rate(
+    gen: torch.Generator, heads: int, kv_heads: int, head_dim: int
+) -> float:
+    q = torch.randn(1, heads, _CONTEXT, head_dim, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, _CONTEXT, head_dim, generator=gen)
     run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
-    flops = 4 * _HEADS * _HEAD_DIM * _CONTEXT * (_CONTEXT + 1) / 2  # the causal half
-    return flops / _best(run)
+    flops = 4 * heads * head_dim * _CONTEXT * (_CONTEXT + 1) / 2  # the causal half
+    return flops / _typical(run)
