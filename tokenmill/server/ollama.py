@@ -107,6 +107,7 @@ class Message(BaseModel):
 class ChatRequest(_OllamaRequest):
     messages: list[Message] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    template: str | None = None  # refused, as /api/generate's: not ignored like other extras
 
 
 class GenerateRequest(_OllamaRequest):
@@ -117,6 +118,14 @@ class GenerateRequest(_OllamaRequest):
     raw: bool = False
     images: list[str] | None = None
     context: list[int] | None = None
+
+
+def _refuse_template(template: str | None) -> None:
+    if template:
+        raise bad_request(
+            "'template' is not supported: the model's own chat template is used, or none with raw",
+            param="template",
+        )
 
 
 class ShowRequest(BaseModel):
@@ -302,6 +311,7 @@ class OllamaServing:
     async def chat(self, body: ChatRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
         self._check_model(body.model)
+        _refuse_template(body.template)
         if any(m.images for m in body.messages):
             raise bad_request("images are not supported: the model reads text", param="images")
         if not body.messages:  # Ollama's way to load a model: nothing to generate
@@ -343,12 +353,7 @@ class OllamaServing:
             raise bad_request("images are not supported: the model reads text", param="images")
         if body.suffix:
             raise bad_request("'suffix' (fill in the middle) is not supported", param="suffix")
-        if body.template:
-            raise bad_request(
-                "'template' is not supported: the model's own chat template is used, or "
-                "none with raw",
-                param="template",
-            )
+        _refuse_template(body.template)
         if not body.prompt and not body.context:
             return JSONResponse(self._loaded(body, {"response": ""}))
 

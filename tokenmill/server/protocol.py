@@ -320,7 +320,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Named so that a request sending them is refused with a reason, not as an unknown field:
+    # only the model's own template is rendered (in the sandbox, tokenizer.py).
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -336,13 +339,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.chat_template is not None:
-            raise bad_request(
-                "'chat_template' in a request is refused: the server renders the model's own "
-                "chat template",
-                param="chat_template",
-                code="unsupported",
-            )
+        for name in ("chat_template", "chat_template_kwargs"):
+            if getattr(self, name) is not None:
+                raise bad_request(
+                    f"'{name}' in a request is refused: the server renders the model's own "
+                    "chat template",
+                    param=name,
+                    code="unsupported",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if (
