@@ -188,6 +188,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="log every HTTP request",
     )  # fmt: skip
     parser.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key, for a scraper that sends none "
+        "(default: it needs one, as every route but /health)",
+    )
+    parser.add_argument(
         "--admin-api-key",
         default=None,
         help="a key that also reads every key's usage (/v1/usage) and resets the prefix cache",
@@ -382,6 +388,7 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         price_per_hour=ns.price_per_hour,
         rate_limit_rpm=ns.rate_limit_rpm,
         rate_limit_tpm=ns.rate_limit_tpm,
+        metrics_public=ns.metrics_public,
     )
     return run_server(engine_args, config, log_level)
 

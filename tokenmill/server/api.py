@@ -11,7 +11,7 @@ Routes:
                         it holds no data and asks for the key itself)
     GET  /openapi.json  every route's bodies (server/openapi.py); GET /docs reads it
     GET  /health        200 ready; 503 loading, shutting down, or failed (no API key needed)
-    GET  /metrics       Prometheus text format
+    GET  /metrics       Prometheus text format (no API key needed with --metrics-public)
     GET  /version
     POST /api/chat, POST /api/generate, GET /api/tags, GET /api/ps, POST /api/show,
     GET  /api/version                                      Ollama's API (server/ollama.py)
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import EngineStats
-from tokenmill.server.auth import APIKeyMiddleware, caller_of
+from tokenmill.server.auth import EXEMPT_PATHS, APIKeyMiddleware, caller_of
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error, install_error_handlers
 from tokenmill.server.limits import RateLimiter
@@ -114,8 +114,12 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     app.state.metrics = metrics
     app.state.usage = meter
     install_error_handlers(app)
+    public_paths = (*EXEMPT_PATHS, *(("/metrics",) if config.metrics_public else ()))
     app.add_middleware(
-        APIKeyMiddleware, api_keys=config.api_keys, admin_api_key=config.admin_api_key
+        APIKeyMiddleware,
+        api_keys=config.api_keys,
+        admin_api_key=config.admin_api_key,
+        exempt_paths=public_paths,
     )
     has_keys = bool(config.api_keys) or config.admin_api_key is not None
 
@@ -203,7 +207,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     @app.get("/openapi.json")
     async def openapi() -> JSONResponse:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, has_keys, SCRIPTS)
+            app.openapi_schema = openapi_schema(
+                app, has_keys, SCRIPTS, metrics_public=config.metrics_public
+            )
         return JSONResponse(app.openapi_schema)
 
     @app.get("/static/{name}")

@@ -9,9 +9,10 @@ The caller of an authorized request is written into the ASGI scope (``scope["sta
 back by ``caller_of``): its key id (the first 8 hex digits of the key's SHA-256, the only form
 in which a key is stored or shown) and whether it is the admin key.
 
-Open routes: /health, and the pages /dashboard and /docs with their static files. The pages
-hold no data; their scripts ask for the key once and send it to the data routes
-(/v1/stats, /openapi.json), which are guarded like every other.
+Open routes: /health, and the pages /dashboard and /docs with their static files (and
+/metrics with ``--metrics-public``: the app passes it in ``exempt_paths``). The pages hold no
+data; their scripts ask for the key once and send it to the data routes (/v1/stats,
+/openapi.json), which are guarded like every other.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ class ServerConfig:
         rate_limit_tpm: tokens (prompt + completion) a key may use in any 60 s; a key over it
             gets 429 until enough fall out of the window. None: no limit.
         stats_window: seconds of the sliding window of the dashboard's rates and percentiles.
+        metrics_public: /metrics answers without a key (for a Prometheus scraper that sends
+            none); by default it needs one like every route but /health.
     """
 
     served_model_name: str
@@ -62,6 +64,7 @@ class ServerConfig:
     rate_limit_rpm: int | None = None
     rate_limit_tpm: int | None = None
     stats_window: float = 60.0
+    metrics_public: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -149,10 +149,14 @@ _ERRORS = {
 
 
 def openapi_schema(
-    app: FastAPI, has_keys: bool, static_names: tuple[str, ...] = ()
+    app: FastAPI,
+    has_keys: bool,
+    static_names: tuple[str, ...] = (),
+    metrics_public: bool = False,
 ) -> dict[str, Any]:
     """The document for ``app``; ``has_keys``: the routes but the public ones need a key;
-    ``static_names``: the files /static/{name} serves."""
+    ``static_names``: the files /static/{name} serves; ``metrics_public``: /metrics needs
+    no key (``--metrics-public``)."""
     routes = [r for r in app.routes if isinstance(r, APIRoute) and r.include_in_schema]
     docs = []
     for route in routes:
@@ -195,7 +199,8 @@ def openapi_schema(
             }
         op["responses"] = _responses(doc, refs)
         if has_keys:
-            op["security"] = [] if doc.public else [{"bearer": []}, {"apiKey": []}]
+            public = doc.public or (metrics_public and path == "/metrics")
+            op["security"] = [] if public else [{"bearer": []}, {"apiKey": []}]
     return schema
 
 
