@@ -135,7 +135,15 @@ def greedy_references(url: str, model: str, prompts: list[str]) -> dict[str, str
         return out
 
 
-async def run_round(url: str, model: str, jobs: list[Job], num_clients: int) -> list[float]:
+async def run_round(
+    url: str,
+    model: str,
+    jobs: list[Job],
+    num_clients: int,
+    failures: list[BaseException] | None = None,
+) -> list[float]:
+    """The jobs over ``num_clients`` concurrent clients; their TTFTs. A failed job raises, or
+    with ``failures`` is appended there and the round goes on."""
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     queue: asyncio.Queue[Job] = asyncio.Queue()
     for job in jobs:
@@ -144,7 +152,13 @@ async def run_round(url: str, model: str, jobs: list[Job], num_clients: int) -> 
 
     async def worker() -> None:
         while not queue.empty():
-            ttfts.append(await run_job(client, model, queue.get_nowait()))
+            job = queue.get_nowait()
+            try:
+                ttfts.append(await run_job(client, model, job))
+            except Exception as e:
+                if failures is None:
+                    raise
+                failures.append(e)
 
     try:
         await asyncio.gather(*[worker() for _ in range(num_clients)])
@@ -153,8 +167,27 @@ async def run_round(url: str, model: str, jobs: list[Job], num_clients: int) -> 
     return ttfts
 
 
-def load(server: LiveServer, model: str, num_clients: int, duration_s: float | None) -> None:
-    """Warm-up round, then rounds until ``duration_s`` (one round if None); the checks."""
+@dataclass
+class LoadResult:
+    """What a load run held: clients, requests, seconds, failed requests, TTFTs, RSS."""
+
+    num_clients: int
+    num_requests: int
+    duration_s: float
+    failures: list[BaseException]
+    ttfts: list[float]
+    rss_warm: int
+    rss_end: int
+
+    def ttft_percentile(self, q: float) -> float:
+        return float(np.percentile(self.ttfts, q)) if self.ttfts else float("nan")
+
+
+def measure_load(
+    server: LiveServer, model: str, num_clients: int, duration_s: float | None
+) -> LoadResult:
+    """Warm-up round, then rounds until ``duration_s`` (one round if None), failures counted;
+    RSS after the warm-up and once idle at the end."""
     rng = random.Random(0)
     stop_prompts = [f"stop probe {i}: say something" for i in range(8)]
     greedy = greedy_references(server.url, model, stop_prompts)
@@ -163,23 +196,33 @@ def load(server: LiveServer, model: str, num_clients: int, duration_s: float | N
     server.wait_idle()
     rss_warm = rss_bytes()
     ttfts: list[float] = []
+    failures: list[BaseException] = []
     num_requests = 0
-    deadline = time.monotonic() + (duration_s or 0)
+    started = time.monotonic()
+    deadline = started + (duration_s or 0)
     while True:
         jobs = make_jobs(rng, num_clients, greedy)
-        ttfts += asyncio.run(run_round(server.url, model, jobs, num_clients))
+        ttfts += asyncio.run(run_round(server.url, model, jobs, num_clients, failures))
         num_requests += len(jobs)
         if time.monotonic() >= deadline:
             break
+    elapsed = time.monotonic() - started
     server.wait_idle(timeout=30)  # also: every KV block free
-    rss_end = rss_bytes()
-    p99 = float(np.percentile(ttfts, 99))
+    return LoadResult(num_clients, num_requests, elapsed, failures, ttfts, rss_warm, rss_bytes())
+
+
+def load(server: LiveServer, model: str, num_clients: int, duration_s: float | None) -> None:
+    """measure_load, then the checks: no failure, RSS within 10% of after the warm-up."""
+    result = measure_load(server, model, num_clients, duration_s)
+    rss_warm, rss_end = result.rss_warm, result.rss_end
     print(
-        f"\nload: {num_clients} clients, {num_requests} requests, 0 failures; p99 TTFT "
-        f"{p99 * 1000:.0f} ms, p50 {np.percentile(ttfts, 50) * 1000:.0f} ms; RSS "
+        f"\nload: {num_clients} clients, {result.num_requests} requests, "
+        f"{len(result.failures)} failures; p99 TTFT {result.ttft_percentile(99) * 1000:.0f} ms, "
+        f"p50 {result.ttft_percentile(50) * 1000:.0f} ms; RSS "
         f"{rss_warm / 2**20:.0f} -> {rss_end / 2**20:.0f} MiB"
     )
-    assert len(ttfts) == num_requests
+    assert result.failures == []
+    assert len(result.ttfts) == result.num_requests
     assert rss_end <= rss_warm * 1.10, (rss_warm, rss_end)
 
 
