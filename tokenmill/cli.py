@@ -59,6 +59,9 @@ _ENGINE_FLAG_HELP = {
     "without --draft-model, the target's own first N layers",
     "moe_router_stats": "mixtures of experts: count the tokens each expert runs, per layer, "
     "in /metrics (tokenmill:moe_expert_tokens)",
+    "tensor_parallel_size": "split the model over N processes on this machine (tensor "
+    "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float weights only, run "
+    "eagerly",
 }
 
 

@@ -102,6 +102,15 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """Which shard of the model a worker holds: rank ``rank`` of ``size`` tensor-parallel
+    ranks (issue 25). ``size`` 1 is the whole model."""
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSource:
     """Where weights and tokenizer come from: a GGUF file or a Hugging Face directory."""
 
@@ -145,10 +154,55 @@ class ModelConfig:
     # A GGUF's llama.cpp file type ("Q4_K_M", "F16", ...; general.file_type), else None.
     file_type: str | None = None
     source: ModelSource | None = None
+    # The shard this config's model holds (the worker sets it; the checkpoint never does).
+    tp: TensorParallel = TensorParallel()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+
+    @property
+    def num_local_heads(self) -> int:
+        """Attention heads on this rank (tensor parallelism splits them evenly)."""
+        return self.num_attention_heads // self.tp.size
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads on this rank: split like the heads, or one replicated KV head a rank when
+        there are fewer KV heads than ranks (gemma-3-270m has one)."""
+        return max(1, self.num_key_value_heads // self.tp.size)
+
+    @property
+    def kv_shard(self) -> tuple[int, int]:
+        """(which, of how many) equal slices of the k/v projections' rows this rank holds."""
+        num_kv, size = self.num_key_value_heads, self.tp.size
+        if num_kv >= size:
+            return self.tp.rank, size
+        return self.tp.rank * num_kv // size, num_kv
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError unless the model splits into ``size`` tensor-parallel ranks."""
+        if size == 1:
+            return
+        if self.moe is not None:
+            raise ValueError(
+                f"tensor_parallel_size {size}: mixtures of experts ({self.architecture}) are "
+                "not split across ranks yet; use tensor_parallel_size 1"
+            )
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} must divide the model's {heads} attention heads"
+            )
+        if kv % size and size % kv:
+            raise ValueError(
+                f"tensor_parallel_size {size} and the model's {kv} KV heads must divide one "
+                "another (each rank holds whole KV heads, or shares one)"
+            )
+        if self.intermediate_size % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} must divide the MLP width {self.intermediate_size}"
+            )
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of a layer in tokens, or None for full attention."""
@@ -599,6 +653,9 @@ class EngineArgs:
     # Mixtures of experts: count the tokens each expert of each layer runs, for /metrics
     # (tokenmill:moe_expert_tokens) and EngineStats.expert_tokens. Off by default: debugging.
     moe_router_stats: bool = False
+    # Tensor parallelism (issue 25): the model split over this many worker processes on this
+    # machine (torch.distributed: gloo on CPU, NCCL on CUDA); 1 runs in the engine's process.
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -671,6 +728,10 @@ class EngineArgs:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max; got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}"
             )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")

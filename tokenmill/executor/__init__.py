@@ -10,13 +10,20 @@ from tokenmill.executor.base import Executor
 
 __all__ = ["EXECUTORS", "Executor", "create_executor"]
 
-# name -> "module:class", imported on first use. A multiprocess or Ray executor is one more line.
-EXECUTORS = {"uniproc": "tokenmill.executor.uniproc:UniProcExecutor"}
+# name -> "module:class", imported on first use. A Ray executor is one more line.
+EXECUTORS = {
+    "uniproc": "tokenmill.executor.uniproc:UniProcExecutor",
+    "multiproc": "tokenmill.executor.multiproc:MultiProcExecutor",
+}
 
 
-def create_executor(args: EngineArgs, name: str = "uniproc") -> Executor:
-    """The executor ``name`` with its workers loaded from ``args``."""
+def create_executor(args: EngineArgs, name: str | None = None) -> Executor:
+    """The executor ``name`` with its workers loaded from ``args``; None picks one by
+    ``args.tensor_parallel_size``: in-process for 1, a process per rank above."""
     import importlib
+
+    if name is None:
+        name = "multiproc" if args.tensor_parallel_size > 1 else "uniproc"
 
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}; got {name!r}")

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config import TensorParallel
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers.linear import default_weight_loader, packed_weight_loader
+from tokenmill.layers.parallel import Shard, all_reduce_, load_shard_, vocab_range
 from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
@@ -23,8 +25,19 @@ if TYPE_CHECKING:
 
 
 class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    """``tp`` (tensor parallelism): this rank holds its slice of the vocabulary's rows
+    (``vocab_range``); a lookup takes the ids in its slice, zeros the others' rows and sums
+    over the ranks, and ``as_head`` gives this rank's slice of the logits (the model gathers
+    them)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            self.vocab_start, vocab_end = vocab_range(num_embeddings, self.tp)
+            num_embeddings = vocab_end - self.vocab_start
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
@@ -37,7 +50,14 @@ class Embedding(nn.Module):
         packed_method: PackedQuantMethod | None = None,
     ) -> None:
         """Fill the table from a checkpoint tensor; a packed one (GGUF) stays packed."""
-        if isinstance(loaded, PackedWeight):
+        if self.tp is not None:
+            if isinstance(loaded, PackedWeight):
+                raise ValueError(
+                    "arrived packed (GGUF): packed weights are not split across "
+                    "tensor-parallel ranks yet; use a float checkpoint or tensor_parallel_size 1"
+                )
+            load_shard_(self.weight.data, loaded, Shard(0, self.tp.rank, self.tp.size))
+        elif isinstance(loaded, PackedWeight):
             packed_weight_loader(self, self.weight, loaded, packed_method)
         else:
             default_weight_loader(self.weight, loaded)
@@ -57,10 +77,19 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Rows ``input_ids`` of the table, times ``scale`` if given (Gemma's sqrt(hidden))."""
+        if self.tp is not None:
+            return self._parallel_lookup(input_ids, scale)
         if self.quant_method is not None:
             h = self.quant_method.embedding(self.quant_state, input_ids, self.kernels, scale)
             return h.to(self.dtype)
         return self.kernels.embedding(self.weight, input_ids, scale)
+
+    def _parallel_lookup(self, input_ids: torch.Tensor, scale: float | None) -> torch.Tensor:
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        h = self.kernels.embedding(self.weight, local_ids.masked_fill(outside, 0), scale)
+        h = h.masked_fill(outside.unsqueeze(-1), 0.0)  # [num_tokens, hidden]
+        return all_reduce_(h)
 
     def as_head(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits h Eᵀ, written into ``out`` when given (a reused [rows, vocab] buffer)."""

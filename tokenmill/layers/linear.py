@@ -23,6 +23,7 @@ from torch import nn
 
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.layers.parallel import Shard, all_reduce_, load_shard_
 from tokenmill.quant.packed import PackedWeight
 
 if TYPE_CHECKING:
@@ -59,10 +60,17 @@ def packed_weight_loader(
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    """``shard`` (tensor parallelism): the slice of the checkpoint's weight this rank holds;
+    ``in_features`` / ``out_features`` are then this rank's. A row-parallel shard
+    (``shard.reduce``) sums its partial outputs over the ranks."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, shard: Shard | None = None
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.shard = shard
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.quant_method: QuantMethod | None = None
@@ -80,7 +88,14 @@ class Linear(nn.Module):
         param = getattr(self, param_name, None)
         if not isinstance(param, nn.Parameter):
             raise ValueError(f"has no place: the layer holds no float {param_name}")
-        if isinstance(loaded, PackedWeight) and param_name == "weight":
+        if self.shard is not None:
+            if isinstance(loaded, PackedWeight):
+                raise ValueError(
+                    "arrived packed (GGUF): packed weights are not split across "
+                    "tensor-parallel ranks yet; use a float checkpoint or tensor_parallel_size 1"
+                )
+            load_shard_(param.data, loaded, self.shard)
+        elif isinstance(loaded, PackedWeight) and param_name == "weight":
             packed_weight_loader(self, param, loaded, packed_method)
         else:
             default_weight_loader(param, loaded)
@@ -108,6 +123,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = x Wᵀ + b; into ``out`` when given (the output head's reused logits buffer)."""
+        y = self._forward(x, out)
+        if self.shard is not None and self.shard.reduce:
+            all_reduce_(y)
+        return y
+
+    def _forward(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             y = self.quant_method.apply(self.quant_state, x, self.kernels, out=out)
         elif out is None:
@@ -145,12 +166,22 @@ class FusedLinear(nn.Module):
     # consecutive parts in part order; parts in no group run alone.
     groupings: tuple[tuple[tuple[str, ...], ...], ...] = ()
 
-    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: dict[str, int],
+        bias: bool = False,
+        shards: dict[str, Shard] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = sum(part_sizes.values())
+        shards = shards or {}
         self.parts = nn.ModuleDict(
-            {part: Linear(in_features, size, bias) for part, size in part_sizes.items()}
+            {
+                part: Linear(in_features, size, bias, shards.get(part))
+                for part, size in part_sizes.items()
+            }
         )
         self.groups = [PartGroup((part,), (size,)) for part, size in part_sizes.items()]
         self.kernels: KernelBackend = TorchKernelBackend()  # joined groups' matmul; bound at load
@@ -275,15 +306,28 @@ class QKVLinear(FusedLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
+        shard: Shard | None = None,
+        kv_shard: Shard | None = None,
     ) -> None:
+        """Head counts are this rank's; ``shard`` is q's slice of the checkpoint, ``kv_shard``
+        k's and v's (tensor parallelism: KV heads may be replicated over several ranks)."""
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias)
+        shards = {"q": shard, "k": kv_shard, "v": kv_shard} if shard is not None else None
+        super().__init__(hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias, shards)
 
 
 class MergedLinear(FusedLinear):
     """Projections of one input joined in one matmul where their layouts allow (the MLP's gate
     and up: parts "gate", "up")."""
 
-    def __init__(self, in_features: int, part_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, part_sizes, bias)
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: dict[str, int],
+        bias: bool = False,
+        shard: Shard | None = None,
+    ) -> None:
+        """``shard``: every part's slice of its checkpoint tensor (tensor parallelism)."""
+        shards = {part: shard for part in part_sizes} if shard is not None else None
+        super().__init__(in_features, part_sizes, bias, shards)
         self.groupings = ((tuple(part_sizes),),)

@@ -14,7 +14,8 @@ from tokenmill.attention.backends import AttentionBackend
 from tokenmill.config import ModelConfig
 from tokenmill.kernels import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
-from tokenmill.layers.linear import FusedLinear, default_weight_loader
+from tokenmill.layers.linear import FusedLinear, Linear, default_weight_loader
+from tokenmill.layers.parallel import Shard, all_gather_last, shard_size
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.packed import PackedWeight
@@ -56,6 +57,13 @@ class CausalLM(nn.Module):
         """Logits [rows, vocab] of hidden states [rows, hidden]; written into ``out`` when given
         (the runner reuses one float32 buffer: at 32 rows a fresh 33 MB tensor cost ~10 ms of
         page faults a step)."""
+        if self.config.tp.size > 1:  # this rank's vocabulary slice, gathered from all ranks
+            if self.config.tie_word_embeddings:
+                local = self.model.embed_tokens.as_head(hidden)
+            else:
+                local = self.lm_head(hidden)
+            logits = all_gather_last(local)[:, : self.config.vocab_size]  # [rows, vocab]
+            return logits if out is None else out.copy_(logits)
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.as_head(hidden, out)
         return self.lm_head(hidden, out)
@@ -188,6 +196,16 @@ class CausalLM(nn.Module):
                     load = functools.partial(_load_plain, param)
                 loaders[f"{layer_name}.{param_name}"] = load
         return loaders
+
+
+def head_linear(config: ModelConfig) -> Linear:
+    """An untied output head: the whole vocabulary, or with tensor parallelism this rank's
+    slice of it (rows padded to equal slices; compute_logits gathers and cuts them)."""
+    tp = config.tp
+    if tp.size == 1:
+        return Linear(config.hidden_size, config.vocab_size)
+    rows = shard_size(config.vocab_size, tp.size)
+    return Linear(config.hidden_size, rows, shard=Shard(0, tp.rank, tp.size))
 
 
 def _load_part(

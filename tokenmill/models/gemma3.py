@@ -17,8 +17,8 @@ from torch import nn
 
 from tokenmill.attention import ForwardBatch
 from tokenmill.config import SLIDING_ATTENTION, ModelConfig
-from tokenmill.layers import Embedding, GemmaRMSNorm, Linear, RotaryEmbedding
-from tokenmill.models.base import CausalLM
+from tokenmill.layers import Embedding, GemmaRMSNorm, RotaryEmbedding
+from tokenmill.models.base import CausalLM, head_linear
 from tokenmill.models.llama import STACKED_PARAMS, LlamaAttention, LlamaMLP
 
 
@@ -43,7 +43,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Backbone(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.tp)
         global_rope = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
@@ -67,7 +67,7 @@ class Gemma3ForCausalLM(CausalLM):
         self.config = config
         self.model = Gemma3Backbone(config, max_position)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = head_linear(config)
         self.embed_scale = config.hidden_size**0.5
 
     def forward(

@@ -28,7 +28,8 @@ from tokenmill.layers import (
     RotaryEmbedding,
     get_act_fn,
 )
-from tokenmill.models.base import CausalLM
+from tokenmill.layers.parallel import Shard
+from tokenmill.models.base import CausalLM, head_linear
 
 
 class LlamaAttention(nn.Module):
@@ -48,15 +49,27 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         c = config
+        # This rank's heads (all of them without tensor parallelism).
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
+            c.num_local_heads,
+            c.num_local_kv_heads,
             c.head_dim,
         )
+        shard = kv_shard = out_shard = None
+        if c.tp.size > 1:  # q/k/v column-parallel, o_proj row-parallel (one all-reduce)
+            shard = Shard(0, c.tp.rank, c.tp.size)
+            kv_shard = Shard(0, *c.kv_shard)
+            out_shard = Shard(1, c.tp.rank, c.tp.size, reduce=True)
         self.qkv_proj = QKVLinear(
-            c.hidden_size, c.head_dim, self.num_heads, self.num_kv_heads, bias=c.attention_bias
+            c.hidden_size,
+            c.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=c.attention_bias,
+            shard=shard,
+            kv_shard=kv_shard,
         )
-        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
+        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, shard=out_shard)
         if qk_norm is None and c.architecture in ("qwen3", "qwen3_moe", "olmoe"):
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
@@ -99,8 +112,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(size, config.hidden_size)
+        tp = config.tp
+        shard = out_shard = None
+        if tp.size > 1:  # gate/up column-parallel, down row-parallel (one all-reduce)
+            size //= tp.size
+            shard = Shard(0, tp.rank, tp.size)
+            out_shard = Shard(1, tp.rank, tp.size, reduce=True)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate": size, "up": size}, shard=shard
+        )
+        self.down_proj = Linear(size, config.hidden_size, shard=out_shard)
         self.act = get_act_fn(config.hidden_act)
         self.act_and_mul = ActAndMul(config.hidden_act)
 
@@ -142,7 +163,7 @@ class LlamaBackbone(nn.Module):
         make_mlp: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.tp)
         rotary = RotaryEmbedding(
             config.head_dim, max_position, config.rope_theta, config.rope_scaling
         )
@@ -171,7 +192,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaBackbone(config, max_position, self.make_mlp)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = head_linear(config)
 
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         """Layer ``layer_idx``'s MLP; None: LlamaMLP (a family with other MLPs overrides it)."""

@@ -58,7 +58,7 @@ def kv_bytes_per_block(
 ) -> int:
     """Bytes of one block over all layers: K and V (and their scales, if quantized)."""
     per_token = kv_bytes_per_token(
-        config.num_key_value_heads, config.head_dim, kv_cache_dtype, dtype
+        config.num_local_kv_heads, config.head_dim, kv_cache_dtype, dtype
     )
     return per_token * block_size * config.num_hidden_layers
 
@@ -69,7 +69,8 @@ def allocate_kv_caches(
     """Per layer K, V [num_blocks, block_size, num_kv_heads, head_dim]; a quantized cache adds
     K and V scales [num_blocks, block_size, num_kv_heads] float32."""
     storage_dtype = kv_storage_dtype(cache.kv_cache_dtype, dtype)
-    shape = (cache.num_blocks, cache.block_size, config.num_key_value_heads, config.head_dim)
+    # This rank's KV heads (all of them without tensor parallelism).
+    shape = (cache.num_blocks, cache.block_size, config.num_local_kv_heads, config.head_dim)
     caches: KVCaches = []
     for _ in range(config.num_hidden_layers):
         layer = [_zeros(shape, storage_dtype, device), _zeros(shape, storage_dtype, device)]

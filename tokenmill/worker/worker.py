@@ -18,6 +18,7 @@ from tokenmill.config import (
     CacheConfig,
     EngineArgs,
     ModelConfig,
+    TensorParallel,
     WorkerInfo,
     parse_memory,
     resolve_model,
@@ -48,11 +49,17 @@ class Worker:
     """``num_layers``: keep only the model's first layers (with its final norm and head), as an
     early-exit draft model does."""
 
-    def __init__(self, args: EngineArgs, num_layers: int | None = None) -> None:
+    def __init__(self, args: EngineArgs, num_layers: int | None = None, tp_rank: int = 0) -> None:
         self.args = args
         self.device = pick_device(args.device)
         # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
-        self._decode_graphs = not args.enforce_eager and graphs_supported(self.device)
+        # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
+        # all-reduces between them.
+        self._decode_graphs = (
+            not args.enforce_eager
+            and args.tensor_parallel_size == 1
+            and graphs_supported(self.device)
+        )
         self._capture_warm_up = warm_up_capture() if self._decode_graphs else None
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -61,6 +68,11 @@ class Worker:
         model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
         max_model_len = _max_model_len(args, model_config)
         quantization = pick_quantization(args.quantization, model_config, self.device)
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel(args, model_config, quantization)
+            model_config = dataclasses.replace(
+                model_config, tp=TensorParallel(tp_rank, args.tensor_parallel_size)
+            )
         if args.kernel_backend not in ("auto", *KERNEL_BACKENDS):
             raise ValueError(
                 f"kernel_backend must be auto or one of {', '.join(KERNEL_BACKENDS)}; "
@@ -179,6 +191,34 @@ class Worker:
                 "bytes; raise kv_cache_memory"
             )
         return int(num_blocks)
+
+
+def check_tensor_parallel_args(args: EngineArgs) -> None:
+    """The checks of ``check_tensor_parallel`` from the model's config alone: the
+    multiprocess executor runs them before it starts a rank process."""
+    config = load_model_config(resolve_model(args.model))
+    device = pick_device(args.device)
+    check_tensor_parallel(args, config, pick_quantization(args.quantization, config, device))
+
+
+def check_tensor_parallel(args: EngineArgs, config: ModelConfig, quantization: str | None) -> None:
+    """ValueError unless the model and these arguments split into tensor-parallel ranks."""
+    size = args.tensor_parallel_size
+    config.check_tensor_parallel(size)
+    if quantization is not None:
+        assert config.source is not None
+        hint = (
+            "a GGUF's packed weights are not split across ranks yet: use its float "
+            "(Hugging Face) checkpoint, or --quantization none"
+            if config.source.format == "gguf"
+            else "quantized weights are not split across ranks yet: use float weights"
+        )
+        raise ValueError(f"tensor_parallel_size {size} with quantization {quantization!r}: {hint}")
+    if args.speculative_method == "draft":
+        raise ValueError(
+            f"tensor_parallel_size {size}: a draft model is not split across ranks yet; "
+            "use speculative_method ngram or suffix"
+        )
 
 
 def load_draft_worker(args: EngineArgs, target: ModelConfig, max_model_len: int) -> Worker:

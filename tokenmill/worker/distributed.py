@@ -1,0 +1,117 @@
+"""One tensor-parallel rank's side of the multiprocess executor (issue 25).
+
+Ranks 1..N-1 run ``python -m tokenmill.worker.distributed`` (started by
+executor/multiproc.py); rank 0 is a Worker in the engine's process. Each rank joins
+torch.distributed's default group (gloo on CPU, NCCL on CUDA) over a loopback TCP port,
+loads its shard of the model, then answers the executor's messages on a connection:
+
+    ("initialize", CacheConfig) -> ("ok", None)
+    ("execute", SchedulerOutput) -> ("ok", None)   the step's collectives pair it with rank 0
+    ("shutdown", None)           -> exits
+    any failure                  -> ("error", traceback text), then exits
+
+Only rank 0's RunnerOutput reaches the engine; the others sample the same tokens from the
+same gathered logits and the same seed, so their per-request state stays in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# How long a collective waits for a rank that neither answers nor dies (a dead rank's closed
+# socket fails the collective at once).
+COLLECTIVE_TIMEOUT_S = 30.0
+# Environment variables the executor hands a rank process: where to connect, and the key.
+ADDRESS_ENV, AUTHKEY_ENV = "TOKENMILL_TP_ADDRESS", "TOKENMILL_TP_AUTHKEY"
+
+
+def init_distributed(rank: int, size: int, port: int, device: str) -> None:
+    """Join the default process group of ``size`` ranks as ``rank`` (rank 0 hosts the store
+    on 127.0.0.1:``port``)."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a tensor-parallel group is already running in this process; shut its engine "
+            "down before starting another"
+        )
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
+    """Rank ``rank``'s arguments: on CUDA each rank its own device."""
+    if args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()):
+        return dataclasses.replace(args, device=f"cuda:{rank}")
+    return args
+
+
+def serve_rank(conn: Connection, args: EngineArgs, rank: int, port: int) -> None:
+    """Load rank ``rank``'s shard and run the executor's messages until shutdown."""
+    from tokenmill.worker.worker import Worker
+
+    args = rank_args(args, rank)
+    init_distributed(rank, args.tensor_parallel_size, port, args.device)
+    try:
+        worker = Worker(args, tp_rank=rank)
+        conn.send(("ok", None))
+        while True:
+            kind, payload = conn.recv()
+            if kind == "shutdown":
+                return
+            if kind == "initialize":
+                worker.initialize(payload)
+            elif kind == "execute":
+                worker.execute(payload)
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+            conn.send(("ok", None))
+    finally:
+        destroy_distributed()
+
+
+def main() -> int:
+    """A rank process: its address and key from the environment, its task from the pipe."""
+    logging.basicConfig(level=logging.WARNING, format="tp-rank %(process)d: %(message)s")
+    address = os.environ[ADDRESS_ENV].rpartition(":")
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    conn = Client((address[0], int(address[2])), authkey=authkey)
+    try:
+        args, rank, port = conn.recv()
+        serve_rank(conn, args, rank, port)
+    except EOFError:  # the engine went away
+        return 1
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.send(("error", traceback.format_exc()))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
