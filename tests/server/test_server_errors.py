@@ -336,3 +336,20 @@ def test_engine_failure_mid_stream_is_an_error_chunk_then_500(tiny_model_dir) ->
         assert srv.state.num_admitted == 0
     finally:
         srv.stop()
+
+
+def test_max_tokens_limit_caps_a_request_that_names_no_max_tokens(http) -> None:
+    """--max-tokens-limit 200 on a 256-token context: a chat request without max_tokens stops
+    at 200 tokens (it used to run to the end of the context, past the server's limit)."""
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        r = http.post("/v1/chat/completions", json=_chat(ignore_eos=True, **extra))
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + 200 < 256
+        assert (
+            usage["completion_tokens"] == 200
+            and r.json()["choices"][0]["finish_reason"] == "length"
+        )
+    # min_tokens above the limit is a 400 naming it, as with an explicit max_tokens.
+    err = _error(http.post("/v1/chat/completions", json=_chat(min_tokens=201)), 400)
+    assert "min_tokens" in err["message"]

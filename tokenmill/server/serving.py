@@ -197,7 +197,9 @@ class OpenAIServing:
         body.check(self.config)
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
-        prepared = await asyncio.to_thread(prepare_all, engine, prompts, params, {}, "prompt")
+        prepared = await asyncio.to_thread(
+            prepare_all, engine, prompts, params, {}, "prompt", self.config.max_tokens
+        )
         run = self.start(engine, "cmpl", prepared, body.cache_salt, caller_of(raw), body.user)
         chunks = _CompletionChunks(run, body, engine)
         if body.stream:
@@ -228,7 +230,7 @@ class OpenAIServing:
             except ValueError as e:
                 raise bad_request(str(e), param="messages") from None
             renames = {"max_tokens": body.max_tokens_name, "logprobs": "top_logprobs"}
-            return prepare_all(engine, [ids], params, renames, "messages")
+            return prepare_all(engine, [ids], params, renames, "messages", self.config.max_tokens)
 
         prepared = await asyncio.to_thread(prepare)
         run = self.start(engine, "chatcmpl", prepared, body.cache_salt, caller_of(raw), body.user)
@@ -413,14 +415,26 @@ def prepare_all(
     params: SamplingParams,
     renames: dict[str, str],
     prompt_param: str,
+    max_tokens_cap: int | None = None,
 ) -> list[PreparedRequest]:
-    """Validate and tokenize every prompt (in a worker thread) before any reaches the engine."""
+    """Validate and tokenize every prompt (in a worker thread) before any reaches the engine.
+
+    A request that names no max_tokens gets what its context leaves (the engine fills it in),
+    at most ``max_tokens_cap`` (the server's --max-tokens-limit) when there is one.
+    """
     prepared = []
     for prompt in prompts:
         try:
-            prepared.append(engine.prepare(prompt, params))
+            one = engine.prepare(prompt, params)
+            resolved = one.params.max_tokens or 0
+            cap = resolved if max_tokens_cap is None else max_tokens_cap
+            if params.max_tokens is None and resolved > cap:
+                # SamplingParams checks min_tokens against the capped max_tokens (400).
+                capped = dataclasses.replace(one.params, max_tokens=cap)
+                one = dataclasses.replace(one, params=capped)
         except ValueError as e:
             raise from_value_error(e, renames, prompt_param=prompt_param) from None
+        prepared.append(one)
     return prepared
 
 
