@@ -60,8 +60,8 @@ _ENGINE_FLAG_HELP = {
     "moe_router_stats": "mixtures of experts: count the tokens each expert runs, per layer, "
     "in /metrics (tokenmill:moe_expert_tokens)",
     "tensor_parallel_size": "split the model over N processes on this machine (tensor "
-    "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float weights only, run "
-    "eagerly",
+    "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float or GGUF weights, "
+    "run eagerly",
 }
 
 

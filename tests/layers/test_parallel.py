@@ -11,6 +11,7 @@ import torch
 from tokenmill.config import ModelConfig, TensorParallel
 from tokenmill.layers import Linear
 from tokenmill.layers.parallel import Shard, load_shard_, vocab_range
+from tokenmill.quant.packed import GGUFBlocks
 
 
 def test_rows_split_and_the_last_shard_is_zero_padded() -> None:
@@ -100,3 +101,28 @@ def test_heads_that_do_not_divide_are_refused() -> None:
         _config(4, 2, 0, 1).check_tensor_parallel(3)
     with pytest.raises(ValueError, match="6 KV heads must divide one another"):
         _config(12, 6, 0, 1).check_tensor_parallel(4)
+
+
+def _q8_0_blocks(w: torch.Tensor) -> GGUFBlocks:
+    """A float [N, K] matrix as GGUF Q8_0 bytes (per 32 elements: an f16 scale, 32 int8)."""
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8).half()
+    codes = (groups / scale.float()).round().clamp(-127, 127).to(torch.int8)
+    raw = torch.cat([scale.view(torch.uint8), codes.view(torch.uint8)], dim=-1)  # [n, k/32, 34]
+    return GGUFBlocks(raw.reshape(n, -1), 8, (n, k))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gguf_blocks_shards_pack_to_the_whole_weights_slices(dim: int) -> None:
+    torch.manual_seed(0)
+    blocks = _q8_0_blocks(torch.randn(8, 256))
+    whole = blocks.pack().dequantize()
+    shards = [blocks.shard(dim, idx, 2).pack().dequantize() for idx in range(2)]
+    assert torch.equal(torch.cat(shards, dim=dim), whole)
+
+
+def test_gguf_blocks_refuse_a_column_split_inside_a_block() -> None:
+    blocks = _q8_0_blocks(torch.randn(4, 64))  # two 32-element blocks a row: 4 shards cut them
+    with pytest.raises(ValueError, match="do not split into 4 shards on block boundaries"):
+        blocks.shard(1, 0, 4)

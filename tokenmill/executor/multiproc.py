@@ -45,6 +45,8 @@ from tokenmill.worker.worker import Worker, check_tensor_parallel_args
 START_TIMEOUT_S = 300.0
 STEP_TIMEOUT_S = 60.0
 _POLL_S = 0.05
+# How long rank 0 waits, after its collective failed, for the rank that broke it to be seen dead.
+_DEATH_GRACE_S = 3.0
 
 
 class TensorParallelWorkerError(RuntimeError):
@@ -132,7 +134,11 @@ class MultiProcExecutor(Executor):
         try:
             return fn(arg)
         except Exception as e:
-            dead = self._first_dead()
+            # NOTE: a killed peer's socket closes before its exit status can be read: a
+            # collective fails first, so wait a moment for the status.
+            deadline = time.monotonic() + _DEATH_GRACE_S
+            while (dead := self._first_dead()) is None and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
             if dead is not None:
                 raise self._rank_error(dead, "it exited") from e
             raise

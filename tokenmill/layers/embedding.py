@@ -18,7 +18,7 @@ from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers.linear import default_weight_loader, packed_weight_loader
 from tokenmill.layers.parallel import Shard, all_reduce_, load_shard_, vocab_range
-from tokenmill.quant.packed import PackedWeight
+from tokenmill.quant.packed import GGUFBlocks, PackedWeight
 
 if TYPE_CHECKING:
     from tokenmill.quant.gguf import PackedQuantMethod
@@ -38,6 +38,7 @@ class Embedding(nn.Module):
         if self.tp is not None:
             self.vocab_start, vocab_end = vocab_range(num_embeddings, self.tp)
             num_embeddings = vocab_end - self.vocab_start
+        self.num_local_rows = num_embeddings
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
         self.quant_method: PackedQuantMethod | None = None
         self.quant_state: Any = None
@@ -51,12 +52,16 @@ class Embedding(nn.Module):
     ) -> None:
         """Fill the table from a checkpoint tensor; a packed one (GGUF) stays packed."""
         if self.tp is not None:
-            if isinstance(loaded, PackedWeight):
+            if isinstance(loaded, GGUFBlocks):  # this rank's vocabulary rows, packed
+                packed = loaded.shard(0, self.tp.rank, self.tp.size).pack()
+                packed_weight_loader(self, self.weight, packed, packed_method)
+            elif isinstance(loaded, PackedWeight):
                 raise ValueError(
-                    "arrived packed (GGUF): packed weights are not split across "
-                    "tensor-parallel ranks yet; use a float checkpoint or tensor_parallel_size 1"
+                    "arrived packed where a tensor-parallel shard is cut from it (the loader "
+                    "gives such weights as GGUFBlocks)"
                 )
-            load_shard_(self.weight.data, loaded, Shard(0, self.tp.rank, self.tp.size))
+            else:
+                load_shard_(self.weight.data, loaded, Shard(0, self.tp.rank, self.tp.size))
         elif isinstance(loaded, PackedWeight):
             packed_weight_loader(self, self.weight, loaded, packed_method)
         else:
@@ -86,8 +91,13 @@ class Embedding(nn.Module):
 
     def _parallel_lookup(self, input_ids: torch.Tensor, scale: float | None) -> torch.Tensor:
         local_ids = input_ids - self.vocab_start
-        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
-        h = self.kernels.embedding(self.weight, local_ids.masked_fill(outside, 0), scale)
+        outside = (local_ids < 0) | (local_ids >= self.num_local_rows)
+        local_ids = local_ids.masked_fill(outside, 0)
+        if self.quant_method is not None:
+            h = self.quant_method.embedding(self.quant_state, local_ids, self.kernels, scale)
+            h = h.to(self.dtype)
+        else:
+            h = self.kernels.embedding(self.weight, local_ids, scale)
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)  # [num_tokens, hidden]
         return all_reduce_(h)
 

@@ -24,7 +24,7 @@ from torch import nn
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers.parallel import Shard, all_reduce_, load_shard_
-from tokenmill.quant.packed import PackedWeight
+from tokenmill.quant.packed import GGUFBlocks, PackedWeight
 
 if TYPE_CHECKING:
     from tokenmill.quant.base import QuantMethod
@@ -80,21 +80,27 @@ class Linear(nn.Module):
     def weight_loader(
         self,
         param_name: str,
-        loaded: torch.Tensor | PackedWeight,
+        loaded: torch.Tensor | PackedWeight | GGUFBlocks,
         packed_method: PackedQuantMethod | None = None,
     ) -> None:
-        """Fill ``weight`` or ``bias`` from a checkpoint tensor of its shape. A packed weight
+        """Fill ``weight`` or ``bias`` from a checkpoint tensor of its shape (or, with a
+        ``shard``, its slice of one; a GGUF weight's slice comes from its GGUFBlocks). A packed weight
         (a GGUF tensor in its block format) is kept packed, computed by ``packed_method``."""
         param = getattr(self, param_name, None)
         if not isinstance(param, nn.Parameter):
             raise ValueError(f"has no place: the layer holds no float {param_name}")
         if self.shard is not None:
-            if isinstance(loaded, PackedWeight):
+            if isinstance(loaded, GGUFBlocks):  # this rank's blocks, packed on their own
+                shard = self.shard
+                packed = loaded.shard(shard.dim, shard.idx, shard.count).pack()
+                packed_weight_loader(self, param, packed, packed_method)
+            elif isinstance(loaded, PackedWeight):
                 raise ValueError(
-                    "arrived packed (GGUF): packed weights are not split across "
-                    "tensor-parallel ranks yet; use a float checkpoint or tensor_parallel_size 1"
+                    "arrived packed where a tensor-parallel shard is cut from it (the loader "
+                    "gives such weights as GGUFBlocks)"
                 )
-            load_shard_(param.data, loaded, self.shard)
+            else:
+                load_shard_(param.data, loaded, self.shard)
         elif isinstance(loaded, PackedWeight) and param_name == "weight":
             packed_weight_loader(self, param, loaded, packed_method)
         else:

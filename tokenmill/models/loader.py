@@ -30,9 +30,15 @@ from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
-from tokenmill.quant.packed import HALF_GGML_TYPES, PackedWeight, pack_gguf, pack_half
+from tokenmill.quant.packed import (
+    HALF_GGML_TYPES,
+    GGUFBlocks,
+    PackedWeight,
+    pack_gguf,
+    pack_half,
+)
 
-T = TypeVar("T", torch.Tensor, PackedWeight)
+T = TypeVar("T", torch.Tensor, PackedWeight, GGUFBlocks)
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +223,10 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _iter_gguf(
     config: ModelConfig, keep_packed: bool = False
-) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight | GGUFBlocks]]:
     """(HF name, tensor) in file order; with ``keep_packed``, 2-D tensors in a block format
-    come as PackedWeight (their codes and scales as stored), everything else as float."""
+    come as PackedWeight (their codes and scales as stored), or for a tensor-parallel rank as
+    GGUFBlocks its layer cuts a shard from; everything else as float."""
     assert config.source is not None
     gguf_file = GGUFFile(config.source.path)
     if keep_packed:
@@ -230,7 +237,7 @@ def _iter_gguf(
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
         data = gguf_file.tensor_bytes(tensor)
-        weight: torch.Tensor | PackedWeight
+        weight: torch.Tensor | PackedWeight | GGUFBlocks
         float_only = any(f".{part}." in tensor.name for part in _FLOAT_ONLY)
         packable = tensor.ggml_type in BLOCK_CODES or tensor.ggml_type in HALF_GGML_TYPES
         if keep_packed and packable and len(tensor.shape) in (2, 3) and not float_only:
@@ -239,7 +246,10 @@ def _iter_gguf(
                 raw = torch.from_numpy(data).reshape(-1)  # no copy of the file's bytes
             # A stack of experts [E, N, K] is packed as its E·N rows.
             rows = tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) == 3 else 1)
-            if tensor.ggml_type in HALF_GGML_TYPES:  # F16 / BF16: kept as halves
+            if config.tp.size > 1 and len(tensor.shape) == 2:
+                # Each tensor-parallel rank packs only the blocks of its shard (its layer cuts).
+                weight = GGUFBlocks(raw.view(rows, -1), tensor.ggml_type, tuple(tensor.shape))
+            elif tensor.ggml_type in HALF_GGML_TYPES:  # F16 / BF16: kept as halves
                 weight = pack_half(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
             else:
                 weight = pack_gguf(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
@@ -309,6 +319,6 @@ def _unpermute_rope(weight: T, num_heads: int) -> T:
     rows = weight.shape[0]
     half = rows // num_heads // 2
     order = torch.arange(rows).view(num_heads, half, 2).transpose(1, 2).reshape(rows)
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, (PackedWeight, GGUFBlocks)):
         return weight.select_rows(order)
     return weight[order]

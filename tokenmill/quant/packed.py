@@ -443,3 +443,49 @@ def reference_matmul(
     if bias is not None:
         out += bias.float()
     return out
+
+
+@dataclass(slots=True)
+class GGUFBlocks:
+    """A GGUF weight's raw blocks before packing, for a tensor-parallel rank to cut its shard
+    from: rows split anywhere, columns (a row-parallel layer's K) only on block boundaries.
+    ``pack`` then packs the shard alone, in its own lane order."""
+
+    raw: torch.Tensor  # uint8 [N, K // block elements * block bytes], a view of the file
+    ggml_type: int
+    shape: tuple[int, int]  # (N, K)
+
+    @property
+    def block_elems(self) -> int:
+        return 1 if self.ggml_type in HALF_GGML_TYPES else BLOCK_CODES[self.ggml_type][0]
+
+    def select_rows(self, index: torch.Tensor) -> GGUFBlocks:
+        return GGUFBlocks(self.raw[index], self.ggml_type, self.shape)
+
+    def shard(self, dim: int, idx: int, count: int) -> GGUFBlocks:
+        """Slice ``idx`` of ``count`` equal slices along ``dim`` (ValueError where they do not
+        divide, or a column slice would cut a block)."""
+        rows, cols = self.shape
+        if dim == 0:
+            if rows % count:
+                raise ValueError(
+                    f"(packed) has {rows} rows, which do not split into {count} shards"
+                )
+            size = rows // count
+            return GGUFBlocks(self.raw[idx * size : (idx + 1) * size], self.ggml_type, (size, cols))
+        elems = self.block_elems
+        if cols % count or (cols // count) % elems:
+            raise ValueError(
+                f"(packed) rows of {cols} elements do not split into {count} shards on block "
+                f"boundaries ({elems}-element blocks)"
+            )
+        size = cols // count
+        per_block = self.raw.shape[1] // (cols // elems)  # bytes of one block
+        start, width = idx * size // elems * per_block, size // elems * per_block
+        return GGUFBlocks(self.raw[:, start : start + width], self.ggml_type, (rows, size))
+
+    def pack(self) -> PackedWeight:
+        raw = self.raw.contiguous().reshape(-1)
+        if self.ggml_type in HALF_GGML_TYPES:
+            return pack_half(raw, self.ggml_type, self.shape)
+        return pack_gguf(raw, self.ggml_type, self.shape)

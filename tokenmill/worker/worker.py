@@ -205,15 +205,11 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig, quantization: s
     """ValueError unless the model and these arguments split into tensor-parallel ranks."""
     size = args.tensor_parallel_size
     config.check_tensor_parallel(size)
-    if quantization is not None:
-        assert config.source is not None
-        hint = (
-            "a GGUF's packed weights are not split across ranks yet: use its float "
-            "(Hugging Face) checkpoint, or --quantization none"
-            if config.source.format == "gguf"
-            else "quantized weights are not split across ranks yet: use float weights"
+    if quantization not in (None, "gguf"):  # a GGUF's packed blocks split; int8/int4 not yet
+        raise ValueError(
+            f"tensor_parallel_size {size} with quantization {quantization!r}: quantized "
+            "weights are not split across ranks yet; use float or GGUF weights"
         )
-        raise ValueError(f"tensor_parallel_size {size} with quantization {quantization!r}: {hint}")
     if args.speculative_method == "draft":
         raise ValueError(
             f"tensor_parallel_size {size}: a draft model is not split across ranks yet; "
