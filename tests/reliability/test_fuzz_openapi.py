@@ -4,8 +4,10 @@ every answer: never a 5xx, the status code documented, the content type document
 valid against the documented schema. The 5xx count is also read from schemathesis' NDJSON
 report, every response it recorded, so a crash the checks miss still counts.
 
-Quick (default run): a few dozen cases per operation on the tiny random-weight Llama, about
-10 s. Soak (``pytest -m soak tests/reliability``): 1000 per operation.
+Quick (default run): 30 cases per operation on the tiny random-weight Llama, under a minute
+on 2 cores (the server caps max_tokens at 4, so the many valid requests are quick; the
+documented examples, streamed, are among them). Soak (``pytest -m soak tests/reliability``):
+1000 per operation.
 ``run_fuzz`` is also what benchmarks/reliability_report.py runs.
 """
 
@@ -16,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +42,8 @@ SOAK_EXAMPLES = 1000
 @dataclass
 class FuzzRun:
     """What one schemathesis run did: its exit code and summary, the cases it generated, the
-    operations it tested, and every recorded answer that was a 5xx (method, URL, status,
-    body)."""
+    operations it tested, the answers by (operation, status), and every recorded answer that
+    was a 5xx (method, URL, status, body)."""
 
     returncode: int
     output: str
@@ -48,6 +51,7 @@ class FuzzRun:
     num_operations: int
     num_responses: int
     server_errors: list[tuple[str, str, int, str]] = field(default_factory=list)
+    statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
 
 
 def run_fuzz(url: str, key: str, max_examples: int, workdir: Path, timeout: float = 600) -> FuzzRun:
@@ -64,7 +68,7 @@ def run_fuzz(url: str, key: str, max_examples: int, workdir: Path, timeout: floa
     output = result.stdout + result.stderr
     cases = re.search(r"(\d+) generated", output)
     tested = re.search(r"Tested:\s*(\d+)", output)
-    num_responses, errors = 0, []
+    num_responses, errors, statuses = 0, [], Counter()
     for path in sorted(report.glob("*.ndjson")):
         for line in path.read_text().splitlines():
             event = json.loads(line)
@@ -76,6 +80,7 @@ def run_fuzz(url: str, key: str, max_examples: int, workdir: Path, timeout: floa
                 if response is None:
                     continue
                 num_responses += 1
+                statuses[(finished["recorder"]["label"], response["status_code"])] += 1
                 if response["status_code"] >= 500:
                     request = interaction["request"]
                     errors.append(
@@ -89,6 +94,7 @@ def run_fuzz(url: str, key: str, max_examples: int, workdir: Path, timeout: floa
         int(tested.group(1)) if tested else 0,
         num_responses,
         errors,
+        statuses,
     )
 
 
@@ -102,7 +108,11 @@ def _body_text(content: object) -> str:
 def server(tiny_model_dir):
     if not IN_CI:
         pytest.importorskip("schemathesis")
-    with running_server(tiny_model_dir("llama"), api_keys=(KEY,), admin_api_key=ADMIN) as srv:
+    # Small caps on max_tokens and n: a valid request is generated in a few steps, so the
+    # cases that reach the engine (the documented examples and many fuzzed ones) stay quick.
+    with running_server(
+        tiny_model_dir("llama"), api_keys=(KEY,), admin_api_key=ADMIN, max_tokens=4, max_n=2
+    ) as srv:
         yield srv
 
 
@@ -118,6 +128,9 @@ def _check(server, run: FuzzRun) -> None:
     num_operations = sum(len(item) for item in server.app.openapi_schema["paths"].values()) - 1
     assert selected == total == str(run.num_operations) == str(num_operations), run.output[-2000:]
     assert run.num_cases >= 20 * num_operations and run.num_responses >= run.num_cases
+    # Valid requests reached the engine (the documented examples, streamed, among them).
+    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /api/generate"):
+        assert run.statuses[(label, 200)] >= 5, (label, run.statuses)
     server.wait_idle(timeout=60)
 
 

@@ -208,7 +208,11 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     async def openapi() -> JSONResponse:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_schema(
-                app, has_keys, SCRIPTS, metrics_public=config.metrics_public
+                app,
+                has_keys,
+                SCRIPTS,
+                metrics_public=config.metrics_public,
+                model_name=config.served_model_name,
             )
         return JSONResponse(app.openapi_schema)
 

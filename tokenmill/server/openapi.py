@@ -69,6 +69,7 @@ class RouteDoc:
     parameters: list[dict[str, Any]] = field(default_factory=list)
     public: bool = False  # no API key needed
     ollama: bool = False  # Ollama's error body
+    example: dict[str, Any] | None = None  # a valid request body (fuzzers start from it)
 
 
 def _query(name: str, description: str) -> dict[str, Any]:
@@ -91,17 +92,22 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/v1/completions"): RouteDoc(
         "Text completion (OpenAI); streamed as SSE with stream: true",
         CompletionRequest, CompletionResponse, CompletionChunk,
+        example={"prompt": "Once upon a time", "max_tokens": 4, "stream": True,
+                 "stream_options": {"include_usage": True}, "logprobs": 1},
     ),
     ("POST", "/v1/chat/completions"): RouteDoc(
         "Chat completion (OpenAI); streamed as SSE with stream: true",
         ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+        example={"messages": [{"role": "user", "content": "Name three colours."}],
+                 "max_tokens": 4, "stream": True, "logprobs": True, "top_logprobs": 2},
     ),
     ("GET", "/v1/models"): RouteDoc("The served model", response=ModelList),
     ("GET", "/v1/models/{model_id}"): RouteDoc("One model by name", response=ModelCard),
     ("POST", "/tokenize"): RouteDoc("Token ids of a prompt or chat", TokenizeRequest,
-                                    TokenizeResponse),
+                                    TokenizeResponse,
+                                    example={"messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/detokenize"): RouteDoc("Text of token ids", DetokenizeRequest,
-                                      DetokenizeResponse),
+                                      DetokenizeResponse, example={"tokens": [40, 41]}),
     ("POST", "/reset_prefix_cache"): RouteDoc(
         "Forget cached prefix blocks (needs keys; the admin key when there is one)",
         response=ResetPrefixCacheResponse,
@@ -126,17 +132,21 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/api/chat"): RouteDoc(
         "Ollama chat; NDJSON stream unless stream: false", ollama.ChatRequest,
         ollama.ChatResponse, ollama.ChatResponse, NDJSON, ollama=True,
+        example={"model": "{model}", "messages": [{"role": "user", "content": "hi"}],
+                 "options": {"num_predict": 4}},
     ),
     ("POST", "/api/generate"): RouteDoc(
         "Ollama generate; NDJSON stream unless stream: false", ollama.GenerateRequest,
         ollama.GenerateResponse, ollama.GenerateResponse, NDJSON, ollama=True,
+        example={"model": "{model}", "prompt": "hi", "options": {"num_predict": 4}},
     ),
     ("GET", "/api/tags"): RouteDoc("Ollama: the local models", response=ollama.TagsResponse,
                                    ollama=True),
     ("GET", "/api/ps"): RouteDoc("Ollama: the loaded models", response=ollama.PsResponse,
                                  ollama=True),
     ("POST", "/api/show"): RouteDoc("Ollama: a model's details", ollama.ShowRequest,
-                                    ollama.ShowResponse, ollama=True),
+                                    ollama.ShowResponse, ollama=True,
+                                    example={"model": "{model}"}),
     ("GET", "/api/version"): RouteDoc("Ollama: the version", response=VersionResponse,
                                       ollama=True),
 }  # fmt: skip
@@ -153,10 +163,11 @@ def openapi_schema(
     has_keys: bool,
     static_names: tuple[str, ...] = (),
     metrics_public: bool = False,
+    model_name: str = "model",
 ) -> dict[str, Any]:
     """The document for ``app``; ``has_keys``: the routes but the public ones need a key;
     ``static_names``: the files /static/{name} serves; ``metrics_public``: /metrics needs
-    no key (``--metrics-public``)."""
+    no key (``--metrics-public``); ``model_name``: the served model, in the examples."""
     routes = [r for r in app.routes if isinstance(r, APIRoute) and r.include_in_schema]
     docs = []
     for route in routes:
@@ -192,11 +203,15 @@ def openapi_schema(
         for param in op.get("parameters", []):
             if path == "/static/{name}" and param["name"] == "name":
                 param["schema"] = {"type": "string", "enum": list(static_names)}
+            if path == "/v1/models/{model_id}" and param["name"] == "model_id":
+                param["example"] = model_name
         if doc.request is not None:
-            op["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": refs[(doc.request, "validation")]}},
-            }
+            body: dict[str, Any] = {"schema": refs[(doc.request, "validation")]}
+            if doc.example is not None:
+                body["example"] = {
+                    k: model_name if v == "{model}" else v for k, v in doc.example.items()
+                }
+            op["requestBody"] = {"required": True, "content": {"application/json": body}}
         op["responses"] = _responses(doc, refs)
         if has_keys:
             public = doc.public or (metrics_public and path == "/metrics")
@@ -209,11 +224,29 @@ def _responses(doc: RouteDoc, refs: dict[Any, Any]) -> dict[str, Any]:
     if doc.response is not None:
         content["application/json"] = {"schema": refs[(doc.response, "serialization")]}
     if doc.stream is not None:
-        # Each event (SSE: a "data: " line; NDJSON: a line) is one of these objects.
-        content[doc.stream_media_type] = {
-            "schema": {"type": "string"},
-            "x-item-schema": refs[(doc.stream, "serialization")],
-        }
+        # Each event (SSE: a "data: " line; NDJSON: a line) holds one of these objects
+        # (x-item-schema). An SSE stream's "schema" is one event, as OpenAPI 3.1 tools read it
+        # (schemathesis validates each event against it): its data is a chunk's JSON text, or
+        # [DONE] at the end.
+        item = refs[(doc.stream, "serialization")]
+        if doc.stream_media_type == SSE:
+            stream_schema: dict[str, Any] = {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "data": {"anyOf": [
+                        {"type": "string", "contentMediaType": "application/json",
+                         "contentSchema": item},
+                        {"const": "[DONE]"},
+                    ]},
+                    "event": {"type": "string"},
+                    "id": {"type": "string"},
+                    "retry": {"type": "integer"},
+                },
+            }  # fmt: skip
+        else:
+            stream_schema = {"type": "string"}
+        content[doc.stream_media_type] = {"schema": stream_schema, "x-item-schema": item}
     if doc.media_type is not None:
         kind = {"type": "object"} if doc.media_type == "application/json" else {"type": "string"}
         content[doc.media_type] = {"schema": kind}

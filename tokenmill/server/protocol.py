@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import bad_request, from_value_error
+from tokenmill.tokenizer.chat import ALLOWED_ROLES
 
 MAX_LOGPROBS = 20
 MAX_USER_LEN = 256  # the request's "user", metered per value (server/usage.py)
@@ -286,7 +287,9 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Request):
-    role: str
+    # The roles the chat templates take (tokenizer/chat.py) in the schema (/openapi.json, so
+    # clients and fuzzers send them); another role is a 400 from the template step.
+    role: str = Field(json_schema_extra={"enum": [*ALLOWED_ROLES, "developer"]})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
