@@ -100,7 +100,8 @@ def _write_tiny_gguf(path: Path, arch: str) -> Path:
 def test_tp2_packed_gguf_matches_tp1(tmp_path: Path, arch: str) -> None:
     """Each rank packs its shard's blocks: Q4_K rows split at 256 elements, llama's permuted
     q/k rows, gemma3's one KV head replicated and its tied Q8_0 head. Float32 activations:
-    the same weights summed in another order (int8 activations round by the shard's shapes)."""
+    the same weights summed in another order (int8 activations would round those last-bit
+    differences into whole steps)."""
     model = _write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
     kwargs = dict(packed_activations="float32")
     _assert_same(_generate(model, 1, **kwargs), _generate(model, 2, **kwargs))
@@ -164,8 +165,9 @@ def test_gemma_3_270m_tp2_greedy_equals_tp1(weights: dict) -> None:
     its GGUF dequantized to float, and kept packed (each rank packs its shard's blocks).
 
     NOTE: packed with int8 activations (the default) TP=2 is not token-identical to TP=1
-    (top logprobs differ by up to ~0.2 and greedy text parts after 6 tokens): the int8
-    activation rounding depends on the shard shapes; float32 activations match to 1e-3.
+    (top logprobs differ by up to ~0.2 and greedy text parts after 6 tokens): rounding
+    activations to int8 turns the all-reduces' float32 rounding differences into whole int8
+    steps; float32 activations match to 1e-3.
     """
     outputs = {}
     for tp in (1, 2):
