@@ -3,22 +3,23 @@
 run and 5xx found, memory growth (RSS after the warm-up vs at the end), KV blocks leaked, p99
 TTFT.
 
-One server on loopback, in this process (so its RSS is this process's), runs the suites'
-measurable parts in turn, with the helpers of tests/reliability: the load of test_load.py,
-then rounds of the faults of test_faults.py among bystanders (clients gone before their
-request is read, before the first token, mid-stream, at the last chunk; a non-streamed client
-that times out; requests failing inside the engine through the fault hook, streamed and not),
-then schemathesis over /openapi.json as test_fuzz_openapi.py runs it (the server has no
-keys, so that its raw-socket clients reach the engine; the tests fuzz a server with keys). Not here: queue overflow
-and preemption storms (they need a differently sized server; tests/reliability/test_faults.py
-has them) and shutdown (tests/reliability/test_shutdown.py).
+One server on loopback, in this process (its RSS is this process's: the server's and the
+load clients', as in test_load.py), runs the suites' measurable parts in turn with the helpers
+of tests/reliability: the load of test_load.py; rounds of the faults of test_faults.py among
+bystanders (clients gone before their request is read, before the first token, mid-stream, at
+the last chunk; a non-streamed client that times out; requests failing inside the engine
+through the fault hook, streamed and not); schemathesis over /openapi.json as
+test_fuzz_openapi.py runs it (the server has no keys, so that the raw-socket clients reach the
+engine; the tests fuzz a server with keys). Not here: queue overflow and preemption storms
+(they need a differently sized server; tests/reliability/test_faults.py has them) and shutdown
+(tests/reliability/test_shutdown.py).
 
     python benchmarks/reliability_report.py                  # tiny random-weight Llama
     python benchmarks/reliability_report.py --clients 32 --duration 30
     python benchmarks/reliability_report.py --model gemma-3-270m --clients 256 --duration 600
 
 Exit status 1 when a figure that must be 0 (failures, faults not survived, 5xx, blocks
-leaked) is not, or memory grew by more than 10%.
+leaked) is not, or the load's memory grew by more than 10%.
 """
 
 from __future__ import annotations
@@ -291,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         total_s = time.monotonic() - started
 
-    growth = rss_end / load.rss_warm - 1
+    # The issue's figure is the load's (RSS once idle after it vs after its warm-up); the
+    # faults and the fuzzing then take code paths the warm-up did not (tools, grammars, ...),
+    # so the end of the run is shown beside it, not held to the 10%.
+    growth = load.rss_end / load.rss_warm - 1
+    growth_end = rss_end / load.rss_warm - 1
     survived = sum(faults.survived.values())
     injected = sum(faults.injected.values())
     kinds = "; ".join(f"{k} {faults.survived[k]}/{faults.injected[k]}" for k in FAULT_KINDS)
@@ -304,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                                  f"({fuzz.num_responses} answers), {len(fuzz.server_errors)} 5xx, "
                                  f"schemathesis exit {fuzz.returncode}"),
         ("memory growth", f"RSS {load.rss_warm / 2**20:.0f} MiB after warm-up -> "
-                          f"{load.rss_end / 2**20:.0f} MiB after the load -> "
-                          f"{rss_end / 2**20:.0f} MiB at the end ({growth:+.1%})"),
+                          f"{load.rss_end / 2**20:.0f} MiB after the load ({growth:+.1%}); "
+                          f"{rss_end / 2**20:.0f} MiB after faults and fuzzing "
+                          f"({growth_end:+.1%})"),
         ("blocks leaked", f"{leaked}"),
         ("p99 TTFT", f"{load.ttft_percentile(99) * 1000:.0f} ms (p50 "
                      f"{load.ttft_percentile(50) * 1000:.0f} ms, {len(load.ttfts)} requests)"),
