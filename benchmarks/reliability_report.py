@@ -240,6 +240,10 @@ def run_faults(server: LiveServer, num_rounds: int) -> FaultTally:
 # ---- the report ----------------------------------------------------------------------------------
 
 
+def _progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -284,8 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         try:
             load = measure_load(server, SERVED, ns.clients, ns.duration)
+            # Each part's figures as it ends (stderr): a long soak stopped later keeps them.
+            _progress(
+                f"load: {load.num_requests} requests, {len(load.failures)} failures, p99 TTFT "
+                f"{load.ttft_percentile(99) * 1000:.0f} ms, RSS {load.rss_warm / 2**20:.0f} -> "
+                f"{load.rss_end / 2**20:.0f} MiB"
+            )
             faults = run_faults(server, fault_rounds)
+            _progress(
+                f"faults: {sum(faults.survived.values())} of {sum(faults.injected.values())} "
+                f"survived, bystanders exact {faults.bystanders_exact}/{faults.bystanders}"
+            )
             fuzz = run_fuzz(server.url, "unused", fuzz_examples, Path(tmp), timeout=3600)
+            _progress(f"fuzz: {fuzz.num_cases} cases, {len(fuzz.server_errors)} 5xx")
             leaked = blocks_held(server)
             rss_end = rss_bytes()
         finally:
