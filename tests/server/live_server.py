@@ -92,7 +92,9 @@ class LiveServer:
         assert not self.thread.is_alive(), "the server did not stop"
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Wait until the engine holds no request and every KV block is free."""
+        """Wait until the engine holds no request, every KV block is free and every admission
+        ticket is back (a handler releases its ticket after the last byte is sent, so a client
+        can read ``[DONE]`` a moment before the count drops)."""
         deadline = time.monotonic() + timeout
         llm = self.engine.engine
         while True:
@@ -102,9 +104,10 @@ class LiveServer:
                 and stats.num_waiting == 0
                 and self.engine.num_unfinished == 0
                 and llm.num_free_blocks == llm.num_total_blocks
+                and self.state.num_admitted == 0
             ):
                 return
-            assert time.monotonic() < deadline, f"engine not idle: {stats}"
+            assert time.monotonic() < deadline, f"engine not idle: {stats}, {self.state.num_admitted} admitted"
             time.sleep(0.02)
 
 
