@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy, on CPU tensors): set before
+# any test imports triton, which reads it when a kernel is first launched.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Where the C kernels are required (CI: TOKENMILL_REQUIRE_EXTENSION=1), a missing or
