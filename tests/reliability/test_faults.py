@@ -317,3 +317,65 @@ def test_kv_exhaustion_preemption_storm_keeps_greedy_outputs(tiny_model_dir) -> 
         for a, b in zip(tiny["logprobs"]["top_logprobs"], big["logprobs"]["top_logprobs"]):
             assert a.keys() == b.keys()
             assert all(abs(a[k] - b[k]) <= 1e-4 for k in a)
+
+
+ADMIN_KEY = "sk-admin-faults"
+USER_KEY = "sk-user-faults"
+
+
+def test_admin_aborts_a_running_request_by_its_id(tiny_model_dir) -> None:
+    """POST /abort_request with the admin key stops a streaming request by the id its chunks
+    carry: its client gets an "aborted" error chunk then [DONE], a bystander is unaffected, a
+    user key is refused (403), an unknown or finished id is 404, and no KV block is held."""
+    with running_server(
+        tiny_model_dir("llama"), api_keys=(USER_KEY,), admin_api_key=ADMIN_KEY
+    ) as srv:
+        user = {"Authorization": f"Bearer {USER_KEY}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        want = httpx.post(
+            f"{srv.url}/v1/completions", json=_body(BYSTANDERS[0], stream=False), headers=user
+        ).json()["choices"][0]["text"]
+
+        async def victim(client: httpx.AsyncClient) -> dict[str, Any]:
+            seen: dict[str, Any] = {"chunks": 0, "error": None, "done": False}
+            async with client.stream("POST", "/v1/completions", json=_body("VICTIM", 200)) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        seen["done"] = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        seen["error"] = chunk["error"]
+                        continue
+                    seen["chunks"] += 1
+                    if seen["chunks"] == 2:  # mid-stream: the user key may not, the admin may
+                        body = {"request_id": chunk["id"]}
+                        refused = await client.post("/abort_request", json=body)
+                        seen["user_status"] = refused.status_code
+                        done = await client.post("/abort_request", json=body, headers=admin)
+                        seen["abort"] = (chunk["id"], done.status_code, done.json())
+            return seen
+
+        async def run() -> tuple[dict, dict]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60, headers=user) as client:
+                return await asyncio.gather(victim(client), _stream(client, _body(BYSTANDERS[0])))
+
+        with slowed(srv.engine.engine, ("VICTIM",)):
+            seen, bystander = asyncio.run(run())
+        assert "abort" in seen, seen
+        request_id, status, answer = seen["abort"]
+        assert seen["user_status"] == 403
+        assert status == 200 and answer == {"aborted": [request_id]}
+        assert seen["error"]["code"] == "aborted" and "administrator" in seen["error"]["message"]
+        assert seen["done"] and seen["chunks"] < 200
+        assert bystander["text"] == want and bystander["done"]
+        srv.wait_idle()
+        again = httpx.post(
+            f"{srv.url}/abort_request", json={"request_id": request_id}, headers=admin
+        )
+        assert again.status_code == 404 and again.json()["error"]["param"] == "request_id"
+        bad = httpx.post(f"{srv.url}/abort_request", json={"id": request_id}, headers=admin)
+        assert bad.status_code == 400

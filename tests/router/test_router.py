@@ -274,3 +274,41 @@ def test_a_prefix_cache_reset_reaches_every_replica(cluster) -> None:
     assert r.status_code == 200 and r.json() == {"reset": True}
     assert [cached(prompt) for prompt in prompts] == [0, 0]
     assert httpx.post(f"{router.url}/reset_prefix_cache").status_code == 401
+
+
+def _aborts(request_id: str) -> Starlette:
+    """A replica that holds request ``request_id`` and aborts it when asked."""
+
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def abort(request: Request) -> JSONResponse:
+        if (await request.json())["request_id"] != request_id:
+            body = {"error": {"message": "no such request", "type": "invalid_request_error",
+                              "param": "request_id", "code": "not_found"}}  # fmt: skip
+            return JSONResponse(body, status_code=404)
+        return JSONResponse({"aborted": [request_id]})
+
+    return Starlette(routes=[Route("/health", health),
+                             Route("/abort_request", abort, methods=["POST"])])  # fmt: skip
+
+
+def test_an_abort_is_answered_by_the_replica_that_holds_the_request(cluster) -> None:
+    """/abort_request goes to every replica: the one holding the id answers 200 whichever
+    order they are in; an id nobody holds is a 404 (the real replicas' own answer)."""
+    _, replicas = cluster
+    holder = AppThread(_aborts("cmpl-held")).start()
+    for order in ([holder.url, replicas[0].url], [replicas[0].url, holder.url]):
+        router = RouterThread(order, health_interval=3600).start()
+        try:
+            for request_id, status in (("cmpl-held", 200), ("cmpl-nobody", 404)):
+                r = httpx.post(f"{router.url}/abort_request", json={"request_id": request_id},
+                               headers=AUTH, timeout=30)  # fmt: skip
+                assert r.status_code == status, r.text
+                if status == 200:
+                    assert r.json() == {"aborted": ["cmpl-held"]}
+                else:
+                    assert r.json()["error"]["param"] == "request_id"
+        finally:
+            router.stop()
+    holder.stop()

@@ -5,6 +5,8 @@ POST /v1/completions, /v1/chat/completions, /api/generate, /api/chat
 GET  /v1/models, /v1/models/{id}, /api/tags, /api/ps, /api/version, /v1/usage;
      POST /api/show, /tokenize, /detokenize   sent to the least-loaded healthy replica
 POST /reset_prefix_cache                      sent to every healthy replica
+POST /abort_request                           sent to every healthy replica; the one that
+                                              holds the request answers
 GET  /health        200 while a replica is up (503 when none), each replica's state
 GET  /metrics       the router's own (metrics.py); replicas keep theirs
 """
@@ -38,6 +40,7 @@ READ_POST = ("/api/show", "/tokenize", "/detokenize")
 # Every replica keeps its own; with --usage-db the replicas share one file, so any answers.
 READ_GET += ("/v1/usage",)
 BROADCAST = ("/reset_prefix_cache",)
+ANY_REPLICA = ("/abort_request",)  # one replica holds the request: its answer is the answer
 # NOTE: the connect timeout is what a dead host costs a request before its retry; reads
 # have none (a non-streamed completion sends nothing until it is done).
 CONNECT_TIMEOUT_S = 5.0
@@ -75,7 +78,7 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
 
     async def broadcast(request: Request) -> Response:
         assert proxy is not None
-        return await proxy.broadcast(request)
+        return await proxy.broadcast(request, any_replica=request.url.path in ANY_REPLICA)
 
     async def health(_: Request) -> JSONResponse:
         up = replicas.num_healthy > 0
@@ -100,7 +103,7 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
         *(Route(p, routed, methods=["POST"]) for p in ROUTED),
         *(Route(p, read_only, methods=["GET"]) for p in READ_GET),
         *(Route(p, read_only, methods=["POST"]) for p in READ_POST),
-        *(Route(p, broadcast, methods=["POST"]) for p in BROADCAST),
+        *(Route(p, broadcast, methods=["POST"]) for p in (*BROADCAST, *ANY_REPLICA)),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}

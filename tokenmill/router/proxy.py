@@ -157,9 +157,10 @@ class Proxy:
             )  # fmt: skip
         return error_response(path, 503, "no healthy replica", "no_healthy_replica")
 
-    async def broadcast(self, request: Request) -> Response:
+    async def broadcast(self, request: Request, any_replica: bool = False) -> Response:
         """Send ``request`` to every healthy replica (a prefix-cache reset): the first answer
-        that is not 2xx, else the last one."""
+        that is not 2xx, else the last one. ``any_replica`` (an abort, which one replica
+        holds): the first 2xx answer, else the first that is not a 404, else a 404."""
         path = request.url.path
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP_HEADERS]
@@ -177,7 +178,11 @@ class Proxy:
             except httpx.TransportError as e:
                 message = f"replica {replica.url} did not answer: {type(e).__name__}"
                 return error_response(path, 502, message, "replica_unavailable")
-        answer = next((a for a in answers if not a.is_success), answers[-1])
+        if any_replica:
+            answer = next((a for a in answers if a.is_success), None)
+            answer = answer or next((a for a in answers if a.status_code != 404), answers[0])
+        else:
+            answer = next((a for a in answers if not a.is_success), answers[-1])
         return Response(answer.content, answer.status_code, _headers(answer))
 
     async def _attempt(

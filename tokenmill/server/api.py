@@ -5,6 +5,7 @@ Routes:
     GET  /v1/models, GET /v1/models/{model}
     POST /tokenize, POST /detokenize                      vLLM-compatible helpers
     POST /reset_prefix_cache   admin (only with --api-key): forget cached prefix blocks
+    POST /abort_request        admin (only with --api-key): stop an unfinished request by id
     GET  /v1/usage      metered usage per key / user / model / day (server/usage.py)
     GET  /v1/stats      live figures over a sliding window (server/stats.py)
     GET  /dashboard     a page that charts /v1/stats (static/dashboard.html, no key needed:
@@ -44,6 +45,7 @@ from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 from tokenmill.server.ollama import ChatRequest, GenerateRequest, OllamaServing, ShowRequest
 from tokenmill.server.openapi import openapi_schema
 from tokenmill.server.protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -164,20 +166,26 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
         body = await read_body(request, ChatCompletionRequest)
         return await serving.chat(body, request)
 
+    def _check_admin(request: Request, path: str, what: str) -> None:
+        # Control routes exist only when API keys guard the server (the middleware checked
+        # them); with --admin-api-key, only that key may use them.
+        if not has_keys:
+            raise APIError(404, f"{path} is enabled only with --api-key", code="not_found")
+        if config.admin_api_key is not None and not caller_of(request).is_admin:
+            raise APIError(403, f"only the admin key may {what}", code="permission_denied")
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        # Admin-only: it exists only when API keys guard the server (the middleware checked
-        # them); with --admin-api-key, only that key may use it.
-        if not has_keys:
-            raise APIError(
-                404, "/reset_prefix_cache is enabled only with --api-key", code="not_found"
-            )
-        if config.admin_api_key is not None and not caller_of(request).is_admin:
-            raise APIError(
-                403, "only the admin key may reset the prefix cache", code="permission_denied"
-            )
+        _check_admin(request, "/reset_prefix_cache", "reset the prefix cache")
         engine = state.require_engine()
         return JSONResponse({"reset": await engine.reset_prefix_cache()})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        _check_admin(request, "/abort_request", "abort requests")
+        body = await read_body(request, AbortRequest)
+        engine = state.require_engine()
+        return JSONResponse({"aborted": serving.abort(engine, body.request_id)})
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> JSONResponse:

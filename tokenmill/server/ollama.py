@@ -481,7 +481,7 @@ class OllamaServing:
                     last = out
         except Aborted:
             run.failed = True
-            raise APIError(503, "the request was aborted: the server is shutting down") from None
+            raise run.aborted_error() from None
         except Exception as e:
             run.failed = True
             raise self.openai.engine_error(e) from None
@@ -501,8 +501,7 @@ class OllamaServing:
                         yield json.dumps(chunks.final(out, "")) + "\n"
         except Aborted:
             run.failed = True
-            yield json.dumps({"error": "the request was aborted: the server is shutting down"})
-            yield "\n"
+            yield json.dumps({"error": run.aborted_error().message}) + "\n"
         except Exception as e:
             run.failed = True
             yield json.dumps({"error": self.openai.engine_error(e).message}) + "\n"

@@ -22,6 +22,7 @@ from pydantic.json_schema import models_json_schema
 
 from tokenmill.server import ollama
 from tokenmill.server.protocol import (
+    AbortRequest,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -54,6 +55,10 @@ class VersionResponse(BaseModel):
 
 class ResetPrefixCacheResponse(BaseModel):
     reset: bool
+
+
+class AbortResponse(BaseModel):
+    aborted: list[str]  # the engine requests stopped (one per prompt of the request)
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,10 @@ ROUTES: dict[tuple[str, str], RouteDoc] = {
     ("POST", "/reset_prefix_cache"): RouteDoc(
         "Forget cached prefix blocks (needs keys; the admin key when there is one)",
         response=ResetPrefixCacheResponse,
+    ),
+    ("POST", "/abort_request"): RouteDoc(
+        "Abort an unfinished request by its id (needs keys; the admin key when there is one)",
+        AbortRequest, AbortResponse, example={"request_id": "cmpl-0123"},
     ),
     ("GET", "/health"): RouteDoc("200 when ready, else 503 (no key needed)",
                                  response=HealthResponse, public=True),

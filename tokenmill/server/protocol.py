@@ -388,6 +388,10 @@ class ChatCompletionRequest(_SamplingRequest):
 # ---- /tokenize, /detokenize ---------------------------------------------------------------
 
 
+class AbortRequest(_Request):
+    request_id: str  # the ``id`` of the request's responses ("cmpl-...", "chatcmpl-...")
+
+
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None

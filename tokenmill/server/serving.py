@@ -95,6 +95,8 @@ class Run:
     on_finish: Callable[[Run], None] | None = None
     # Set when the run ended in a server-side failure (not metered).
     failed: bool = False
+    # Why the engine aborted it, when an administrator did (POST /abort_request).
+    abort_reason: str | None = None
     _is_finished: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,16 @@ class Run:
         self.finals[prompt_idx] = out
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise Aborted()
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        if len(self.prepared) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prepared))]
+
+    def aborted_error(self) -> APIError:
+        reason = self.abort_reason or "the request was aborted: the server is shutting down"
+        return APIError(503, reason, code="aborted")
 
     def close(self) -> None:
         self.ticket.release()
@@ -138,6 +150,8 @@ class OpenAIServing:
         self.meter = meter
         self.limiter = limiter
         self._logged_generic_tools = False
+        # Runs not yet closed, by the id their responses carry (for POST /abort_request).
+        self._runs: dict[str, Run] = {}
 
     # ---- small endpoints ------------------------------------------------------------------
 
@@ -322,10 +336,30 @@ class OpenAIServing:
             for i, p in enumerate(prepared)
         ]
         trackers = [self.metrics.track() for _ in prepared]
-        return Run(
+        run = Run(
             request_id, int(time.time()), self.config.served_model_name, prepared, streams,
-            trackers, ticket, caller=caller, user=user, on_finish=self._meter,
+            trackers, ticket, caller=caller, user=user, on_finish=self._finish,
         )  # fmt: skip
+        self._runs[request_id] = run
+        return run
+
+    def abort(self, engine: AsyncEngine, request_id: str) -> list[str]:
+        """Abort the run whose responses carry ``request_id`` (every engine request of it);
+        its client gets an "aborted" error. 404 when no unfinished run has that id."""
+        run = self._runs.get(request_id)
+        if run is None:
+            raise APIError(
+                404, f"no unfinished request has id {request_id!r}", code="not_found",
+                param="request_id",
+            )  # fmt: skip
+        run.abort_reason = "the request was aborted by an administrator"
+        for engine_id in run.engine_request_ids:
+            engine.abort(engine_id)
+        return run.engine_request_ids
+
+    def _finish(self, run: Run) -> None:
+        self._runs.pop(run.request_id, None)
+        self._meter(run)
 
     def _meter(self, run: Run) -> None:
         if run.failed:
@@ -347,9 +381,7 @@ class OpenAIServing:
                     run.record(prompt_idx, out)
         except Aborted:
             run.failed = True
-            raise APIError(
-                503, "the request was aborted: the server is shutting down", code="aborted"
-            ) from None
+            raise run.aborted_error() from None
         except Exception as e:
             run.failed = True
             raise self.engine_error(e) from None
@@ -379,10 +411,7 @@ class OpenAIServing:
                     yield chunks.usage([o for o in run.finals if o is not None])
             except Aborted:
                 run.failed = True
-                yield _sse_error(
-                    APIError(503, "the request was aborted: the server is shutting down",
-                             code="aborted")
-                )  # fmt: skip
+                yield _sse_error(run.aborted_error())
             except Exception as e:
                 run.failed = True
                 yield _sse_error(self.engine_error(e))
