@@ -3,6 +3,7 @@ activations, adds, embeddings, packed matmuls, argmax), one implementation per k
 
     torch  kernels/torch_backend.py  pure torch: any device, and the oracle of the others
     cpu    kernels/cpu_backend.py    the C kernels (cpu_library.py) where inputs fit, else torch
+    triton kernels/triton_backend.py Triton kernels (kernels/triton/) on CUDA, else torch
 
 A backend is created by name through a lazy registry: a new one (Triton, CUDA) is a new file and
 one line in ``_BACKENDS``; its imports stay inside its module, which loads only when picked.
@@ -23,6 +24,7 @@ __all__ = ["KERNEL_BACKENDS", "KernelBackend", "create_kernel_backend", "default
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("tokenmill.kernels.torch_backend", "TorchKernelBackend"),
     "cpu": ("tokenmill.kernels.cpu_backend", "CpuKernelBackend"),
+    "triton": ("tokenmill.kernels.triton_backend", "TritonKernelBackend"),
 }
 KERNEL_BACKENDS = tuple(_BACKENDS)
 
@@ -38,9 +40,19 @@ def create_kernel_backend(name: str) -> KernelBackend:
 
 def default_kernel_backend(device: torch.device) -> str:
     """The backend to pick: "cpu" on a CPU device where the C kernels load (built, and the CPU
-    has AVX2/FMA), "torch" everywhere else."""
+    has AVX2/FMA), "triton" on a CUDA device where triton imports, "torch" everywhere else."""
+    if device.type == "cuda":
+        return "triton" if _has_triton() else "torch"
     if device.type != "cpu":
         return "torch"
     from tokenmill.kernels import cpu_library
 
     return "cpu" if cpu_library.available() else "torch"
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401  (the optional "cuda" extra)
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,99 @@
+"""TritonKernelBackend: the element-wise ops and the weight-only packed matmul as Triton
+kernels (kernels/triton/), for CUDA devices; every other op is the torch twin's.
+
+It imports triton, so it loads only when picked (the registry is lazy). Off a GPU the kernels
+run only in Triton's interpreter (``TRITON_INTERPRET=1``, the tests' mode); a tensor the kernels
+cannot take there (CPU without the interpreter) goes to the torch twin, so a wrong pick is slow,
+never wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.quant.packed import PackedWeight
+
+try:
+    from tokenmill.kernels.triton import activation, norm, quant_matmul, rotary
+except ImportError as e:  # create_kernel_backend's ValueError for a backend that cannot run
+    raise ValueError(
+        'kernel backend "triton" needs the triton package (pip install "tokenmill[cuda]")'
+    ) from e
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _runs(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels can take these tensors: on one CUDA device, or on the CPU in
+    the interpreter."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return False
+    device = next(iter(devices))
+    return device.type == "cuda" or (_INTERPRET and device.type == "cpu")
+
+
+class TritonKernelBackend(TorchKernelBackend):
+    """Triton for rmsnorm, rotary, act_and_mul and packed_matmul ("q8" / "q4" weights).
+
+    Inherited from the torch twin, on purpose: ``add``, ``embedding`` and ``argmax`` are one
+    torch call each, already a single fused CUDA kernel; ``apply_token_bitmask_`` is a gather
+    and a where per constrained row; ``moe_route`` is a small softmax and sort; ``moe_experts``
+    loops over the active experts and calls this backend's ``packed_matmul`` and
+    ``act_and_mul`` (through ``self``), so it runs the Triton kernels anyway;
+    ``packed_embedding`` dequantizes a few rows. Another kernel would add launches, not speed.
+    """
+
+    name = "triton"
+
+    def rmsnorm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_offset: float,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        tensors = (x, weight) if residual is None else (x, weight, residual)
+        if not _runs(*tensors) or (residual is not None and residual.shape != x.shape):
+            return super().rmsnorm(x, weight, weight_offset, eps, residual)
+        return norm.rmsnorm(x, weight, weight_offset, eps, residual)
+
+    def rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _runs(positions, q, k, cos, sin) or q.dim() != 3 or k.dim() != 3:
+            return super().rotary(positions, q, k, cos, sin)
+        # In place: q and k are fresh projections (or views of one) no one else holds.
+        return rotary.rope_neox_(q, positions, cos, sin), rotary.rope_neox_(k, positions, cos, sin)
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
+        if not _runs(gate_up) or act not in activation.ACTIVATION_CODES:
+            return super().act_and_mul(gate_up, act)
+        return activation.act_and_mul(gate_up, act)
+
+    def packed_matmul(
+        self,
+        x: torch.Tensor,
+        w: PackedWeight,
+        bias: torch.Tensor | None,
+        act_int8: bool,
+        out: torch.Tensor | None = None,
+        q8_unsigned: bool = False,
+    ) -> torch.Tensor:
+        # ``act_int8`` is not honoured: activations stay float (the base contract allows it;
+        # on a GPU the float path is memory-bound at decode, and int8 would cost accuracy).
+        # GGUF's other kinds ("u8", "n4", halves) go to the torch twin; on CUDA the worker
+        # dequantizes GGUF files to float weights at load anyway (worker.pick_quantization).
+        tensors = [x, w.codes, w.scales] + [t for t in (w.offsets, bias) if t is not None]
+        if not quant_matmul.supports(w) or not _runs(*tensors):
+            return super().packed_matmul(x, w, bias, act_int8, out, q8_unsigned)
+        return quant_matmul.packed_matmul(x, w, bias, out)
