@@ -47,9 +47,9 @@ def _recorded(fn) -> tuple[object, list[str]]:
 
 
 def test_registry_creates_by_name_and_rejects_unknown_names() -> None:
-    assert KERNEL_BACKENDS == ("torch", "cpu")
+    assert KERNEL_BACKENDS == ("torch", "cpu", "triton")
     assert type(create_kernel_backend("torch")) is TorchKernelBackend
-    with pytest.raises(ValueError, match="kernel backend must be one of torch, cpu"):
+    with pytest.raises(ValueError, match="kernel backend must be one of torch, cpu, triton"):
         create_kernel_backend("tpu")
 
 

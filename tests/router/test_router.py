@@ -149,6 +149,19 @@ def test_keys_and_error_bodies(cluster) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_metrics_public_opens_only_metrics(cluster) -> None:
+    _, replicas = cluster
+    router = RouterThread([r.url for r in replicas], metrics_public=True).start()
+    try:
+        r = httpx.get(f"{router.url}/metrics")
+        assert r.status_code == 200 and "tokenmill_router:replica_healthy" in r.text
+        body = {"model": MODEL_NAME, "prompt": "a"}
+        assert httpx.post(f"{router.url}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{router.url}/reset_prefix_cache").status_code == 401
+    finally:
+        router.stop()
+
+
 def _prompt_ranking_first(urls: list[str], first: int) -> str:
     for i in range(1000):
         prompt = f"Prompt {i} for the retry test"

@@ -110,19 +110,23 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
     )
     app.state.replicas = replicas
     if config.api_keys:
-        app.add_middleware(_KeyCheck, api_keys=config.api_keys)
+        public = ("/health", *(("/metrics",) if config.metrics_public else ()))
+        app.add_middleware(_KeyCheck, api_keys=config.api_keys, public_paths=public)
     return app
 
 
 class _KeyCheck:
-    """401 unless the request bears one of the router's keys (/health is open)."""
+    """401 unless the request bears one of the router's keys (``public_paths`` are open)."""
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: tuple[str, ...], public_paths: tuple[str, ...]
+    ) -> None:
         self.app = app
         self._digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self._public = public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health" or self._is_authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self._public or self._is_authorized(scope):
             await self.app(scope, receive, send)
             return
         message = "missing or invalid API key: send it as 'Authorization: Bearer <key>' or " \

@@ -30,6 +30,10 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         "Authorization header goes on to the replicas either way",
     )
     p.add_argument(
+        "--metrics-public", action="store_true",
+        help="serve /metrics without a key (for a Prometheus scraper that sends none)",
+    )  # fmt: skip
+    p.add_argument(
         "--health-interval",
         type=float,
         default=d.health_interval,
@@ -55,6 +59,7 @@ def run_router_command(ns: argparse.Namespace, log_level: str) -> int:
         host=ns.host,
         port=ns.port,
         api_keys=tuple(ns.api_key),
+        metrics_public=ns.metrics_public,
         health_interval=ns.health_interval,
         max_body_bytes=ns.max_body_bytes,
         access_log=ns.access_log,

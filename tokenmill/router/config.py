@@ -11,13 +11,15 @@ class RouterConfig:
 
     api_keys: keys the router itself accepts (empty: none needed); the client's
     ``Authorization`` / ``X-Api-Key`` headers are forwarded either way, so replicas check
-    their own keys. health_interval: seconds between health checks of every replica.
+    their own keys. metrics_public: /metrics needs no key (for a scraper that sends none).
+    health_interval: seconds between health checks of every replica.
     """
 
     replica_urls: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False
     health_interval: float = 2.0
     max_body_bytes: int = 32 * 2**20
     access_log: bool = False
