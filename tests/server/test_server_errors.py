@@ -328,12 +328,36 @@ def test_engine_failure_mid_stream_is_an_error_chunk_then_500(tiny_model_dir) ->
         assert error["type"] == "server_error" and error["code"] == "engine_error"
         assert "boom" in error["message"]
         assert all("choices" in json.loads(e) for e in events[:-2])
+        # Then the server stops by itself, exit status 1, for a supervisor to restart it.
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()
+        assert "boom" in str(srv.state.engine_error) and srv.state.exit_status == 1
+        assert llm.num_free_blocks == llm.num_total_blocks  # the failed request was freed
+        assert srv.state.num_admitted == 0
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+
+
+def test_a_dead_engine_answers_500_and_health_503_until_the_exit(tiny_model_dir) -> None:
+    """Between the failed step and the server's exit, requests get 500 engine_error and
+    /health 503 engine_failed (here the exit is held back to look at that window)."""
+    args = tiny_engine_args(tiny_model_dir("llama"))
+    srv = LiveServer(lambda: AsyncEngine.from_args(args)).start()
+    try:
+        srv.state.on_failed = None  # no exit: the window stays open
+        llm = srv.engine.engine
+
+        def failing_step():
+            raise RuntimeError("boom")
+
+        llm.step = failing_step
+        _error(httpx.post(f"{srv.url}/v1/completions", json=_completion()), 500)
         err = _error(httpx.post(f"{srv.url}/v1/completions", json=_completion()), 500)
         assert err["code"] == "engine_error"
         health = httpx.get(f"{srv.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "engine_failed"
-        assert llm.num_free_blocks == llm.num_total_blocks  # the failed request was freed
-        assert srv.state.num_admitted == 0
+        assert srv.state.exit_status == 1
     finally:
         srv.stop()
 

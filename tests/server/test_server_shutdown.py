@@ -105,3 +105,55 @@ def test_sigterm_aborts_what_is_left_and_exits_0(tiny_model_dir, tmp_path) -> No
     assert 2 <= len(texts) < 240
     output = (tmp_path / "server.log").read_text()
     assert "ready: weights" in output and f"http://127.0.0.1:{port}/v1" in output
+
+
+def test_a_lost_tensor_parallel_rank_fails_the_stream_and_exits_1(tiny_model_dir, tmp_path) -> None:
+    """A rank killed mid-stream: the client gets an engine_error chunk then [DONE], and the
+    server exits with status 1 within seconds (for a supervisor to restart it)."""
+    import psutil
+
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir("llama")),
+        "--port", str(port), "--max-model-len", "256", "--kv-cache-memory", "8MiB",
+        "--served-model-name", MODEL_NAME, "--log-stats-interval", "0",
+        "--tensor-parallel-size", "2",
+    ]  # fmt: skip
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.1)
+        ranks = [
+            p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "tokenmill.worker.distributed" in " ".join(p.cmdline())
+        ]  # fmt: skip
+        assert len(ranks) == 1
+        events: list[str] = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=_stream_body(240), timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    ranks[0].kill()
+                    killed = time.monotonic()
+        assert proc.wait(timeout=30) == 1
+        assert time.monotonic() - killed < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_error"
+    assert "the engine stopped after an error; the server exits" in log_path.read_text()

@@ -63,6 +63,9 @@ class AsyncEngine:
         self._stopping = False
         self._dead: BaseException | None = None
         self.output_hooks: list[Callable[[RequestOutput], None]] = []
+        # Called once, on the engine thread, when a step fails and the engine stops (the
+        # server then exits non-zero so that a supervisor restarts it).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
@@ -218,6 +221,8 @@ class AsyncEngine:
                     stream = self._end(request_id)
                     if stream is not None:
                         stream.put(EngineDeadError(f"engine step failed: {e}"))
+                if self.on_dead is not None:
+                    self.on_dead(e)
                 continue
             for out in outputs:
                 for hook in self.output_hooks:

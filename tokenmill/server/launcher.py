@@ -46,7 +46,7 @@ class TokenmillServer(uvicorn.Server):
         )
         self.state: ServerState = app.state.tokenmill
         self.shutdown_timeout = config.shutdown_timeout
-        self.state.on_load_failed = self.request_exit
+        self.state.on_failed = self.request_exit
 
     def request_exit(self) -> None:
         self.should_exit = True
@@ -72,9 +72,10 @@ class TokenmillServer(uvicorn.Server):
 
 
 def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "info") -> int:
-    """Serve until SIGTERM / SIGINT; returns the exit status (1 when the model fails to load)."""
+    """Serve until SIGTERM / SIGINT; returns the exit status (1 when the model fails to load
+    or the engine stops after an error: the server exits then, for a supervisor to restart)."""
     app = create_app(config, lambda: AsyncEngine.from_args(engine_args))
     server = TokenmillServer(app, config, log_level)
     server.run()
     state: ServerState = app.state.tokenmill
-    return 1 if state.load_error is not None else 0
+    return state.exit_status

@@ -48,8 +48,11 @@ class ServerState:
         self.status = ServerStatus.LOADING
         self.engine: AsyncEngine | None = None
         self.load_error: BaseException | None = None
-        # Called on the event loop when loading fails (the launcher stops the server).
-        self.on_load_failed: Callable[[], None] | None = None
+        # Set when the engine stopped after a failed step (a bug, a tensor-parallel rank lost).
+        self.engine_error: BaseException | None = None
+        # Called on the event loop when loading fails or the engine stops (the launcher stops
+        # the server, which exits non-zero).
+        self.on_failed: Callable[[], None] | None = None
         self._load_engine = load_engine
         self._lock = threading.Lock()
         self._num_admitted = 0
@@ -72,9 +75,9 @@ class ServerState:
                 self.load_error = e
                 if self.status is ServerStatus.LOADING:
                     self.status = ServerStatus.FAILED
-            if self.on_load_failed is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(self.on_load_failed)
+            self._report_failure()
             return
+        engine.on_dead = self._engine_died
         with self._lock:
             if self.status is ServerStatus.LOADING:
                 self.engine = engine
@@ -83,6 +86,22 @@ class ServerState:
             logger.info("ready: %s", describe_memory_plan(engine))
         else:  # a shutdown came while loading; the engine thread is a daemon and stays idle
             logger.info("loaded after shutdown began; not serving")
+
+    def _engine_died(self, error: BaseException) -> None:
+        # On the engine thread: its requests have their errors already.
+        logger.error("the engine stopped after an error; the server exits: %s", error)
+        self.engine_error = error
+        self._report_failure()
+
+    def _report_failure(self) -> None:
+        if self.on_failed is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_failed)
+
+    @property
+    def exit_status(self) -> int:
+        """The server process's exit status: 1 when the model failed to load or the engine
+        stopped after an error, else 0 (a drained shutdown)."""
+        return 1 if self.load_error is not None or self.engine_error is not None else 0
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats if self.engine is not None else None
