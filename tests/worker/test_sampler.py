@@ -362,3 +362,59 @@ def test_a_bitmask_restricts_picks_to_the_masked_distribution(params):
     expected = num_draws * want.double()
     got = torch.stack([counts[1], counts[3]])
     assert (((got - expected) ** 2) / expected).sum().item() < 10.83, got / num_draws
+
+
+# ---- one transfer to the host a call ----------------------------------------------------------
+
+_TRANSFERS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def count_transfers(monkeypatch) -> list[str]:
+    """Every call of a Tensor method that brings values to the host (on CUDA, a wait for the
+    device), by name, from now on."""
+    calls: list[str] = []
+    for name in _TRANSFERS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def test_a_mixed_batch_moves_to_the_host_once(monkeypatch):
+    """Greedy, seeded, truncated, penalized, biased, banned and draft-verifying rows, with and
+    without log-probs: their picks and log-probs come back in one transfer."""
+    torch.manual_seed(7)
+    logits = torch.randn(6, 300)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, logprobs=0),
+        SamplingParams(temperature=1.0, min_p=0.05, frequency_penalty=0.5, logit_bias={4: 2.0}),
+        SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[9]),
+        SamplingParams(temperature=1.0, logprobs=2),  # verifies a draft
+        SamplingParams(temperature=0.0),
+    ]
+    rows = [row(p, output=[4, 5, 4], prompt=[1, 2, 3]) for p in params]
+    rows[1].generator = seeded(3)
+    rows[4].draft_token_id, rows[4].draft_probs = 7, torch.softmax(torch.randn(300), dim=-1)
+    expected = Sampler(CPU, seed=1)(logits.clone(), rows)
+    rows[1].generator = seeded(3)
+    calls = count_transfers(monkeypatch)
+    got = Sampler(CPU, seed=1)(logits.clone(), rows)
+    assert calls == ["tolist"]
+    assert got == expected
+    token_ids, logprobs = got
+    assert [lp is None for lp in logprobs] == [False, False, True, True, False, True]
+    assert [len(lp.top[0]) for lp in logprobs if lp is not None] == [3, 0, 2]
+
+
+def test_greedy_rows_without_logprobs_move_once(monkeypatch):
+    logits = torch.randn(4, 50)
+    calls = count_transfers(monkeypatch)
+    token_ids, _ = Sampler(CPU)(logits.clone(), [row(SamplingParams(temperature=0.0))] * 4)
+    assert calls == ["tolist"]
+    monkeypatch.undo()
+    assert token_ids == logits.argmax(dim=-1).tolist()

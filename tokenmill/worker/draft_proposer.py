@@ -144,20 +144,20 @@ class DraftModelProposer(Proposer):
         """One draft token per row of ``logits`` (row i: request ``order[i]``): greedy requests
         the argmax, random ones a draw from q, whose row is kept."""
         sampler = self.runner.sampler
-        greedy = sampler.kernels.argmax(logits).tolist()
+        picked = sampler.kernels.argmax(logits)  # [rows]
         random_idx = [i for i, rid in enumerate(order) if not reqs[rid].sampling_params.is_greedy]
-        for i, rid in enumerate(order):
-            tokens[rid].append(greedy[i])
-        if not random_idx:
-            return
-        rows = [self._row(reqs[order[i]], tokens[order[i]][:-1]) for i in random_idx]
-        idx = torch.tensor(random_idx, device=logits.device)
-        q = sampler.distribution(logits.index_select(0, idx), rows)
-        drawn = sampler.draw(q, rows).tolist()
-        for j, i in enumerate(random_idx):
-            rid = order[i]
-            tokens[rid][-1] = drawn[j]
-            probs[rid].append(q[j])
+        q = None
+        if random_idx:
+            rows = [self._row(reqs[order[i]], tokens[order[i]]) for i in random_idx]
+            idx = torch.tensor(random_idx, device=logits.device)
+            q = sampler.distribution(logits.index_select(0, idx), rows)
+            picked = picked.clone()
+            picked[idx] = sampler.draw(q, rows)
+        for rid, token_id in zip(order, picked.tolist()):  # the one wait for the device
+            tokens[rid].append(token_id)
+        if q is not None:
+            for j, i in enumerate(random_idx):
+                probs[order[i]].append(q[j])
 
     @staticmethod
     def _row(req: DraftRequest, drafts_before: list[int]) -> SamplingRow:
