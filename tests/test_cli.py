@@ -67,3 +67,15 @@ def test_generate_streams_text_and_reports_speed(capsys, tiny_model_dir) -> None
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "5 generated" in captured.err and "tokens/s" in captured.err and "TTFT" in captured.err
+
+
+def test_memory_flags_reach_the_engine_args() -> None:
+    from tokenmill.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "m", "--gpu-memory-utilization", "0.5"])
+    args = engine_args_from(ns)
+    assert args.gpu_memory_utilization == 0.5 and args.kv_cache_memory is None
+    ns = parser.parse_args(["generate", "m", "--prompt", "x", "--kv-cache-memory", "2GiB"])
+    assert engine_args_from(ns).kv_cache_memory == "2GiB"
+    assert engine_args_from(parser.parse_args(["serve", "m"])).gpu_memory_utilization == 0.9

@@ -29,7 +29,11 @@ _ENGINE_FLAG_HELP = {
     "device": "auto, cpu or cuda[:N]",
     "max_model_len": "context length (prompt + output); default: the model's",
     "block_size": "tokens per KV block",
-    "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of free memory",
+    "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of the memory "
+    "free after loading; unset: 0.15 of free memory on CPU, on CUDA what "
+    "--gpu-memory-utilization leaves after the weights and a profiled step's activations",
+    "gpu_memory_utilization": "CUDA: the share of the device's memory the engine may use "
+    "(weights, activations and KV cache; in (0, 1])",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), float16, int8 or fp8 (e4m3); the "
     "last two with a float32 scale per token and KV head (about 2x the tokens of bfloat16)",
     "max_num_seqs": "most requests in one step",

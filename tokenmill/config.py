@@ -68,6 +68,8 @@ PACKED_ACTIVATIONS = ("int8", "float32")
 # the request's own tokens, "suffix" = the most frequent continuation in its own tokens and in
 # recent requests' outputs, "draft" = a smaller model (or the target's first layers).
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+# How tensor-parallel ranks are placed: "mp" processes on this machine, "ray" Ray actors.
+DISTRIBUTED_EXECUTORS = ("mp", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,8 +530,15 @@ def resolve_model(spec: str) -> ModelSource:
     )
 
 
-def parse_memory(value: str | int | float) -> int | float:
-    """``"2GiB"``/``"512MB"``/bytes -> int bytes; a float in (0, 1) -> fraction of free memory."""
+# The KV cache's share of the memory free after loading, on CPU, when kv_cache_memory is unset.
+DEFAULT_KV_CACHE_FRACTION = 0.15
+
+
+def parse_memory(value: str | int | float | None) -> int | float | None:
+    """``"2GiB"``/``"512MB"``/bytes -> int bytes; a float in (0, 1) -> fraction of free memory;
+    None (unset) stays None: the worker's default plan (worker/memory.py)."""
+    if value is None:
+        return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, float) and 0 < value < 1:
             return value
@@ -556,8 +565,9 @@ def parse_memory(value: str | int | float) -> int | float:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Bytes (int) or a fraction (float in (0, 1)) of the memory available at startup.
-    kv_cache_memory: int | float = 0.15
+    # Bytes (int) or a fraction (float in (0, 1)) of the memory available at startup; None:
+    # the device's default plan (EngineArgs.kv_cache_memory).
+    kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     # Set once the worker has sized the cache from the budget (WorkerInfo.num_kv_blocks).
     num_blocks: int = 0
@@ -609,7 +619,13 @@ class EngineArgs:
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: str | int | float = 0.15
+    # The KV cache's budget, an explicit override: bytes ("2GiB", an int) or a fraction of the
+    # memory free after loading. Unset: on CPU DEFAULT_KV_CACHE_FRACTION of free memory; on CUDA
+    # what gpu_memory_utilization of the device leaves after the weights and the activations'
+    # peak in a profiling step (worker/memory.py).
+    kv_cache_memory: str | int | float | None = None
+    # CUDA: the share of the device's memory this engine may use in all (vLLM's flag).
+    gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -656,6 +672,10 @@ class EngineArgs:
     # Tensor parallelism (issue 25): the model split over this many worker processes on this
     # machine (torch.distributed: gloo on CPU, NCCL on CUDA); 1 runs in the engine's process.
     tensor_parallel_size: int = 1
+    # Where the ranks run: "mp" (a process per rank on this machine; tensor_parallel_size 1
+    # stays in the engine's process) or "ray" (a Ray actor per rank, placed by a placement
+    # group: one node or several; tokenmill[ray]). executor/ray_executor.py.
+    distributed_executor: str = "mp"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -669,6 +689,12 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)  # a bad value fails here, naming the field
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
@@ -732,6 +758,11 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}"
+            )
+        if self.distributed_executor not in DISTRIBUTED_EXECUTORS:
+            raise ValueError(
+                f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}; "
+                f"got {self.distributed_executor!r}"
             )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")

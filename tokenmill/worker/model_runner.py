@@ -9,7 +9,9 @@ A step (``execute``):
    that asked for prompt log-probs, at the prompt positions of their chunk);
 4. sample every logits row and keep, per request, the sampled tokens up to the first draft the
    sample disagrees with (``accept_drafts``): one or more new tokens.
-A step of single-token decodes replays a recorded decode graph instead of 2. and 3.
+A step of single-token decodes replays a recorded decode graph instead of 2. and 3.: on CPU a
+recording of the C kernels' calls (worker/decode_graph.py), on CUDA a CUDA graph of its padded
+batch size (worker/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.spec import Draft, DraftRequest, Proposer
 from tokenmill.structured import CompiledGrammar, GrammarMatcher
 from tokenmill.structured.bitmask import allocate_bitmask, fill_row
+from tokenmill.worker.cuda_graph import CUDA_GRAPH_MAX_BATCH, CudaDecodeGraphs
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
     PromptLogprobRows,
@@ -91,6 +94,7 @@ class ModelRunner:
         seed: int = 0,
         decode_graphs: bool = False,
         max_num_seqs: int = DECODE_GRAPH_MAX_BATCH,
+        cuda_graphs: bool = False,
         capture_warm_up: threading.Thread | None = None,
         proposer: Proposer | None = None,
         speculative_max_batch: int = 2,
@@ -116,11 +120,23 @@ class ModelRunner:
         # float32 tensor each step cost ~10 ms of page faults (over 32 MB, malloc maps anew).
         self._logits_buffer: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        if decode_graphs:
-            max_blocks_per_seq = -(-max_model_len // cache.block_size)
-            # A graph row per query: each decode's next token and its drafts.
-            rows_per_seq = 1 + (proposer.num_tokens if proposer is not None else 0)
-            max_batch = min(DECODE_GRAPH_MAX_BATCH, max_num_seqs * rows_per_seq)
+        self.cuda_graphs: CudaDecodeGraphs | None = None
+        max_blocks_per_seq = -(-max_model_len // cache.block_size)
+        # A graph row per query: each decode's next token and its drafts.
+        max_rows = max_num_seqs * (1 + (proposer.num_tokens if proposer is not None else 0))
+        if cuda_graphs:
+            self.cuda_graphs = CudaDecodeGraphs(
+                model,
+                self.kv_caches,
+                cache.block_size,
+                max_blocks_per_seq,
+                min(CUDA_GRAPH_MAX_BATCH, max_rows),
+                device,
+            )
+            if device.type == "cuda":
+                self.cuda_graphs.capture()
+        elif decode_graphs:
+            max_batch = min(DECODE_GRAPH_MAX_BATCH, max_rows)
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -348,7 +364,8 @@ class ModelRunner:
         """Logits of a step of decodes only (each its next token and any drafts, every row
         sampled) through a decode graph of one row per query; None when the step is not one
         (it then runs eagerly)."""
-        graphs, scheduled = self.decode_graphs, sched.num_scheduled_tokens
+        graphs = self.cuda_graphs or self.decode_graphs
+        scheduled = sched.num_scheduled_tokens
         if graphs is None or not scheduled or not graphs.runs(sum(scheduled.values())):
             return None
         num_computed = sched.num_computed_tokens()

@@ -9,6 +9,8 @@ second worker for a draft model, is another instance of this class with its own 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
 from pathlib import Path
 
@@ -38,9 +40,13 @@ from tokenmill.quant import create_quant_method
 from tokenmill.spec import Proposer, create_proposer
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
+from tokenmill.worker.cuda_graph import cuda_graphs_supported
 from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
 from tokenmill.worker.draft_proposer import DraftModelProposer
+from tokenmill.worker.memory import MemoryPlan, dummy_prefill, measure_cuda, plan
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,12 +60,10 @@ class Worker:
         self.device = pick_device(args.device)
         # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
         # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
-        # all-reduces between them.
-        self._decode_graphs = (
-            not args.enforce_eager
-            and args.tensor_parallel_size == 1
-            and graphs_supported(self.device)
-        )
+        # all-reduces between them (nor, on CUDA, are NCCL calls captured yet).
+        graphed = not args.enforce_eager and args.tensor_parallel_size == 1
+        self._cuda_graphs = graphed and cuda_graphs_supported(self.device)
+        self._decode_graphs = graphed and not self._cuda_graphs and graphs_supported(self.device)
         self._capture_warm_up = warm_up_capture() if self._decode_graphs else None
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -96,6 +100,9 @@ class Worker:
         )
         if self.draft is not None:
             per_block += self.draft.info.kv_bytes_per_block
+        self.memory_plan = self._plan_memory(per_block, max_model_len)
+        if tp_rank == 0:
+            logger.info("%s", self.memory_plan.describe())
         self.info = WorkerInfo(
             model_config=model_config,
             max_model_len=max_model_len,
@@ -105,7 +112,7 @@ class Worker:
             weight_nbytes=self.model.weight_nbytes(),
             num_parameters=self.model.num_parameters(),
             kv_bytes_per_block=per_block,
-            num_kv_blocks=self._num_kv_blocks(per_block),
+            num_kv_blocks=self.memory_plan.num_kv_blocks,
         )
         self.runner: ModelRunner | None = None
 
@@ -120,6 +127,7 @@ class Worker:
             seed=self.args.seed,
             decode_graphs=self._decode_graphs,
             max_num_seqs=self.args.max_num_seqs,
+            cuda_graphs=self._cuda_graphs,
             capture_warm_up=self._capture_warm_up,
             proposer=self._proposer(cache),
             speculative_max_batch=self.args.speculative_max_batch,
@@ -174,23 +182,40 @@ class Worker:
             config, self.dtype, self.device, max_model_len, quant_method, importance, kernels
         )
 
-    def _num_kv_blocks(self, per_block: int) -> int:
-        """Blocks of the KV cache that fit ``kv_cache_memory`` (bytes, or a fraction of the
-        memory free now, after the weights loaded)."""
-        budget = parse_memory(self.args.kv_cache_memory)
-        if isinstance(budget, float):
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-            else:
-                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = int(free * budget)
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory ({budget} bytes) holds fewer than 2 KV blocks of {per_block} "
-                "bytes; raise kv_cache_memory"
+    def _plan_memory(self, per_block: int, max_model_len: int) -> MemoryPlan:
+        """How many KV blocks to allocate (worker/memory.py): from ``kv_cache_memory`` when it is
+        set; otherwise a share of free memory on CPU, and on CUDA what gpu_memory_utilization
+        leaves after the weights and a profiling step's activations."""
+        args = self.args
+        budget = parse_memory(args.kv_cache_memory)
+        weights = self.model.weight_nbytes()
+        if self.device.type != "cuda":
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            return plan(per_block, weights, budget, free_bytes=free)
+        profile = None
+        if budget is None:  # the profiling step, at the largest batch a step may run
+            cache = CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
+            profile = functools.partial(
+                dummy_prefill,
+                self.model,
+                cache,
+                self.dtype,
+                self.device,
+                args.max_num_batched_tokens,
+                max_model_len,
+                args.max_num_seqs,
             )
-        return int(num_blocks)
+        free, total, peak = measure_cuda(self.device, profile)
+        return plan(
+            per_block,
+            weights,
+            budget,
+            free_bytes=free,
+            total_bytes=total,
+            utilization=args.gpu_memory_utilization,
+            in_use_bytes=total - free,
+            activation_peak_bytes=peak,
+        )
 
 
 def check_tensor_parallel_args(args: EngineArgs) -> None:
