@@ -3,6 +3,7 @@
     torch  attention/backends/torch_backend.py  pure torch: any device, and the oracle
     cpu    attention/backends/cpu_backend.py    C kernels for K/V writes and decodes where they
                                                 fit, the torch code otherwise
+    triton attention/backends/triton_backend.py Triton kernels: CUDA (CPU in Triton's interpreter)
 
 A new backend (Triton, CUDA) is a new file and one line in ``_BACKENDS``; its imports stay
 inside its module, which loads only when picked.
@@ -26,6 +27,7 @@ __all__ = [
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("tokenmill.attention.backends.torch_backend", "TorchAttentionBackend"),
     "cpu": ("tokenmill.attention.backends.cpu_backend", "CpuAttentionBackend"),
+    "triton": ("tokenmill.attention.backends.triton_backend", "TritonAttentionBackend"),
 }
 ATTENTION_BACKENDS = tuple(_BACKENDS)
 
