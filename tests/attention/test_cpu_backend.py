@@ -86,7 +86,7 @@ def _inputs(meta: AttentionMetadata, num_heads: int, g: torch.Generator, dtype=t
 
 
 def test_registry_creates_by_name_and_rejects_unknown_names() -> None:
-    assert ATTENTION_BACKENDS == ("torch", "cpu")
+    assert ATTENTION_BACKENDS == ("torch", "cpu", "triton")
     assert type(create_attention_backend("torch")) is TorchAttentionBackend
     with pytest.raises(ValueError, match="attention backend must be one of torch, cpu"):
         create_attention_backend("flash")
