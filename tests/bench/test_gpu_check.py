@@ -1,0 +1,54 @@
+"""benchmarks/gpu_check.py's code path on a CPU (--smoke, a tiny model): every part reports its
+figure, and greedy output agrees with the CPU's exact mode (the same float32 torch path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_reports_every_part(tiny_model_dir, tmp_path) -> None:
+    gpu_check = _load_script()
+    out = tmp_path / "gpu_check.json"
+    model = str(tiny_model_dir("llama"))
+    argv = ["--smoke", "--device", "cpu", "--model", model, "--kernel-backend", "torch"]
+    assert gpu_check.main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for name in ("greedy", "decode_batch1", "prefill", "decode_step_at_batch", "throughput_4"):
+        assert "error" not in result[name], result[name]
+    assert result["greedy"]["passed"] and result["greedy"]["min_top1_agreement"] == 1.0
+    assert result["bandwidth_bytes_per_s"] > 0 and result["matmul_flops_per_s"] > 0
+    assert result["decode_batch1"]["tokens_per_s"] > 0
+    assert (
+        0
+        < result["decode_step_at_batch"]["roofline_step_s"]
+        < result["decode_step_at_batch"]["step_s"] * 100
+    )
+    assert result["throughput_4"]["ratio"] > 0
+
+
+def test_roofline_is_the_binding_resource(tiny_model_dir) -> None:
+    """A decode step's roofline is bytes / bandwidth at batch 1 (weights dominate) and grows
+    with the batch once FLOPs bind."""
+    from tokenmill.bench.planner import model_facts
+
+    gpu_check = _load_script()
+    facts = model_facts(str(tiny_model_dir("llama")), gpu=True)
+    bw, peak = 1e12, 1e12
+    one = gpu_check.decode_roofline_s(facts, bw, peak, 1, 64)
+    weights = facts.dense_bytes + facts.head_bytes
+    assert one >= weights / bw
+    many = gpu_check.decode_roofline_s(facts, bw, 1e9, 256, 64)  # a slow peak: FLOPs bind
+    assert many > 256 * 2 * (facts.dense_params + facts.head_params) / 1e9 * 0.99
