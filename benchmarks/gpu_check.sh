@@ -40,7 +40,7 @@ status=0
 # gpu_check.py below, whose greedy output must agree with the CPU's exact mode.
 TRITON_INTERPRET=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
     tests/attention/test_triton_backend.py tests/attention/test_triton_e2e.py \
-    tests/kernels/test_triton_backend.py tests/worker/test_cuda_graph.py \
+    tests/kernels/test_triton_kernel_backend.py tests/worker/test_cuda_graph.py \
     tests/worker/test_memory.py tests/e2e/test_cuda_path.py || status=1
 timeout 300 "$PY" benchmarks/gpu_check.py --model "$MODEL" "${SMOKE[@]}" \
     --out "$OUT/gpu_check.json" || status=1
