@@ -412,6 +412,7 @@ def _serve_data_parallel(ns: argparse.Namespace, raw_argv: list[str], log_level:
         host=ns.host,
         port=ns.port,
         api_keys=tuple(keys),
+        metrics_public=ns.metrics_public,
         access_log=ns.access_log,
     )
     return run_data_parallel(
