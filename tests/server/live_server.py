@@ -107,7 +107,9 @@ class LiveServer:
                 and self.state.num_admitted == 0
             ):
                 return
-            assert time.monotonic() < deadline, f"engine not idle: {stats}, {self.state.num_admitted} admitted"
+            assert time.monotonic() < deadline, (
+                f"engine not idle: {stats}, {self.state.num_admitted} admitted"
+            )
             time.sleep(0.02)
 
 
