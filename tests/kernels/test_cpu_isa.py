@@ -41,7 +41,8 @@ def _gguf(ggml_type: int, n: int, k: int) -> PackedWeight:
     blocks = n * k // elems
     g = torch.Generator().manual_seed(ggml_type)
     data = torch.randint(0, 256, (blocks, nbytes), dtype=torch.uint8, generator=g)
-    for off in {14: [208]}.get(ggml_type, [0, 2] if ggml_type in (12, 13) else [0]):
+    at_end = {10: [80, 82], 11: [108], 14: [208]}  # d (and dmin) after the codes
+    for off in at_end.get(ggml_type, [0, 2] if ggml_type in (12, 13) else [0]):
         d = (torch.rand(blocks, generator=g) * 0.02).half()
         data[:, off : off + 2] = d.view(torch.uint8).reshape(blocks, 2)
     return pack_gguf(data.reshape(-1), ggml_type, (n, k))
@@ -77,6 +78,10 @@ LAYOUTS = {
     "Q4_K q4 G32 offsets K4608": lambda: _gguf(12, 40, 4608),
     "Q5_K u8 z0 G32 offsets": lambda: _gguf(13, 40, 768),
     "Q6_K u8 z32 G16": lambda: _gguf(14, 40, 768),
+    "Q2_K q2 G16": lambda: _gguf(10, 40, 768),
+    "Q2_K q2 G16 K4608": lambda: _gguf(10, 40, 4608),
+    "Q3_K q3 z4 G16": lambda: _gguf(11, 40, 768),
+    "Q3_K q3 z4 G16 K4608": lambda: _gguf(11, 40, 4608),
     "IQ4_NL n4 f16 G32": lambda: _gguf(20, 40, 640),
     "IQ4_XS n4 G32": lambda: _gguf(23, 40, 768),
     "IQ4_XS n4 G32 K4608": lambda: _gguf(23, 40, 4608),

@@ -10,7 +10,10 @@ from gguf.quants import dequantize as np_dequantize
 
 from tokenmill.quant.gguf_blocks import BLOCK_FORMATS
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+TYPES = [
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+    "IQ4_XS",
+]  # fmt: skip
 
 
 def _random_blocks(qtype: GGMLQuantizationType, num_blocks: int, seed: int) -> np.ndarray:
@@ -19,7 +22,8 @@ def _random_blocks(qtype: GGMLQuantizationType, num_blocks: int, seed: int) -> n
     data = rng.integers(0, 256, size=(num_blocks, nbytes), dtype=np.uint8)
     # Keep the f16 scale fields finite and modest (random bytes can be inf/nan).
     two = qtype.name.endswith(("_K", "_1"))  # d and dmin / d and m (IQ4_XS: d only)
-    scale_offsets = {"Q6_K": [208]}.get(qtype.name, [0, 2] if two else [0])
+    at_end = {"Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}  # d (and dmin) after the codes
+    scale_offsets = at_end.get(qtype.name, [0, 2] if two else [0])
     for off in scale_offsets:
         vals = rng.uniform(-0.1, 0.1, size=num_blocks).astype(np.float16)
         data[:, off : off + 2] = vals.view(np.uint8).reshape(num_blocks, 2)

@@ -16,23 +16,28 @@ from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES
 from tokenmill.quant.packed import (
+    K_QUANT_KINDS,
     PackedWeight,
     activation_levels,
     concat_rows,
     lane_order,
     pack_codes,
     pack_gguf,
+    pack_k_quant,
     quantize_activations,
     quantize_int4,
     reference_matmul,
     unpack_codes,
+    unpack_k_quant,
 )
 from tokenmill.sampling_params import SamplingParams
 
 GGML_TYPES = {
-    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-    "IQ4_NL": 20, "IQ4_XS": 23,
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
+    "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23,
 }  # fmt: skip
+# Where a block's float16 scales lie: d (and a second, dmin or m) first but for these.
+SCALE_AT = {10: [80, 82], 11: [108], 14: [208]}
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="packed kernel not built here")
 
 
@@ -42,7 +47,7 @@ def _random_blocks(ggml_type: int, rows: int, cols: int, seed: int) -> torch.Ten
     n = rows * cols // elems
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
-    scale_at = {14: [208]}.get(ggml_type, [0, 2] if ggml_type in (3, 7, 12, 13) else [0])
+    scale_at = SCALE_AT.get(ggml_type, [0, 2] if ggml_type in (3, 7, 12, 13) else [0])
     for off in scale_at:
         d = (torch.rand(n, generator=g) * 0.02).half()
         data[:, off : off + 2] = d.view(torch.uint8).reshape(n, 2)
@@ -57,13 +62,18 @@ def test_repacking_is_exact(name: str) -> None:
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5- and 6-bit ones an
-    # unsigned byte, Q8_0 int8.
+    # unsigned byte, Q8_0 int8; Q2_K and Q3_K their super-blocks, as many bytes as the file's.
     kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
+    kinds |= {"Q2_K": "q2", "Q3_K": "q3"}
     assert w.kind == kinds.get(name, "u8")
-    assert w.codes.numel() == (24 * 256 if w.kind in ("q4", "n4") else 24 * 512)
+    if w.kind in ("q2", "q3"):
+        assert w.nbytes == raw.numel()  # 84 (110) bytes a 256: 2.625 (3.4375) bits a weight
+    else:
+        assert w.codes.numel() == (24 * 256 if w.kind in ("q4", "n4") else 24 * 512)
     # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants and
-    # IQ4_XS (products of the super-block scale and a sub-block's).
-    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+    # IQ4_XS (products of the super-block scale and a sub-block's); Q2_K / Q3_K keep the
+    # file's float16 d (and dmin) and form the products as they compute.
+    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K")
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
@@ -106,6 +116,22 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
 
 
+@pytest.mark.parametrize("kind", ["q2", "q3"])
+def test_k_quant_codes_and_scale_bytes_round_trip(kind: str) -> None:
+    """ "q2" / "q3" codes (0..3 / 0..7) go into their planes in lane order and come back in
+    element order with the sub-block scale bytes, which stay as they were."""
+    g = torch.Generator().manual_seed(len(kind))
+    codes = torch.randint(0, 4 if kind == "q2" else 8, (5, 768), generator=g)
+    sub = torch.randint(0, 256, (5, 3, 16 if kind == "q2" else 12), generator=g).to(torch.uint8)
+    stored = pack_k_quant(codes, sub, kind)
+    assert stored.shape == (5, 3 * K_QUANT_KINDS[kind][0])
+    back, back_sub = unpack_k_quant(stored, kind, 768)
+    assert torch.equal(back, codes.to(torch.int16)) and torch.equal(back_sub, sub)
+    # Plane 0's byte j holds vectors 0..3 (lane j / 4 = chunk j / 4, elements 4u + j mod 4).
+    first = codes[0, [4 * u + 32 * (5 // 4) + 5 % 4 for u in range(4)]]
+    assert stored[0, 5].item() == sum(int(c & 3) << 2 * u for u, c in enumerate(first))
+
+
 @pytest.mark.parametrize("k", [64, 192, 640, 96])
 @pytest.mark.parametrize("kind", ["q8", "q4", "n4"])
 def test_stored_codes_round_trip(k: int, kind: str) -> None:
@@ -125,11 +151,12 @@ def test_stored_codes_round_trip(k: int, kind: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("act_int8", [True, False])
-def test_a_rows_result_does_not_depend_on_its_batch(act_int8: bool) -> None:
-    """Rows computed alone or among 13 (tiles of 8, 4 and 1 rows) are bit-equal: greedy decoding
-    gives one answer whatever else is batched with a request."""
-    w = pack_gguf(_random_blocks(8, 40, 640, seed=5).reshape(-1), 8, (40, 640))
-    x = torch.randn(13, 640)
+@pytest.mark.parametrize(("ggml_type", "k"), [(8, 640), (10, 512), (11, 512)])
+def test_a_rows_result_does_not_depend_on_its_batch(act_int8: bool, ggml_type: int, k: int) -> None:
+    """Rows computed alone or among 13 (tiles of 8, 4 and 1 rows; G = 16: 4, 4, 4, 1) are
+    bit-equal: greedy decoding gives one answer whatever else is batched with a request."""
+    w = pack_gguf(_random_blocks(ggml_type, 40, k, seed=5).reshape(-1), ggml_type, (40, k))
+    x = torch.randn(13, k)
     together = kernels.qgemm(x, w, None, act_int8)
     for i in (0, 8, 12):
         assert torch.equal(kernels.qgemm(x[i : i + 1], w, None, act_int8)[0], together[i])
@@ -429,3 +456,144 @@ def test_a_half_weight_row_does_not_depend_on_its_batch() -> None:
     together = kernels.half_gemm(x, w, None)
     for i in (0, 4, 8):
         assert torch.equal(kernels.half_gemm(x[i : i + 1], w, None), together[i : i + 1])
+
+
+# A tiny Llama GGUF whose projections, embedding and output head are Q2_K and Q3_K (rows of 256
+# and 512: whole super-blocks): random block bytes with d (and dmin) set so that weights are
+# of order 0.05 (the ``gguf`` package cannot quantize to these types). Layer 0's q/k/v and
+# gate/up fuse ("q2", "q3"); layer 1's q/k/v mix formats (each part alone), its gate/up share
+# one, so every op of a decode step has a C kernel (a graph records it).
+K_QUANT_LAYERS = [
+    {"attn_q": 10, "attn_k": 10, "attn_v": 10, "attn_output": 11, "ffn_gate": 11, "ffn_up": 11,
+     "ffn_down": 10},
+    {"attn_q": 11, "attn_k": 10, "attn_v": 8, "attn_output": 10, "ffn_gate": 10, "ffn_up": 10,
+     "ffn_down": 11},
+]  # fmt: skip
+
+
+def _random_k_quant(rng, ggml_type: int, rows: int, cols: int):
+    import numpy as np
+
+    nbytes = BLOCK_CODES[ggml_type][1]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, nbytes), dtype=np.uint8)
+    if ggml_type == 10:  # dmin = 1.5 d centres d · scale · code - dmin · min on 0
+        d = rng.uniform(3e-3, 5e-3, size=len(blocks))
+        blocks[:, 80:84] = np.stack([d, 1.5 * d], 1).astype(np.float16).view(np.uint8)
+    else:
+        blocks[:, 108:110] = (
+            rng.uniform(1e-3, 1.5e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+        )
+    return blocks.reshape(rows, -1)
+
+
+def _write_k_quant_gguf(path) -> None:
+    import gguf
+    import numpy as np
+
+    hidden, inter, heads, kv_heads, head_dim, vocab = 256, 512, 4, 2, 64, 320
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(len(K_QUANT_LAYERS))
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(5e5)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [chr(0x4E00 + i) for i in range(vocab - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (vocab - 259)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    shapes = {
+        "attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+        "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
+    }  # fmt: skip
+    tensors = {"token_embd.weight": (10, (vocab, hidden)), "output.weight": (11, (vocab, hidden))}
+    for layer, types in enumerate(K_QUANT_LAYERS):
+        for part, shape in shapes.items():
+            tensors[f"blk.{layer}.{part}.weight"] = (types[part], shape)
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{layer}.{norm}.weight"] = (0, (hidden,))
+    tensors["output_norm.weight"] = (0, (hidden,))
+    for name, (ggml_type, shape) in tensors.items():
+        if ggml_type == 0:  # F32 norms near 1
+            writer.add_tensor(name, rng.normal(1.0, 0.1, size=shape).astype(np.float32))
+        elif ggml_type == 8:
+            w = rng.normal(0.0, 0.05, size=shape).astype(np.float32)
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            data = _random_k_quant(rng, ggml_type, *shape)
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Log-probs of each prompt token after the first, and 6 greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    rid = engine.add_request(prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+    out = done[rid]
+    logprobs = [entry.sampled.logprob for entry in out.prompt_logprobs[1:]]
+    return torch.tensor(logprobs), out.outputs[0].token_ids
+
+
+@needs_kernel
+def test_q2_k_and_q3_k_models_stay_packed_and_match_their_dequantized_weights(
+    tmp_path, caplog
+) -> None:
+    """A Q2_K / Q3_K GGUF loads with those weights packed ("q2" / "q3", no warning that they
+    are not), and computes what its weights dequantized by the torch unpackers (equal to the
+    ``gguf`` package's) compute: within 1e-4 in log-prob with float activations on the C kernel
+    and on the torch twin, within the int8 activations' error otherwise; decode-step graphs
+    replay those steps exactly."""
+    import logging
+
+    from tokenmill.config import resolve_model
+    from tokenmill.models.loader import load_model, load_model_config
+
+    path = tmp_path / "k-quants.gguf"
+    _write_k_quant_gguf(path)
+    with caplog.at_level(logging.INFO):
+        config = load_model_config(resolve_model(str(path)))
+        model = load_model(config, torch.float32, torch.device("cpu"), 64, PackedQuantMethod())
+    assert "not kept packed" not in caplog.text
+    first, second = model.model.layers
+    assert first.self_attn.qkv_proj.is_fused and first.mlp.gate_up_proj.is_fused
+    assert first.self_attn.qkv_proj.groups[0].state.weight.kind == "q2"
+    assert first.mlp.gate_up_proj.groups[0].state.weight.kind == "q3"
+    assert second.mlp.down_proj.quant_state.weight.kind == "q3"
+
+    rng = random.Random(3)
+    prompt = [1] + [rng.randrange(3, 320) for _ in range(23)]
+    common = dict(model=str(path), max_model_len=64, kv_cache_memory="4MiB")
+    ref, ref_tokens = _prompt_logprobs(LLMEngine.from_args(**common, quantization="none"), prompt)
+    assert ref.std() > 0.5  # random weights spread the log-probs
+    for backend in ("cpu", "torch"):
+        engine = LLMEngine.from_args(
+            **common, packed_activations="float32", kernel_backend=backend, enforce_eager=True
+        )
+        ours, tokens = _prompt_logprobs(engine, prompt)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4)
+        assert tokens == ref_tokens
+    graphed = LLMEngine.from_args(**common)
+    int8, graphed_tokens = _prompt_logprobs(graphed, prompt)
+    assert (int8 - ref).abs().max() < 0.4 and (int8 - ref).abs().mean() < 0.1
+    eager, eager_tokens = _prompt_logprobs(
+        LLMEngine.from_args(**common, enforce_eager=True), prompt
+    )
+    assert torch.equal(eager, int8) and eager_tokens == graphed_tokens
+    assert graphed.executor.worker.runner.decode_graphs.captured_sizes() == [1]

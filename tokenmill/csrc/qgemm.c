@@ -6,8 +6,8 @@
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0, IQ4_NL) and optionally a float32
  * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit
  * 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit 3: 4-bit indices, stored as
- * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); else int8 codes
- * ("q8"); bit 1: float16 scales.
+ * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); bits 4 and 5: GGUF
+ * Q2_K / Q3_K super-blocks ("q2", "q3", below); else int8 codes ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -34,6 +34,14 @@
  * runs, chosen once at load (TOKENMILL_ISA=avx2 forces AVX2): from 8 rows 1.2-1.35x on "q4",
  * 1.15-1.75x on "q8" (Zen 5, one thread; benchmarks/qgemm_isa.py).
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
+ * "q2", "q3" (G = 16, K a multiple of 256: every block is 8 chunks, one 256-element super-block)
+ * keep the file's bytes a weight: a super-block is 2 planes of 32 bytes, code vector 4p + s in
+ * bits 2s..2s+1 of plane p ("q3": a third plane, vector u's third bit in bit u; code + 4, a
+ * zero point as "u8"'s), then the file's sub-block scale bytes (quant/packed.py: K_QUANT_KINDS),
+ * with the row's float16 d (and "q2": dmin) per super-block in `scales`. The codes come out of
+ * the planes in registers (kq_vector: a shift and a mask, "q3" two more), unsigned and small as
+ * "u8"'s, and take its dot products; the sub-block scales (kq_scales) are formed as float32 d ·
+ * scale, as ggml does, and "q2"'s mins, dmin · min, meet the float sums of x over their groups.
  *
  * Two ways to treat the activations, chosen per call:
  *   act_int8 = 1: each 32-element chunk of x is quantized to int8 with its own scale (as
@@ -174,14 +182,74 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
     return code_vector(kind == 1, row, c0, u);
 }
 
-/* Bytes a row of K codes takes for a KIND (kind_vector). */
+/* "q2" / "q3" (KIND 6, 7): bytes of a stored super-block; its sub-block scales start at byte 64
+ * ("q2": 16 bytes, scale | min << 4) or 96 ("q3": Q3_K's 12 bytes of 6-bit scales). */
+#define KQ_BYTES(KIND) ((KIND) == 6 ? 80 : 108)
+
+/* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
+    if (kind >= 6) return K / 256 * KQ_BYTES(kind);
     return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
 }
 
-/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8" or 4 "n4" (the weight's layout). */
+/* Scales a row has: one a group, or ("q2") d and dmin, ("q3") d, a super-block. */
+static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
+    return kind == 6 ? K / 128 : kind == 7 ? K / 256 : K / G;
+}
+
+/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2" or 7 "q3" (the weight's
+ * layout). */
 static inline int layout_kind(int kind) {
-    return kind & 1 ? 1 : kind & 4 ? 2 : kind & 8 ? 4 : 0;
+    return kind & 1 ? 1 : kind & 4 ? 2 : kind & 8 ? 4 : kind & 16 ? 6 : kind & 32 ? 7 : 0;
+}
+
+/* Code vector u (0..7) of a "q2" / "q3" super-block from its planes p0, p1 (and hb: "q3"'s
+ * third bits): codes 0..3, "q3" 0..7. A 16-bit shift moves no bit of one byte into the two
+ * (three) bits kept of the other. */
+TM_TARGET TM_INLINE __m256i kq_vector(const int KIND, __m256i p0, __m256i p1, __m256i hb, int u) {
+    __m256i c = _mm256_srli_epi16(u < 4 ? p0 : p1, 2 * (u & 3));
+    c = _mm256_and_si256(c, _mm256_set1_epi8(3));
+    if (KIND == 7) {
+        __m256i h = u < 2 ? _mm256_slli_epi16(hb, 2 - u) : _mm256_srli_epi16(hb, u - 2);
+        c = _mm256_or_si256(c, _mm256_and_si256(h, _mm256_set1_epi8(4)));
+    }
+    return c;
+}
+
+/* A "q2" / "q3" super-block's (src) sub-block scales by lane, float32 d · scale as ggml forms
+ * them: lane l's chunk holds groups 2l (*a) and 2l + 1 (*b). "q2" also gives its offsets,
+ * dmin · min (*ma, *mb). d (and dmin) are the row's float16 scales s of super-block sb. */
+TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const void *s, int64_t sb,
+                                   __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const uint16_t *h = (const uint16_t *)s;
+    __m128i v;
+    if (KIND == 6) {
+        const __m128i low = _mm_set1_epi8(0x0F);
+        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 64)), split);
+        const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(h[2 * sb + 1]));
+        *ma = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+        *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8))));
+        v = _mm_and_si128(v, low);
+    } else { /* scale j: low 4 bits in byte j mod 8 (j >= 8: its high nibble), top 2 in byte 8 +
+              * j mod 4, bits 2 (j / 4)..: four words of 4 scales, then less 32 */
+        uint32_t w[3], x[4];
+        memcpy(w, src + 96, 12);
+        const uint32_t low = 0x0F0F0F0F, two = 0x03030303;
+        x[0] = (w[0] & low) | ((w[2] & two) << 4);
+        x[1] = (w[1] & low) | (((w[2] >> 2) & two) << 4);
+        x[2] = ((w[0] >> 4) & low) | (((w[2] >> 4) & two) << 4);
+        x[3] = ((w[1] >> 4) & low) | (((w[2] >> 6) & two) << 4);
+        v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)x), _mm_set1_epi8(32));
+        v = _mm_shuffle_epi8(v, split);
+    }
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(h[KIND == 6 ? 2 * sb : sb]));
+    const __m128i hi = _mm_srli_si128(v, 8);
+    const __m256i ia = KIND == 6 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
+    const __m256i ib = KIND == 6 ? _mm256_cvtepu8_epi32(hi) : _mm256_cvtepi8_epi32(hi);
+    *a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ia));
+    *b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ib));
 }
 
 /* Scale i of a row's scales (float16 or float32). */
@@ -300,11 +368,14 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 }
 
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below), 4 "n4", 5 "n4" run unsigned; G16 for 16-element groups (the k-quants:
- * float32 scales; never "q4" or "n4"); F16 for float16 scales. */
+ * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3"; G16 for 16-element groups (the
+ * k-quants: float32 scales, "q2" and "q3" their own; never "q4" or "n4"); F16 for float16 scales
+ * ("q2", "q3": always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
-        if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                             \
+        if ((kind) == 6) EXPAND(6, 1, 1)                                                      \
+        else if ((kind) == 7) EXPAND(7, 1, 1)                                                 \
+        else if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                        \
         else if ((kind) == 1) EXPAND(1, 0, 0)                                                 \
         else if ((kind) == 2 && (G) == 16) EXPAND(2, 1, 0)                                    \
         else if ((kind) == 2 && (f16)) EXPAND(2, 0, 1)                                        \
@@ -360,10 +431,19 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
                                   const uint8_t *row, const void *s, const float *off, float *out) {
     const int64_t nc = K / 32;
     const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
+    const int has_off = off || kind == 6;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0), per = 8 / t;
+        const uint8_t *src = row + c0 / 8 * KQ_BYTES(kind); /* "q2", "q3": the super-block */
         __m256 sc[2], of[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        if (g16) {
+        __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
+        if (kind >= 6) {
+            p0 = _mm256_loadu_si256((const __m256i *)src);
+            p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+            if (kind == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
+            if (kind == 6) kq_scales(6, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
+            else kq_scales(7, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
+        } else if (g16) {
             lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
             if (off) lane_scales16(off, c0, t, &of[0], &of[1]);
         } else {
@@ -372,11 +452,14 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
         }
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
-            widen_codes(kind, z, kind_vector(kind, row, c0, u), wi);
+            const __m256i codes = kind == 6   ? kq_vector(6, p0, p1, hb, u)
+                                  : kind == 7 ? kq_vector(7, p0, p1, hb, u)
+                                              : kind_vector(kind, row, c0, u);
+            widen_codes(kind, z, codes, wi);
             const int h = g16 && u >= t / 2;
             for (int k = 0; k < 4; k++) {
                 __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), lane_pair(sc[h], k));
-                if (off) v = _mm256_sub_ps(v, lane_pair(of[h], k));
+                if (has_off) v = _mm256_sub_ps(v, lane_pair(of[h], k));
                 for (int j = 0; j < 2; j++) { /* lane l = 2k + j */
                     const int l = 2 * k + j;
                     const int64_t e = (c0 + l % t) * 32 + (u * per + l / t) * 4;
@@ -439,14 +522,16 @@ TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
  * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
- * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3).
+ * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4). "q2":
+ * the float sums of x_i over its groups, 16 a block as the lanes' halves, at xg + i · K / 16.
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
  * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
 TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16, const int F16,
                                    const int RA, int gshift, int64_t K, const uint8_t *row,
                                    const void *s, const int8_t *xq, const float *xd8,
-                                   const int32_t *xz, float *out, int64_t ostride) {
+                                   const int32_t *xz, const float *xg, float *out,
+                                   int64_t ostride) {
     const int64_t nc = K / 32;
     const int xpf = RA > 1 && RA * K > 32768; /* prefetch_x */
     __m256 facc[RA_MAX];
@@ -463,7 +548,29 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
             }
         else
             for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
-        if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
+        if (KIND >= 6) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
+            const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND);
+            if (RA == 1) {
+                _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(src + 64 + TM_PREFETCH), _MM_HINT_T0);
+            }
+            prefetch_x(xpf, xq + c0 * RA * 32, 8 * RA * 32);
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)src);
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+            const __m256i hb =
+                KIND == 7 ? _mm256_loadu_si256((const __m256i *)(src + 64)) : _mm256_setzero_si256();
+            for (int u = 0; u < 8; u += 2) {
+                const __m256i w0 = kq_vector(KIND, p0, p1, hb, u);
+                const __m256i w1 = kq_vector(KIND, p0, p1, hb, u + 1);
+                for (int i = 0; i < RA; i++) {
+                    const int8_t *xv = xq + ((c0 + u) * RA + i) * 32;
+                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
+                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
+                    if (u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                    else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
+                }
+            }
+        } else if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
             for (int u = 0; u < t; u += 2) {
                 const uint8_t *src = row + c0 * 32 + u * 32;
                 if (RA == 1) {
@@ -524,13 +631,19 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
             }
         }
         if (G16) {
-            __m256 sa, sb;
-            lane_scales16((const float *)s, c0, t, &sa, &sb);
+            __m256 sa, sb, ma, mb;
+            if (KIND >= 6) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
+            else lane_scales16((const float *)s, c0, t, &sa, &sb);
             for (int i = 0; i < RA; i++) {
                 __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
                 __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sa,
                                            _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
                 facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
+                if (KIND == 6) { /* the mins' share: dmin · min times the group's sum of x */
+                    const float *g = xg + i * (K / 16) + b * 16;
+                    facc[i] = _mm256_fnmadd_ps(ma, _mm256_loadu_ps(g), facc[i]);
+                    facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
+                }
             }
         } else {
             __m256 sw = lane_scales(s, c0, t, F16, gshift);
@@ -561,20 +674,29 @@ static void permute_row_lanes(const float *x, int64_t K, float *out) {
  * caller's. */
 TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16, const int RA,
                                    int gshift, int z, int64_t K, const uint8_t *row, const void *s,
-                                   const float *xp, float *out, int64_t ostride) {
+                                   const float *xp, const float *xg, float *out, int64_t ostride) {
     const int64_t nc = K / 32;
     __m256 acc[RA_MAX];
     for (int i = 0; i < RA; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
-        const int t = block_chunks(nc, c0);
-        __m256 sc[2], sk[2][4];
-        if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
+        const int t = KIND >= 6 ? 8 : block_chunks(nc, c0);
+        const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND); /* "q2", "q3": the super-block */
+        __m256 sc[2], sk[2][4], mn[2];
+        __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
+        if (KIND >= 6) {
+            p0 = _mm256_loadu_si256((const __m256i *)src);
+            p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+            if (KIND == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
+            kq_scales(KIND, src, s, c0 / 8, &sc[0], &sc[1], &mn[0], &mn[1]);
+        } else if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
         else sc[0] = lane_scales(s, c0, t, F16, gshift);
         for (int h = 0; h < (G16 ? 2 : 1); h++)
             for (int k = 0; k < 4; k++) sk[h][k] = lane_pair(sc[h], k);
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
-            widen_codes(KIND, KIND == 2 ? z : 0, kind_vector(KIND, row, c0, u), wi);
+            const __m256i codes =
+                KIND >= 6 ? kq_vector(KIND, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
+            widen_codes(KIND, KIND == 2 || KIND == 7 ? z : 0, codes, wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -583,16 +705,21 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
                     acc[i] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + i * K + (c0 + u) * 32 + 8 * k),
                                              acc[i]);
         }
+        for (int i = 0; KIND == 6 && i < RA; i++) { /* the mins' share, as tile_int8's */
+            const float *g = xg + i * (K / 16) + c0 / 8 * 16;
+            acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
+        }
     }
     for (int i = 0; i < RA; i++) out[i * ostride] = hsum(acc[i]);
 }
 
 TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K,
                                   const uint8_t *w, const void *scales, int64_t n0, int64_t n1,
-                                  int64_t m0, int64_t m1, const float *xp, float *out,
-                                  int64_t ostride) {
+                                  int64_t m0, int64_t m1, const float *xp, const float *xg,
+                                  float *out, int64_t ostride) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G, wrow = row_bytes(kind, K);
+    const int64_t ng = row_scale_count(kind, K, G), wrow = row_bytes(kind, K);
     /* x rows RA_MAX at a time (each weight row widened once for all), then 4, 2, 1 */
 #define TM_ROWS(KIND, G16, F16)                                                               \
     for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
@@ -600,12 +727,14 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *r = w + n * wrow;                                                  \
             const void *sn = row_scales(scales, n, ng, F16);                                  \
-            const float *xm = xp + m * K;                                                     \
+            const float *xm = xp + m * K, *gm = xg ? xg + m * (K / 16) : NULL;                \
             float *o = out + (m - m0) * ostride + (n - n0);                                   \
-            if (ra == 8) row_float(KIND, G16, F16, 8, gshift, z, K, r, sn, xm, o, ostride);   \
-            else if (ra == 4) row_float(KIND, G16, F16, 4, gshift, z, K, r, sn, xm, o, ostride); \
-            else if (ra == 2) row_float(KIND, G16, F16, 2, gshift, z, K, r, sn, xm, o, ostride); \
-            else row_float(KIND, G16, F16, 1, gshift, z, K, r, sn, xm, o, ostride);           \
+            if (ra == 8) row_float(KIND, G16, F16, 8, gshift, z, K, r, sn, xm, gm, o, ostride); \
+            else if (ra == 4)                                                                 \
+                row_float(KIND, G16, F16, 4, gshift, z, K, r, sn, xm, gm, o, ostride);        \
+            else if (ra == 2)                                                                 \
+                row_float(KIND, G16, F16, 2, gshift, z, K, r, sn, xm, gm, o, ostride);        \
+            else row_float(KIND, G16, F16, 1, gshift, z, K, r, sn, xm, gm, o, ostride);       \
         }                                                                                     \
     }
     TM_BY_LAYOUT(TM_ROWS, kind, f16, G);
@@ -617,13 +746,14 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
  * a time over all the rows of the block (its weights stay in L1/L2). A row's result is the
  * same in every tile size. */
 #define TM_TILE(KIND, G16, F16, RA)                                                           \
-    tile_int8(ISA, KIND, G16, F16, RA, gshift, K, row, s, xt, dt, zt, o + n - n0, ostride)
+    tile_int8(ISA, KIND, G16, F16, RA, gshift, K, row, s, xt, dt, zt, gt, o + n - n0, ostride)
 #define TM_TILES(KIND, G16, F16)                                                              \
     for (int64_t m = m0, ra; m < m1; m += ra) {                                               \
         ra = tile_rows(M, m, G16 ? 4 : 8);                                                    \
         const int8_t *xt = xq + m * K;                                                        \
         const float *dt = xd8 + m * nblk * 8;                                                 \
         const int32_t *zt = xz ? xz + m * nblk * (G16 ? 16 : 8) : NULL;                       \
+        const float *gt = xg ? xg + m * (K / 16) : NULL;                                      \
         float *o = out + (m - m0) * ostride;                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *row = w + n * wrow;                                                \
@@ -638,11 +768,11 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
 #define TM_BLOCK_INT8_ARGS                                                                    \
     int kind, int f16, int64_t G, int64_t M, int64_t K, const uint8_t *w, const void *scales, \
         int64_t n0, int64_t n1, int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,   \
-        const int32_t *xz, int64_t nblk, float *out, int64_t ostride
+        const int32_t *xz, const float *xg, int64_t nblk, float *out, int64_t ostride
 
 TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = K / G, wrow = row_bytes(kind, K);
+    const int64_t ng = row_scale_count(kind, K, G), wrow = row_bytes(kind, K);
     TM_BY_LAYOUT(TM_TILES, kind, f16, G);
 }
 #undef TM_TILES
@@ -651,8 +781,8 @@ TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
 /* block_int8 compiled once per ISA, each for its instruction set: BLOCK_INT8[isa]. */
 #define TM_BLOCK_INT8(NAME, TARGET, ISA)                                                      \
     TARGET static void NAME(TM_BLOCK_INT8_ARGS) {                                             \
-        block_int8(ISA, kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, out, \
-                   ostride);                                                                  \
+        block_int8(ISA, kind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, xg, nblk, \
+                   out, ostride);                                                             \
     }
 TM_BLOCK_INT8(block_int8_avx2, TM_TARGET, ISA_AVX2)
 TM_BLOCK_INT8(block_int8_avxvnni, TM_TARGET_AVXVNNI, ISA_AVXVNNI)
@@ -662,6 +792,17 @@ static block_int8_fn *const BLOCK_INT8[] = {block_int8_avx2, block_int8_avxvnni,
                                             block_int8_avx512vnni};
 #undef TM_BLOCK_INT8
 #undef TM_BLOCK_INT8_ARGS
+
+/* "q2": sums of x over each 16-element group, as tile_int8 reads them: block b's lane l (chunk
+ * 8b + l) at out[16b + l] (its first half) and out[16b + 8 + l] (its second). */
+static void group_sums16_lanes(const float *x, int64_t K, float *out) {
+    for (int64_t g = 0; g < K / 16; g++) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < 16; i++) s += x[g * 16 + i];
+        const int64_t chunk = g / 2;
+        out[chunk / 8 * 16 + (g % 2) * 8 + chunk % 8] = s;
+    }
+}
 
 /* Sums of x over each group of G elements (the offsets' share). */
 static void group_sums(const float *x, int64_t K, int64_t G, float *out) {
@@ -701,12 +842,12 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     const int int8_codes = kind == 0 || kind == 4;
     const int unsig = int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
-    const int zx = unsig ? 128 : kind == 2 ? z : 0; /* the zero point the sums remove */
+    const int zx = unsig ? 128 : kind == 2 || kind == 7 ? z : 0; /* the zero point the sums remove */
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;
-    float *xd8 = NULL, *xs = NULL, *xp = NULL;
+    float *xd8 = NULL, *xs = NULL, *xp = NULL, *xg = NULL;
     int32_t *xz = NULL;
     int failed = 0;
     if (act_int8) {
@@ -734,6 +875,11 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
         if (!xs) goto fail;
         for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, G, xs + m * ng);
     }
+    if (kind == 6) { /* "q2"'s mins meet float sums of x, as the offsets do */
+        xg = malloc(sizeof(float) * (size_t)(M * (K / 16)));
+        if (!xg) goto fail;
+        for (int64_t m = 0; m < M; m++) group_sums16_lanes(x + m * K, K, xg + m * (K / 16));
+    }
     /* Work in tiles of up to MCHUNK activation rows by nb weight rows: enough to share among
      * the threads, small enough that each writes whole cache lines of y and few pages at a
      * time (results go through a per-thread buffer: writing y a float at a time, M rows
@@ -757,9 +903,9 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
             const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
             if (act_int8)
                 BLOCK_INT8[qgemm_isa](ikind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz,
-                                      nblk, ybuf, nb);
+                                      xg, nblk, ybuf, nb);
             else
-                block_float(kind, f16, z, G, K, w, scales, n0, n1, m0, m1, xp, ybuf, nb);
+                block_float(kind, f16, z, G, K, w, scales, n0, n1, m0, m1, xp, xg, ybuf, nb);
             for (int64_t m = m0; m < m1; m++) {
                 const float *src = ybuf + (m - m0) * nb;
                 float *dst = y + m * N + n0;
@@ -782,6 +928,7 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
     free(xz);
     free(xp);
     free(xs);
+    free(xg);
     return failed ? -1 : 0;
 fail:
     free(xq);
@@ -789,6 +936,7 @@ fail:
     free(xz);
     free(xp);
     free(xs);
+    free(xg);
     return -1;
 }
 
@@ -799,7 +947,7 @@ TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, cons
                                float *out) {
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
     kind = layout_kind(kind);
-    const int64_t ng = K / G, wrow = row_bytes(kind, K);
+    const int64_t ng = row_scale_count(kind, K, G), wrow = row_bytes(kind, K);
 #pragma omp parallel for schedule(static) if (n1 - n0 > 1)
     for (int64_t n = n0; n < n1; n++)
         dequant_row(kind, f16, z, K, G, w + n * wrow, row_scales(scales, n, ng, f16),

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8}
+_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
@@ -160,11 +160,18 @@ def isa() -> str | None:
 def supports(w: PackedWeight) -> bool:
     """Whether the kernel handles this weight's layout (else the torch reference runs); half
     weights (HALF_KINDS) have their own kernel, ``half_gemm``."""
-    from tokenmill.quant.packed import HALF_KINDS
+    from tokenmill.quant.packed import HALF_KINDS, K_QUANT_KINDS
 
     if w.kind in HALF_KINDS:
         return False
     n, k = w.shape
+    if w.kind in K_QUANT_KINDS:  # whole super-blocks, their float16 d (and dmin)
+        return (
+            k % 256 == 0
+            and w.group == 16
+            and w.scales.dtype == torch.float16
+            and w.codes.device.type == "cpu"
+        )
     chunks = w.group // 32  # the kernel needs G = 16 or 32 · 2^j
     group_ok = w.group == 16 or (w.group % 32 == 0 and chunks & (chunks - 1) == 0)
     # float16 scales come from Q8_0 / Q5_0 / Q4_0 / IQ4_NL only: 32-element groups;
@@ -185,7 +192,8 @@ def supports(w: PackedWeight) -> bool:
 
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
-    bits 8-15), bit 3 for "n4" indices (4-bit, into IQ4's table), bit 1 for float16 scales."""
+    bits 8-15, as "q3"'s), bit 3 for "n4" indices (4-bit, into IQ4's table), bits 4 and 5 for
+    "q2" and "q3" super-blocks, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 

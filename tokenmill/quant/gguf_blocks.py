@@ -1,5 +1,5 @@
-"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
-IQ4_NL, IQ4_XS.
+"""GGUF (ggml) block formats unpacked in torch: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_NL, IQ4_XS.
 
 Every format is, per group of 16 or 32 elements, ``w = scale · code - offset`` with small
 integer codes. ``unpack_codes`` returns exactly that triple for whole blocks (raw bytes as a
@@ -11,7 +11,12 @@ codes elsewhere (quant/packed.py) loses nothing.
 Layouts (bytes): Q4_0 = f16 d | 16 nibble pairs; Q5_0 = f16 d | u32 high bits | 16 pairs;
 Q8_0 = f16 d | 32 int8; Q4_1 and Q5_1 as Q4_0 and Q5_0 with an f16 min m after d, unsigned
 codes, w = d · code + m (so the offset is -m). K-quants are 256-element super-blocks of 8 (Q4_K/Q5_K, 6-bit scales and
-mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks. IQ4_NL is Q4_0's layout whose
+mins packed in 12 bytes) or 16 (Q6_K, int8 scales) sub-blocks. Q2_K (84 bytes) = 16 bytes of
+sub-block scale | min << 4 | 64 bytes of 2-bit codes | f16 d | f16 dmin, w = d · scale · code -
+dmin · min per 16 elements; Q3_K (110 bytes) = 32 bytes of high code bits | 64 bytes of low
+2-bit pairs | 12 bytes of 6-bit scales | f16 d, w = d · (scale - 32) · (code - 4), code 0..7
+(q3_k_scales). In both, 2-bit pair j of byte i of a 32-byte plane is element 32 j + i of
+its 128 (k_quant_planes). IQ4_NL is Q4_0's layout whose
 4-bit indices pick a code from a fixed non-uniform table (IQ4_KVALUES); IQ4_XS puts 8 such
 32-element sub-blocks in a 256-element super-block: f16 d | u16 high scale bits | 4 bytes low
 scale bits | 128 bytes of nibble pairs, sub-block scale d · (ls - 32) with a 6-bit ls.
@@ -104,6 +109,45 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
+def k_quant_planes(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K: [n, 64] bytes of 2-bit codes -> [n, 256] codes 0..3 in element order (bytes
+    0..31 hold elements 0..127, bits 2j..2j+1 of byte i element 32 j + i; bytes 32..63 the rest)."""
+    n = qs.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)
+
+
+def q2_k_scales(sub: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K: [n, 16] bytes -> each sub-block's 4-bit scale and 4-bit min (float32 [n, 16])."""
+    return (sub & 0x0F).float(), (sub >> 4).float()
+
+
+def q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K: [n, 12] bytes -> its 16 sub-block scales, 6-bit less 32 (int16 [n, 16]): the low 4
+    bits of scale s in byte s mod 8 (high nibble from s = 8), its top 2 in byte 8 + s mod 4,
+    bits 2 (s / 4) .. + 1."""
+    low = torch.cat([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=1)  # [n, 16]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device).view(1, 4, 1)
+    high = ((packed[:, 8:12].reshape(-1, 1, 4) >> shifts) & 3).reshape(-1, 16)
+    return (low | (high << 4)).to(torch.int16) - 32
+
+
+def codes_q2_k(blocks: torch.Tensor) -> BlockCodes:
+    sc, mn = q2_k_scales(blocks[:, :16])
+    q = k_quant_planes(blocks[:, 16:80]).to(torch.int16)
+    return BlockCodes(q, _f16(blocks[:, 80:82]) * sc, _f16(blocks[:, 82:84]) * mn, 16)
+
+
+def codes_q3_k(blocks: torch.Tensor) -> BlockCodes:
+    n = blocks.shape[0]
+    high = (
+        blocks[:, :32].reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    ) & 1
+    q = (k_quant_planes(blocks[:, 32:96]) | (high.reshape(n, QK_K) << 2)).to(torch.int16) - 4
+    scales = q3_k_scales(blocks[:, 96:108]).float()
+    return BlockCodes(q, _f16(blocks[:, 108:110]) * scales, None, 16)
+
+
 def codes_q4_k(blocks: torch.Tensor) -> BlockCodes:
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = _k_scales(blocks[:, 4:16])
@@ -159,6 +203,8 @@ BLOCK_CODES: dict[int, tuple[int, int, Callable[[torch.Tensor], BlockCodes]]] = 
     6: (32, 22, codes_q5_0),
     7: (32, 24, codes_q5_1),
     8: (32, 34, codes_q8_0),
+    10: (QK_K, 84, codes_q2_k),
+    11: (QK_K, 110, codes_q3_k),
     12: (QK_K, 144, codes_q4_k),
     13: (QK_K, 176, codes_q5_k),
     14: (QK_K, 210, codes_q6_k),

@@ -11,14 +11,23 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
         kernel multiplies them unsigned, cheaper than signed codes (csrc/qgemm.c);
   "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
-        (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8".
+        (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
+  "q2", "q3": GGUF Q2_K / Q3_K kept as their 256-element super-blocks, as few bytes as the
+        file's (K_QUANT_KINDS): 2-bit codes 0..3 ("q3": and a third bit, code + ``zero`` 4)
+        and the file's own sub-block scale bytes in ``codes``, the float16 d (and "q2": dmin)
+        of each super-block in ``scales`` [N, K/256] ("q2": [N, K/128], d and dmin in turn);
+        ``group`` 16 is the sub-block's, and ``group_scales`` gives its float32 scales
+        (d · scale) and offsets ("q2": dmin · min) as the other kinds hold them.
 Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
 csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chunks of 32 so
 that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" and "n4" then pack each pair
 of 32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
 element order ("q4", "n4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
 Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order
-("n4": the table's codes, not the indices).
+("n4": the table's codes, not the indices). "q2" and "q3" rows, whole super-blocks, always fill
+blocks of 8 chunks, one a super-block: its 8 code vectors' low 2-bit pairs go in two 32-byte
+planes (vectors 0..3, the first halves of the 8 chunks, then 4..7; vector 4p + s in bits 2s of
+plane p), "q3"'s third bits in one more (vector u in bit u), then the sub-block scale bytes.
 The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
 ``reference_matmul`` is its pure-torch twin, the torch kernel backend's path and the oracle of
 the tests.
@@ -31,14 +40,24 @@ from functools import lru_cache
 
 import torch
 
-from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES, BlockCodes, iq4_values
+from tokenmill.quant.gguf_blocks import (
+    BLOCK_CODES,
+    IQ4_KVALUES,
+    QK_K,
+    BlockCodes,
+    iq4_values,
+    q2_k_scales,
+    q3_k_scales,
+)
 
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q4" | "n4" | "f16" | "bf16" (HALF_KINDS)
-    codes: torch.Tensor  # int8 [N, K], uint8 [N, K] ("u8") or uint8 [N, K // 2] ("q4", "n4")
-    scales: torch.Tensor  # float32 or float16 [N, K // G]
+    kind: str  # "q8" | "u8" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS)
+    # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), or uint8 [N, K / 256 ·
+    # super-block bytes] ("q2", "q3": K_QUANT_KINDS)
+    codes: torch.Tensor
+    scales: torch.Tensor  # float32 or float16 [N, K // G] ("q2", "q3": float16 per super-block)
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
@@ -78,15 +97,35 @@ class PackedWeight:
         """Codes of ``rows`` as int16 [n, K] in element order."""
         return unpack_codes(self.codes[rows], self.kind, self.shape[1], self.zero)
 
-    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+    def group_scales(
+        self, rows: slice | torch.Tensor = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 scales [n, K // G] and offsets (or None) of ``rows``, one per group: "q2" and
+        "q3" form theirs from the super-block and sub-block scales, as ggml does."""
+        if self.kind not in K_QUANT_KINDS:
+            offsets = None if self.offsets is None else self.offsets[rows]
+            return self.scales[rows].float(), offsets
+        _, sub = unpack_k_quant(self.codes[rows], self.kind, self.shape[1])
+        n, num_super = sub.shape[:2]
+        d = self.scales[rows].float().reshape(n, num_super, -1)  # [n, super-blocks, 1 or 2]
+        if self.kind == "q3":
+            scales = d[:, :, :1] * q3_k_scales(sub.reshape(-1, 12)).float().reshape(n, -1, 16)
+            return scales.reshape(n, -1), None
+        sc, mn = q2_k_scales(sub.reshape(-1, 16))
+        scales = d[:, :, :1] * sc.reshape(n, -1, 16)
+        offsets = d[:, :, 1:] * mn.reshape(n, -1, 16)
+        return scales.reshape(n, -1), offsets.reshape(n, -1)
+
+    def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Float32 rows of W (all of them by default)."""
         if self.kind in HALF_KINDS:  # the weights themselves, as halves
             return self.codes[rows].view(HALF_KINDS[self.kind]).float()
         q = self.codes_int(rows).float()
         n, k = q.shape
-        w = self.scales[rows].float()[:, :, None] * q.reshape(n, -1, self.group)
-        if self.offsets is not None:
-            w = w - self.offsets[rows][:, :, None]
+        scales, offsets = self.group_scales(rows)
+        w = scales[:, :, None] * q.reshape(n, -1, self.group)
+        if offsets is not None:
+            w = w - offsets[:, :, None]
         return w.reshape(n, k)
 
 
@@ -187,8 +226,10 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
 
 
 def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torch.Tensor:
-    """``pack_codes`` undone: int16 codes [N, K] in element order."""
+    """``pack_codes`` (or ``pack_k_quant``) undone: int16 codes [N, K] in element order."""
     n = stored.shape[0]
+    if kind in K_QUANT_KINDS:
+        return unpack_k_quant(stored, kind, k)[0] - zero
     if kind not in ("q4", "n4"):
         codes = stored.to(torch.int16) - zero
     else:
@@ -210,6 +251,63 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
     if not torch.equal(table[idx], codes):
         raise ValueError('"n4" codes must be values of IQ4_KVALUES')
     return idx
+
+
+# "q2" / "q3" -> (bytes of a stored 256-element super-block, where its sub-block scale bytes
+# start): "q2" 2 planes of 2-bit pairs and Q2_K's 16 scale | min bytes (with d and dmin: the
+# file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110).
+K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96)}
+K_QUANT_TYPES = {10: "q2", 11: "q3"}  # ggml type id (Q2_K, Q3_K) -> kind
+K_QUANT_ZERO = {"q2": 0, "q3": 4}  # stored code = code + zero (Q3_K's codes are -4..3)
+
+
+def pack_k_quant(codes: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Tensor:
+    """Stored codes [N, K] (0..3, "q3" 0..7) in element order and each super-block's sub-block
+    scale bytes [N, K / 256, 16 or 12] -> "q2" / "q3" codes [N, K / 256 · super-block bytes]."""
+    n, k = codes.shape
+    c = codes[:, lane_order(k).to(codes.device)].to(torch.uint8).reshape(n, k // QK_K, 8, 32)
+    low = (c & 3).reshape(n, k // QK_K, 2, 4, 32)
+    planes = low[:, :, :, 0] | low[:, :, :, 1] << 2 | low[:, :, :, 2] << 4 | low[:, :, :, 3] << 6
+    parts = [planes.reshape(n, k // QK_K, 64)]
+    if kind == "q3":
+        high = torch.zeros_like(c[:, :, 0])
+        for u in range(8):
+            high |= ((c[:, :, u] >> 2) & 1) << u
+        parts.append(high)
+    parts.append(sub.to(torch.uint8))
+    return torch.cat(parts, dim=2).reshape(n, -1)
+
+
+def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_k_quant`` undone: stored codes int16 [N, K] in element order and the sub-block
+    scale bytes [N, K / 256, 16 or 12]."""
+    n, num_super = stored.shape[0], k // QK_K
+    sb_bytes, sub_at = K_QUANT_KINDS[kind]
+    blocks = stored.reshape(n, num_super, sb_bytes)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=stored.device)
+    planes = blocks[:, :, :64].reshape(n, num_super, 2, 1, 32)
+    c = ((planes >> shifts.view(1, 1, 1, 4, 1)) & 3).reshape(n, num_super, 8, 32)
+    if kind == "q3":
+        bits = torch.arange(8, dtype=torch.uint8, device=stored.device).view(1, 1, 8, 1)
+        c = c | (((blocks[:, :, 64:96].unsqueeze(2) >> bits) & 1) << 2)
+    codes = c.reshape(n, k).to(torch.int16)[:, _element_order(k, stored.device)]
+    return codes, blocks[:, :, sub_at:]
+
+
+def _from_k_quant_blocks(
+    blocks: torch.Tensor, ggml_type: int, rows: int, cols: int
+) -> PackedWeight:
+    """Q2_K / Q3_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor -> "q2" / "q3"."""
+    kind = K_QUANT_TYPES[ggml_type]
+    zero, num_super = K_QUANT_ZERO[kind], cols // QK_K
+    codes = (BLOCK_CODES[ggml_type][2](blocks).codes + zero).reshape(rows, cols)
+    if kind == "q2":  # the file's bytes: 16 of scales | mins, 64 of codes, f16 d, f16 dmin
+        sub, d = blocks[:, :16], blocks[:, 80:84]
+    else:  # 32 of third bits, 64 of codes, 12 of scales, f16 d
+        sub, d = blocks[:, 96:108], blocks[:, 108:110]
+    stored = pack_k_quant(codes, sub.reshape(rows, num_super, -1), kind)
+    scales = d.contiguous().view(torch.float16).reshape(rows, -1)
+    return PackedWeight(kind, stored, scales, None, 16, (rows, cols), zero)
 
 
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 and Q4_K unsigned 0..15): packed
@@ -270,8 +368,11 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     zero, table = BYTE_ZERO.get(ggml_type), ggml_type in IQ4_TYPES
     out: PackedWeight | None = None
     for start, part in zip(range(0, rows, chunk), blocks.split(chunk)):
-        bc = unpack(part.reshape(-1, nbytes))
-        p = from_block_codes(bc, len(part), cols, four_bit, f16_scales, zero, table)
+        if ggml_type in K_QUANT_TYPES:
+            p = _from_k_quant_blocks(part.reshape(-1, nbytes), ggml_type, len(part), cols)
+        else:
+            bc = unpack(part.reshape(-1, nbytes))
+            p = from_block_codes(bc, len(part), cols, four_bit, f16_scales, zero, table)
         if out is None:  # filled in place: a list of parts and a cat held the tensor twice
             out = PackedWeight(
                 p.kind,
@@ -433,12 +534,11 @@ def reference_matmul(
             continue
         codes = w.codes_int(rows).float()
         n = codes.shape[0]
-        scaled = (w.scales[rows].float()[:, :, None] * codes.reshape(n, -1, w.group)).reshape(
-            n, k // 32, 32
-        )
+        scales, offsets = w.group_scales(rows)
+        scaled = (scales[:, :, None] * codes.reshape(n, -1, w.group)).reshape(n, k // 32, 32)
         y = (torch.einsum("mcj,ncj->mnc", xq, scaled) * xd[:, None, :]).sum(-1)
-        if w.offsets is not None:
-            y = y - sums @ w.offsets[rows].T
+        if offsets is not None:
+            y = y - sums @ offsets.T
         out[:, rows] = y
     if bias is not None:
         out += bias.float()
