@@ -284,6 +284,8 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q4_K": 0.5 + 8 / 32,  # 4-bit codes, float32 scale and offset / 32
     "Q5_K": 1 + 8 / 32,  # byte codes, float32 scale and offset / 32
     "Q6_K": 1 + 4 / 16,  # byte codes, float32 scale / 16
+    "Q2_K": 84 / 256,  # the file's blocks, codes in planes (csrc/qgemm.c's q2 kind)
+    "Q3_K": 110 / 256,  # the same (q3)
     "IQ4_NL": 0.5 + 2 / 32,  # 4-bit table indices, float16 scale / 32
     "IQ4_XS": 0.5 + 4 / 32,  # 4-bit table indices, float32 scale / 32
 }

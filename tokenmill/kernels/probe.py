@@ -47,8 +47,11 @@ _GEMM_OUTPUTS = 2048  # N of the probed weights [N, K]
 # GGUF type name -> ggml id, and where a block's float16 scales sit (Q4_1, Q5_1, Q4_K, Q5_K: d
 # and m / dmin first; Q6_K: d last; the others: d first).
 _GGUF_IDS = {"F16": 1, "BF16": 30, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
-             "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}  # fmt: skip
-_SCALE_OFFSETS = {3: (0, 2), 7: (0, 2), 12: (0, 2), 13: (0, 2), 14: (208,)}
+             "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+             "IQ4_XS": 23}  # fmt: skip
+# Where each block keeps its float16 scales (d, and dmin / m where there is one).
+_SCALE_OFFSETS = {3: (0, 2), 7: (0, 2), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+                  14: (208,)}  # fmt: skip
 _CONTEXT, _SEQS, _BLOCK = 512, 16, 16
 _DECODE_KV_BYTES = 256 << 20
 

@@ -42,7 +42,7 @@ class GGUFFile:
 def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """Unpack one tensor to float32 ``shape``.
 
-    Float types are reinterpreted; Q4_0/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K are unpacked in torch
+    Float types are reinterpreted; Q4_0/Q5_0/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K are unpacked in torch
     (tokenmill.quant.gguf_blocks, several times faster than numpy); any other type goes through
     the ``gguf`` package's numpy reference.
     """
