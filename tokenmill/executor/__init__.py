@@ -10,20 +10,26 @@ from tokenmill.executor.base import Executor
 
 __all__ = ["EXECUTORS", "Executor", "create_executor"]
 
-# name -> "module:class", imported on first use. A Ray executor is one more line.
+# name -> "module:class", imported on first use (so Ray is imported only when picked).
 EXECUTORS = {
     "uniproc": "tokenmill.executor.uniproc:UniProcExecutor",
     "multiproc": "tokenmill.executor.multiproc:MultiProcExecutor",
+    "ray": "tokenmill.executor.ray_executor:RayExecutor",
 }
 
 
 def create_executor(args: EngineArgs, name: str | None = None) -> Executor:
     """The executor ``name`` with its workers loaded from ``args``; None picks one by
-    ``args.tensor_parallel_size``: in-process for 1, a process per rank above."""
+    ``args.distributed_executor`` and ``args.tensor_parallel_size``: "ray" a Ray actor per
+    rank (even for 1: the worker placed on the cluster); "mp" in-process for 1, a process
+    per rank above."""
     import importlib
 
     if name is None:
-        name = "multiproc" if args.tensor_parallel_size > 1 else "uniproc"
+        if args.distributed_executor == "ray":
+            name = "ray"
+        else:
+            name = "multiproc" if args.tensor_parallel_size > 1 else "uniproc"
 
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}; got {name!r}")

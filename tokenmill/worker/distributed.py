@@ -39,9 +39,9 @@ COLLECTIVE_TIMEOUT_S = 30.0
 ADDRESS_ENV, AUTHKEY_ENV = "TOKENMILL_TP_ADDRESS", "TOKENMILL_TP_AUTHKEY"
 
 
-def init_distributed(rank: int, size: int, port: int, device: str) -> None:
+def init_distributed(rank: int, size: int, port: int, device: str, host: str = "127.0.0.1") -> None:
     """Join the default process group of ``size`` ranks as ``rank`` (rank 0 hosts the store
-    on 127.0.0.1:``port``)."""
+    on ``host``:``port``; the Ray executor's ranks meet at rank 0's node address)."""
     if dist.is_initialized():
         raise RuntimeError(
             "a tensor-parallel group is already running in this process; shut its engine "
@@ -49,10 +49,13 @@ def init_distributed(rank: int, size: int, port: int, device: str) -> None:
         )
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        # A Ray actor sees only its own GPU (cuda:0); a process of the multiprocess executor
+        # every GPU (cuda:<rank>).
+        index = torch.device(device).index
+        torch.cuda.set_device(rank if index is None else index)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{host}:{port}",
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),

@@ -1,0 +1,86 @@
+"""One tensor-parallel rank as a Ray actor (the Ray executor's worker side, issue 25).
+
+The executor (executor/ray_executor.py) makes this class a Ray actor, one per rank, each in
+its own bundle of a placement group. Every rank, rank 0 included, runs the same code as a
+process of the multiprocess executor (worker/distributed.py): ``init_distributed`` at rank 0's
+node address, then a ``Worker`` of its shard. The executor calls its methods remotely:
+
+    address()            -> (node IP, free port)   rank 0 only: where the group meets
+    start(args, host, port) -> WorkerInfo          every rank at once (the group's rendezvous)
+    initialize(CacheConfig) -> None
+    execute(SchedulerOutput) -> RunnerOutput       every rank; only rank 0's is used
+
+This module imports no Ray: it is a plain class, so it stays importable (and testable)
+without it; Ray pickles it by reference to its module on each node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
+    from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+    from tokenmill.worker.worker import Worker
+
+
+class RankActor:
+    """Rank ``rank`` of ``size``; ``device`` is "cpu" or "cuda" (Ray shows the actor only its
+    own GPU, so on CUDA every rank is cuda:0 in its process)."""
+
+    def __init__(self, rank: int, size: int, device: str) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.worker: Worker | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: rank 0's store for the group's rendezvous."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, int(s.getsockname()[1])
+
+    def node(self) -> tuple[str, int]:
+        """(node IP, pid), to name this rank in errors."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
+
+    def start(self, args: EngineArgs, host: str, port: int) -> WorkerInfo:
+        """Join the group (blocks until every rank has called this) and load the shard."""
+        from tokenmill.worker.distributed import init_distributed
+        from tokenmill.worker.worker import Worker
+
+        device = "cuda:0" if self.device == "cuda" else "cpu"
+        args = dataclasses.replace(args, device=device)
+        if self.size > 1:
+            init_distributed(self.rank, self.size, port, device, host=host)
+        self.worker = Worker(args, tp_rank=self.rank)
+        return self.worker.info
+
+    def initialize(self, cache_config: CacheConfig) -> None:
+        self._worker.initialize(cache_config)
+
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput | None:
+        out = self._worker.execute(sched_out)
+        return out if self.rank == 0 else None  # the others' outputs are the same; not sent
+
+    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
+        return self._worker.router_stats()
+
+    def stop(self) -> None:
+        """Leave the group and drop the model (the executor kills the actor right after)."""
+        from tokenmill.worker.distributed import destroy_distributed
+
+        self.worker = None
+        destroy_distributed()
+
+    @property
+    def _worker(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError(f"rank {self.rank} has not started or was stopped")
+        return self.worker
