@@ -68,8 +68,9 @@ PACKED_ACTIVATIONS = ("int8", "float32")
 # the request's own tokens, "suffix" = the most frequent continuation in its own tokens and in
 # recent requests' outputs, "draft" = a smaller model (or the target's first layers).
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
-# How tensor-parallel ranks are placed: "mp" processes on this machine, "ray" Ray actors.
-DISTRIBUTED_EXECUTORS = ("mp", "ray")
+# How tensor-parallel ranks are placed: "mp" processes on this machine, "ray" Ray actors,
+# "torchrun" processes torchrun started (tokenmill.worker.torchrun).
+DISTRIBUTED_EXECUTORS = ("mp", "ray", "torchrun")
 
 
 @dataclass(frozen=True, slots=True)
@@ -674,7 +675,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # Where the ranks run: "mp" (a process per rank on this machine; tensor_parallel_size 1
     # stays in the engine's process) or "ray" (a Ray actor per rank, placed by a placement
-    # group: one node or several; tokenmill[ray]). executor/ray_executor.py.
+    # group: one node or several; tokenmill[ray]; executor/ray_executor.py) or "torchrun" (set
+    # by `torchrun -m tokenmill.worker.torchrun`: the ranks are torchrun's processes).
     distributed_executor: str = "mp"
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -112,7 +112,7 @@ def test_killed_actor_raises_within_seconds(tiny_model_dir) -> None:
 
 def test_bad_distributed_executor_names_the_choices() -> None:
     with pytest.raises(
-        ValueError, match=r"distributed_executor must be one of mp, ray; got 'slurm'"
+        ValueError, match=r"distributed_executor must be one of mp, ray, torchrun; got 'slurm'"
     ):
         EngineArgs(distributed_executor="slurm")
 

@@ -15,19 +15,20 @@ EXECUTORS = {
     "uniproc": "tokenmill.executor.uniproc:UniProcExecutor",
     "multiproc": "tokenmill.executor.multiproc:MultiProcExecutor",
     "ray": "tokenmill.executor.ray_executor:RayExecutor",
+    "torchrun": "tokenmill.executor.torchrun:TorchrunExecutor",
 }
 
 
 def create_executor(args: EngineArgs, name: str | None = None) -> Executor:
     """The executor ``name`` with its workers loaded from ``args``; None picks one by
     ``args.distributed_executor`` and ``args.tensor_parallel_size``: "ray" a Ray actor per
-    rank (even for 1: the worker placed on the cluster); "mp" in-process for 1, a process
-    per rank above."""
+    rank (even for 1: the worker placed on the cluster); "torchrun" rank 0 of torchrun's
+    processes; "mp" in-process for 1, a process per rank above."""
     import importlib
 
     if name is None:
-        if args.distributed_executor == "ray":
-            name = "ray"
+        if args.distributed_executor in ("ray", "torchrun"):
+            name = args.distributed_executor
         else:
             name = "multiproc" if args.tensor_parallel_size > 1 else "uniproc"
 

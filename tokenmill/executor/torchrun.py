@@ -1,0 +1,99 @@
+"""The torchrun executor: rank 0's side of an engine whose ranks torchrun started (issue 25).
+
+Under ``torchrun -m tokenmill.worker.torchrun`` rank 0 runs the CLI with
+``distributed_executor="torchrun"``; this executor holds rank 0's Worker in the engine's
+process, as MultiProcExecutor does, but starts no process: it publishes the engine's
+arguments in torchrun's store for ranks 1..N-1 (worker/torchrun.py), joins their group, and
+broadcasts each message over a gloo control group. Rank 0's RunnerOutput is the step's.
+
+There is no per-step answer from the other ranks: a rank that fails exits, which fails rank
+0's next collective (a TensorParallelWorkerError here), and torchrun stops the rest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import socket
+from typing import Any
+
+from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.executor.base import Executor
+from tokenmill.executor.multiproc import TensorParallelWorkerError
+from tokenmill.worker.distributed import destroy_distributed
+from tokenmill.worker.torchrun import LaunchEnv, join, local_args, publish_args, send, store
+from tokenmill.worker.worker import Worker, check_tensor_parallel_args
+
+
+class TorchrunExecutor(Executor):
+    def __init__(self, args: EngineArgs) -> None:
+        env = LaunchEnv.from_environ()
+        if env.rank != 0:
+            raise ValueError(f"the engine runs on torchrun's rank 0; this is rank {env.rank}")
+        if args.tensor_parallel_size != env.world_size:
+            raise ValueError(
+                f"tensor_parallel_size {args.tensor_parallel_size} must be torchrun's world "
+                f"size {env.world_size} (one rank a process)"
+            )
+        if env.world_size > 1:
+            check_tensor_parallel_args(args)
+        self.size = env.world_size
+        self.worker: Worker | None = None
+        self.control: Any = None
+        args = local_args(args, env)
+        port = _free_port()
+        publish_args(store(env), args, port)
+        try:
+            self.control = join(env, args, port)
+            self.worker = Worker(args, tp_rank=0)
+        except BaseException:
+            self.shutdown()
+            raise
+        # NOTE: the CLI's generate leaves its engine to the interpreter's exit: the other ranks
+        # still need their "shutdown" then, or they would exit on a broken connection.
+        atexit.register(self.shutdown)
+
+    @property
+    def info(self) -> WorkerInfo:
+        return self._worker.info
+
+    def initialize(self, cache_config: CacheConfig) -> None:
+        worker = self._worker
+        self._run("initialize", cache_config, worker.initialize)
+
+    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        worker = self._worker
+        return self._run("execute", sched_out, worker.execute)
+
+    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
+        return self._worker.router_stats()
+
+    def shutdown(self) -> None:
+        if self.control is not None:
+            with contextlib.suppress(Exception):
+                send(self.control, "shutdown", None)
+        self.control, self.worker = None, None
+        destroy_distributed()
+
+    @property
+    def _worker(self) -> Worker:
+        if self.worker is None:
+            raise RuntimeError("the executor was shut down")
+        return self.worker
+
+    def _run(self, kind: str, payload: Any, fn: Any) -> Any:
+        try:
+            send(self.control, kind, payload)
+            return fn(payload)
+        except Exception as e:
+            raise TensorParallelWorkerError(
+                f"tensor-parallel {kind} failed on torchrun's rank 0 (a rank that died fails "
+                f"the others' collectives): {e}"
+            ) from e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
