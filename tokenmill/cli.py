@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenmill.config import (
     DEFAULT_MODEL,
+    DISTRIBUTED_EXECUTORS,
     KV_CACHE_DTYPES,
     PACKED_ACTIVATIONS,
     QUANTIZATION_METHODS,
@@ -66,6 +67,8 @@ _ENGINE_FLAG_HELP = {
     "tensor_parallel_size": "split the model over N processes on this machine (tensor "
     "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float or GGUF weights, "
     "run eagerly",
+    "distributed_executor": "where tensor-parallel ranks run: mp (processes on this machine), "
+    "ray (Ray actors, one node or several) or torchrun (set by tokenmill.worker.torchrun)",
 }
 
 
@@ -85,6 +88,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         elif f.name == "kv_cache_memory":
             parser.add_argument(flag, default=default, help=help_text)
+        elif f.name == "distributed_executor":
+            parser.add_argument(
+                flag, choices=DISTRIBUTED_EXECUTORS, default=default, help=help_text
+            )
         elif f.name == "kv_cache_dtype":
             parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=help_text)
         elif f.name == "quantization":
