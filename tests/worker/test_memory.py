@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import DEFAULT_KV_CACHE_FRACTION, CacheConfig, EngineArgs
 from tokenmill.core.sched_output import NewRequestData, SchedulerOutput
+from tokenmill.kernels import cpu_library
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.memory import dummy_prefill, plan
 from tokenmill.worker.worker import Worker
@@ -114,3 +115,38 @@ def test_cpu_worker_logs_its_plan(tiny_model_dir, caplog):
     assert len(plan_lines) == 1
     assert f"{worker.info.num_kv_blocks} blocks" in plan_lines[0]
     assert worker.info.num_kv_blocks == 4 * 2**20 // worker.info.kv_bytes_per_block
+
+
+def test_cpu_plan_names_every_term_and_their_sum():
+    MiB = 2**20
+    p = plan(PER_BLOCK, 300 * MiB, 10 * PER_BLOCK, free_bytes=GiB, runtime_bytes=200 * MiB,
+             buffer_bytes=5 * MiB)  # fmt: skip
+    line = p.describe()
+    for part in ("runtime 200.0 MiB", "weights 300.0 MiB", "step buffers 5.0 MiB",
+                 "KV cache 10.0 MiB = 10 blocks", "515.0 MiB in all"):  # fmt: skip
+        assert part in line, line
+    assert p.total_bytes_planned == 515 * MiB
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="decode graphs need the C kernels")
+@pytest.mark.parametrize(
+    ("max_num_seqs", "max_num_batched_tokens", "rows"), [(4, 64, 4), (64, 8, 8)]
+)
+def test_step_buffers_are_sized_from_seqs_and_batched_tokens(
+    tiny_model_dir, max_num_seqs, max_num_batched_tokens, rows
+):
+    """The logits buffer has max(1, min(max_num_seqs, max_num_batched_tokens)) rows, not a fixed
+    128; the plan counts it once, and eager steps use the decode graphs' buffer."""
+    args = EngineArgs(model=str(tiny_model_dir("llama")), max_model_len=64, quantization="int8",
+                      kv_cache_memory="4MiB", max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+    worker = Worker(args)
+    vocab = worker.info.model_config.vocab_size
+    assert worker.memory_plan.buffer_bytes == rows * vocab * 4
+    worker.initialize(CacheConfig(block_size=16, num_blocks=worker.info.num_kv_blocks))
+    runner = worker.runner
+    assert runner is not None and runner.decode_graphs is not None
+    assert runner.decode_graphs.logits.shape == (rows, vocab)
+    out = runner._logits_out(torch.zeros(rows, 8))
+    assert out is not None and out.data_ptr() == runner.decode_graphs.logits.data_ptr()
+    assert runner._logits_buffer is None  # no second buffer

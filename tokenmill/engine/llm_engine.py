@@ -29,6 +29,7 @@ from tokenmill.config import (
 from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
+from tokenmill.modelfile import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
@@ -55,8 +56,16 @@ class LLMEngine:
         worker = self.executor.info
         model_config = worker.model_config
         assert model_config.source is not None
+        before_tokenizer = resident_bytes()
         self.tokenizer: Tokenizer = load_tokenizer(
             model_config.source.path, model_config.architecture
+        )
+        # The memory plan's line (the worker's) leaves the tokenizer out: it is the engine's.
+        after_tokenizer = resident_bytes()
+        tokenizer_bytes = (
+            after_tokenizer - before_tokenizer
+            if after_tokenizer is not None and before_tokenizer is not None
+            else None
         )
         self.config = _engine_config(args, worker)
         self.executor.initialize(self.config.cache_config)
@@ -74,9 +83,10 @@ class LLMEngine:
         # what it raises fails that request alone, as a bug in its output processing would.
         self.fault_hook: Callable[[str], None] | None = None
         self.info = _engine_info(args, worker, self.config)
+        resident = resident_bytes()
         logger.info(
             "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d = %d tokens "
-            "(%.2f GiB)",
+            "(%.2f GiB); tokenizer %s, resident now %s",
             args.model,
             model_config.architecture,
             worker.dtype,
@@ -88,6 +98,8 @@ class LLMEngine:
             args.block_size,
             self.info.num_kv_tokens,
             self.info.kv_cache_nbytes / 2**30,
+            "?" if tokenizer_bytes is None else human_bytes(max(tokenizer_bytes, 0)),
+            "?" if resident is None else human_bytes(resident),
         )
 
     @classmethod
@@ -335,4 +347,6 @@ def _kv_cache_dtype_name(kv_cache_dtype: str, dtype_name: str) -> str:
     """The KV cache dtype as the startup log names it ("int8 + fp32 scales", "auto: float32")."""
     if kv_cache_dtype == "auto":
         return f"auto: {dtype_name}"
+    if kv_cache_dtype == "float16":  # not quantized: no scales
+        return kv_cache_dtype
     return f"{kv_cache_dtype} + fp32 scales"

@@ -23,6 +23,7 @@ from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import create_kernel_backend, default_kernel_backend
 from tokenmill.layers import Embedding, FusedLinear, Linear
+from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
 from tokenmill.models.registry import get_model_class
@@ -115,6 +116,30 @@ def load_model(
     attention/backends/: "torch", "cpu"); None picks ``default_kernel_backend(device)``.
     """
     assert config.source is not None
+    backend = kernels or default_kernel_backend(device)
+    key = gguf_cache.model_key(
+        config, dtype, device, max_position, quant_method, importance, backend
+    )
+    model = gguf_cache.load(key) if key is not None else None
+    if model is None:
+        model = _build_and_load(config, dtype, device, max_position, quant_method, importance)
+        if key is not None:
+            gguf_cache.save(key, model)
+    model.bind_kernels(create_kernel_backend(backend), create_attention_backend(backend))
+    _release_freed_memory()
+    return model.eval()
+
+
+def _build_and_load(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    quant_method: QuantMethod | None,
+    importance: dict[str, torch.Tensor] | None,
+) -> CausalLM:
+    """The model with its weights loaded and laid out for computing, kernels not yet bound."""
+    assert config.source is not None
     model_cls = get_model_class(config.architecture)
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -147,10 +172,7 @@ def load_model(
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
-    backend = kernels or default_kernel_backend(device)
-    model.bind_kernels(create_kernel_backend(backend), create_attention_backend(backend))
-    _release_freed_memory()
-    return model.eval()
+    return model
 
 
 def _release_freed_memory() -> None:

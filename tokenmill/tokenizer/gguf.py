@@ -21,7 +21,11 @@ a 262k-token vocabulary).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import os
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +35,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from tokenmill.modelfile import read_gguf
+from tokenmill.modelfile import cache_dir, evict_lru, read_gguf, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +295,22 @@ def read_gguf_metadata(
 def load_gguf_tokenizer_spec(path: str | Path) -> GGUFTokenizerSpec:
     """Reads a GGUF file's tokenizer metadata and rebuilds its tokenizer."""
     metadata = read_gguf_metadata(path)
-    return build_gguf_tokenizer_spec(metadata)
+    spec = build_gguf_tokenizer_spec(metadata)
+    del metadata
+    _release_freed_memory()
+    return spec
+
+
+def _release_freed_memory() -> None:
+    """Hand the build's temporaries back to the OS: the metadata's Python lists and the merges
+    (~45 MiB for a 262k vocabulary) stay in glibc's heap otherwise, resident for the process's
+    life."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def build_gguf_tokenizer_spec(metadata: dict[str, Any]) -> GGUFTokenizerSpec:
@@ -377,7 +396,7 @@ def _build_sentencepiece(
     else:
         if scores is None:
             raise ValueError("GGUF SentencePiece tokenizer has neither merges nor scores")
-        merges = _merges_from_scores(tokens, vocab, scores)
+        merges = _cached_merges(tokens, vocab, scores)
     unk_token = tokens[unk_token_id] if unk_token_id is not None else None
     backend = BackendTokenizer(
         BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
@@ -398,6 +417,41 @@ def _build_sentencepiece(
             decoder_steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(decoder_steps)
     return backend
+
+
+# Smaller vocabularies' merges take well under 0.1 s: not worth an entry.
+MIN_CACHED_VOCAB = 32768
+MAX_CACHED_MERGES = 8  # entries kept, the most recently used
+
+
+def _cached_merges(
+    tokens: list[str], vocab: dict[str, int], scores: Sequence[float]
+) -> list[tuple[str, str]]:
+    """``_merges_from_scores``, remembered on disk by a hash of its inputs and of this module's
+    source (so a change to the rule is a new entry): ~0.7 s for Gemma's 262k pieces, ~0.1 s read
+    back. The entry holds each merge's two vocabulary ids as int32; one that does not fit the
+    vocabulary is computed afresh (and rewritten). Vocabularies under MIN_CACHED_VOCAB, or
+    TOKENMILL_NO_CACHE=1, skip the cache."""
+    directory = cache_dir("tokenizers")
+    if directory is None or len(tokens) < MIN_CACHED_VOCAB:
+        return _merges_from_scores(tokens, vocab, scores)
+    digest = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=16)
+    digest.update(array("q", map(len, tokens)).tobytes())  # the boundaries between tokens
+    digest.update("".join(tokens).encode("utf-8", "surrogatepass"))
+    digest.update(array("d", scores).tobytes())
+    path = directory / f"merges-{digest.hexdigest()}.bin"
+    with contextlib.suppress(OSError, ValueError):  # absent, or not whole int32s
+        ids = array("i")
+        ids.frombytes(path.read_bytes())
+        if len(ids) % 2 == 0 and (not ids or 0 <= min(ids) <= max(ids) < len(tokens)):
+            os.utime(path)  # most recently used: the last one evicted
+            return list(zip(map(tokens.__getitem__, ids[0::2]), map(tokens.__getitem__, ids[1::2])))
+    merges = _merges_from_scores(tokens, vocab, scores)
+    ids = array("i", (vocab[part] for merge in merges for part in merge))
+    with contextlib.suppress(OSError):  # a read-only cache costs the computation next time
+        write_atomic(path, lambda tmp: tmp.write_bytes(ids.tobytes()))
+        evict_lru(directory, "merges-*.bin", MAX_CACHED_MERGES)
+    return merges
 
 
 def _merges_from_scores(

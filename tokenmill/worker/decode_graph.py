@@ -21,7 +21,6 @@ is checked once, right after its capture, against the eager step it recorded.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,22 +44,17 @@ def graphs_supported(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_library.available()
 
 
-def warm_up_capture() -> threading.Thread:
-    """Import what capturing needs, in the background (call while the model loads): entering a
-    TorchDispatchMode first imports torch._dynamo, ~2 s that would otherwise stall the first
-    decode step. Join the thread before the first capture."""
-
-    def work() -> None:
-        import torch._dynamo  # noqa: F401
-
-    thread = threading.Thread(target=work, name="tokenmill-capture-warm-up", daemon=True)
-    thread.start()
-    return thread
-
-
 class _ComputeWatch(TorchDispatchMode):
     """Notes every torch op that computes (anything but a view or an allocation), and the
     storages allocated (the step's intermediates)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NOTE: by default torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, whose
+        # first call imports torch._dynamo (and with it sympy and triton): ~1.5 s and ~140 MiB
+        # resident, for a guard against torch.compile inside the mode, which a recorded step
+        # never runs.
+        return False
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,10 +84,8 @@ class DecodeGraphs:
         block_size: int,
         max_blocks_per_seq: int,
         max_batch: int,
-        warm_up: threading.Thread | None = None,
     ) -> None:
         self.model = model
-        self._warm_up = warm_up
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_batch = max_batch
@@ -161,8 +153,6 @@ class DecodeGraphs:
             prefills=[],
         )
         fwd = ForwardBatch(self.kv_caches, attn)
-        if self._warm_up is not None:
-            self._warm_up.join()
         watch = _ComputeWatch()
         with recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)

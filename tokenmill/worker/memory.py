@@ -1,5 +1,11 @@
 """The memory plan: how many KV blocks the worker allocates, and why.
 
+Its log line names every term of the process's memory: on CPU the runtime (what was resident
+before loading: the interpreter, torch and what is imported), the weights, the step buffers
+(``step_buffer_bytes``) and the KV cache; the tokenizer is the engine's (its loaded line). The
+KV cache and the step buffers are anonymous maps whose pages fill as they are written, so
+resident memory starts near runtime + weights + tokenizer and grows towards the sum.
+
 The arithmetic is ``plan`` (pure, tested on CPU); the measurements are thin layers over it:
 
 - ``kv_cache_memory`` set: that many bytes, or that fraction of the memory free after loading
@@ -45,15 +51,31 @@ class MemoryPlan:
     utilization: float | None = None
     in_use_bytes: int | None = None  # in use on the device after loading
     activation_peak_bytes: int | None = None  # the profiling step's peak above what it began at
+    runtime_bytes: int | None = None  # the process's resident memory before loading (CPU)
+    buffer_bytes: int | None = None  # step buffers sized from max_num_seqs (step_buffer_bytes)
+
+    @property
+    def total_bytes_planned(self) -> int:
+        """The terms' sum: on CPU, what the process's resident memory reaches with the KV cache
+        and the step buffers full (their pages fill as they are first written)."""
+        terms = (self.runtime_bytes, self.weight_bytes, self.activation_peak_bytes,
+                 self.buffer_bytes, self.num_kv_blocks * self.kv_bytes_per_block)  # fmt: skip
+        return sum(t for t in terms if t is not None)
 
     def describe(self) -> str:
-        """One log line: weights, activations, the KV cache, and the budget's basis."""
-        parts = [f"weights {human_bytes(self.weight_bytes)}"]
+        """One log line: the runtime, weights, activations, step buffers, the KV cache, their
+        sum, and the budget's basis."""
+        parts = []
+        if self.runtime_bytes is not None:
+            parts.append(f"runtime {human_bytes(self.runtime_bytes)}")
+        parts.append(f"weights {human_bytes(self.weight_bytes)}")
         if self.activation_peak_bytes is not None:
             parts.append(f"activations peak {human_bytes(self.activation_peak_bytes)}")
+        if self.buffer_bytes is not None:
+            parts.append(f"step buffers {human_bytes(self.buffer_bytes)}")
         parts.append(
-            f"KV cache {human_bytes(self.kv_cache_bytes)} = {self.num_kv_blocks} blocks of "
-            f"{human_bytes(self.kv_bytes_per_block)}"
+            f"KV cache {human_bytes(self.num_kv_blocks * self.kv_bytes_per_block)} = "
+            f"{self.num_kv_blocks} blocks of {human_bytes(self.kv_bytes_per_block)}"
         )
         if self.basis == "gpu_memory_utilization":
             assert self.total_bytes is not None and self.in_use_bytes is not None
@@ -66,7 +88,13 @@ class MemoryPlan:
             basis = f"kv_cache_memory {self.fraction:g} of {human_bytes(self.free_bytes)} free"
         else:
             basis = "kv_cache_memory"
-        return f"memory plan: {', '.join(parts)} ({basis})"
+        line = f"memory plan: {', '.join(parts)} ({basis})"
+        if self.runtime_bytes is not None:  # CPU: the sum is the process's, pages fill as used
+            line += (
+                f"; {human_bytes(self.total_bytes_planned)} in all with the KV cache and step "
+                "buffers full"
+            )
+        return line
 
 
 def plan(
@@ -79,12 +107,19 @@ def plan(
     utilization: float = 0.9,
     in_use_bytes: int = 0,
     activation_peak_bytes: int = 0,
+    runtime_bytes: int | None = None,
+    buffer_bytes: int | None = None,
 ) -> MemoryPlan:
     """The plan for a parsed ``kv_cache_memory`` (bytes, a fraction, or None) on a device with
     ``free_bytes`` free now; ``total_bytes`` is given on CUDA only, where an unset
     ``kv_cache_memory`` is sized from ``utilization`` of it. ValueError, with the numbers, when
     fewer than 2 blocks fit."""
-    common = dict(kv_bytes_per_block=kv_bytes_per_block, weight_bytes=weight_bytes)
+    common = dict(
+        kv_bytes_per_block=kv_bytes_per_block,
+        weight_bytes=weight_bytes,
+        runtime_bytes=runtime_bytes,
+        buffer_bytes=buffer_bytes,
+    )
     if isinstance(kv_cache_memory, int):
         budget, hint = kv_cache_memory, "raise kv_cache_memory"
         fields: dict = dict(basis="kv_cache_memory")
@@ -115,6 +150,15 @@ def plan(
             f"{kv_bytes_per_block} bytes; {hint}"
         )
     return MemoryPlan(kv_cache_bytes=budget, num_kv_blocks=int(num_blocks), **common, **fields)
+
+
+def step_buffer_bytes(vocab_size: int, max_rows: int) -> int:
+    """Bytes of the buffers a runner keeps between steps: one float32 [rows, vocab] logits
+    buffer (the decode graphs' where there are graphs, which eager steps share), at most
+    ``max_rows`` rows: max_num_seqs times 1 + drafts, and no more than
+    max_num_batched_tokens (model_runner.max_logits_rows). Sized from those arguments, not a
+    fixed maximum; on CPU its pages fill as rows are used."""
+    return max_rows * vocab_size * 4
 
 
 def dummy_prefill(

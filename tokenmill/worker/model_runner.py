@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
 
 import numpy as np
 import torch
@@ -54,6 +53,17 @@ DECODE_GRAPH_MAX_BATCH = 128
 
 
 KVCaches = list[tuple[torch.Tensor, ...]]
+
+
+def max_logits_rows(max_num_seqs: int, num_draft_tokens: int, max_num_batched_tokens: int) -> int:
+    """The most rows with logits one step can have: each request's next token and its drafts,
+    and never more than the step's tokens."""
+    return max(1, min(max_num_seqs * (1 + num_draft_tokens), max_num_batched_tokens))
+
+
+def decode_graph_rows(max_rows: int) -> int:
+    """Rows of the decode graphs' buffers (worker/decode_graph.py) for a runner of ``max_rows``."""
+    return min(DECODE_GRAPH_MAX_BATCH, max_rows)
 
 
 def kv_bytes_per_block(
@@ -94,8 +104,8 @@ class ModelRunner:
         seed: int = 0,
         decode_graphs: bool = False,
         max_num_seqs: int = DECODE_GRAPH_MAX_BATCH,
+        max_num_batched_tokens: int | None = None,
         cuda_graphs: bool = False,
-        capture_warm_up: threading.Thread | None = None,
         proposer: Proposer | None = None,
         speculative_max_batch: int = 2,
     ) -> None:
@@ -123,7 +133,10 @@ class ModelRunner:
         self.cuda_graphs: CudaDecodeGraphs | None = None
         max_blocks_per_seq = -(-max_model_len // cache.block_size)
         # A graph row per query: each decode's next token and its drafts.
-        max_rows = max_num_seqs * (1 + (proposer.num_tokens if proposer is not None else 0))
+        num_drafts = proposer.num_tokens if proposer is not None else 0
+        max_rows = max_logits_rows(
+            max_num_seqs, num_drafts, max_num_batched_tokens or max_num_seqs * (1 + num_drafts)
+        )
         if cuda_graphs:
             self.cuda_graphs = CudaDecodeGraphs(
                 model,
@@ -136,14 +149,12 @@ class ModelRunner:
             if device.type == "cuda":
                 self.cuda_graphs.capture()
         elif decode_graphs:
-            max_batch = min(DECODE_GRAPH_MAX_BATCH, max_rows)
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
                 cache.block_size,
                 max_blocks_per_seq,
-                max_batch,
-                capture_warm_up,
+                decode_graph_rows(max_rows),
             )
 
     @torch.inference_mode()
@@ -391,6 +402,11 @@ class ModelRunner:
         next step: the sampler consumes the logits within this one."""
         if rows.dtype != torch.float32:
             return None
+        graphs = self.decode_graphs
+        if graphs is not None and rows.shape[0] <= graphs.max_batch and rows.device.type == "cpu":
+            # The decode graphs' own buffer: one step runs at a time, so eager steps may use it
+            # too (a second [rows, vocab] buffer would double the step buffers).
+            return graphs.logits[: rows.shape[0]]
         vocab = self.model.config.vocab_size
         buf = self._logits_buffer
         if buf is None or buf.shape[0] < rows.shape[0] or buf.device != rows.device:

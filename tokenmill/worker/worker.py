@@ -31,6 +31,7 @@ from tokenmill.modelfile import (
     available_memory,
     human_bytes,
     read_gguf,
+    resident_bytes,
     resident_weight_bytes,
     summarize,
 )
@@ -41,10 +42,20 @@ from tokenmill.spec import Proposer, create_proposer
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.cuda_graph import cuda_graphs_supported
-from tokenmill.worker.decode_graph import graphs_supported, warm_up_capture
+from tokenmill.worker.decode_graph import graphs_supported
 from tokenmill.worker.draft_proposer import DraftModelProposer
-from tokenmill.worker.memory import MemoryPlan, dummy_prefill, measure_cuda, plan
-from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
+from tokenmill.worker.memory import (
+    MemoryPlan,
+    dummy_prefill,
+    measure_cuda,
+    plan,
+    step_buffer_bytes,
+)
+from tokenmill.worker.model_runner import (
+    ModelRunner,
+    kv_bytes_per_block,
+    max_logits_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +68,14 @@ class Worker:
 
     def __init__(self, args: EngineArgs, num_layers: int | None = None, tp_rank: int = 0) -> None:
         self.args = args
+        # The process's resident memory before anything is loaded: the memory plan's runtime.
+        self._runtime_bytes = resident_bytes()
         self.device = pick_device(args.device)
-        # Decode-step graphs (CPU) need an import that takes ~2 s: done while the model loads.
         # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
         # all-reduces between them (nor, on CUDA, are NCCL calls captured yet).
         graphed = not args.enforce_eager and args.tensor_parallel_size == 1
         self._cuda_graphs = graphed and cuda_graphs_supported(self.device)
         self._decode_graphs = graphed and not self._cuda_graphs and graphs_supported(self.device)
-        self._capture_warm_up = warm_up_capture() if self._decode_graphs else None
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         dtype_name = pick_dtype(args.dtype, self.device)
@@ -127,8 +138,8 @@ class Worker:
             seed=self.args.seed,
             decode_graphs=self._decode_graphs,
             max_num_seqs=self.args.max_num_seqs,
+            max_num_batched_tokens=self.args.max_num_batched_tokens,
             cuda_graphs=self._cuda_graphs,
-            capture_warm_up=self._capture_warm_up,
             proposer=self._proposer(cache),
             speculative_max_batch=self.args.speculative_max_batch,
         )
@@ -188,10 +199,21 @@ class Worker:
         leaves after the weights and a profiling step's activations."""
         args = self.args
         budget = parse_memory(args.kv_cache_memory)
-        weights = self.model.weight_nbytes()
+        # The weights and the model's buffers (RoPE tables): what the model holds.
+        weights = self.model.weight_nbytes() + sum(b.nbytes for b in self.model.buffers())
         if self.device.type != "cuda":
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            return plan(per_block, weights, budget, free_bytes=free)
+            num_drafts = args.num_speculative_tokens if args.speculative_method else 0
+            rows = max_logits_rows(args.max_num_seqs, num_drafts, args.max_num_batched_tokens)
+            buffers = step_buffer_bytes(self.model.config.vocab_size, rows)
+            return plan(
+                per_block,
+                weights,
+                budget,
+                free_bytes=free,
+                runtime_bytes=self._runtime_bytes,
+                buffer_bytes=buffers,
+            )
         profile = None
         if budget is None:  # the profiling step, at the largest batch a step may run
             cache = CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)

@@ -1,0 +1,173 @@
+"""The startup caches: the packed-model cache (models/gguf_cache.py) and the helpers under it
+(modelfile.py: file identity, atomic writes, remembered checksums).
+
+A cached load must compute exactly what a fresh one does (compared on the logits of a prefill
+through both, exactly), and every entry must be dropped when what it depends on changes: the
+file's bytes or mtime, the format version, the load's arguments; a damaged entry is deleted
+and the model loaded from the file; TOKENMILL_NO_CACHE=1 writes and reads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf_loading import write_tiny_gguf
+
+from tokenmill.config import CacheConfig, resolve_model
+from tokenmill.modelfile import (
+    file_identity,
+    record_sha256,
+    verified_sha256,
+    write_atomic,
+)
+from tokenmill.models import gguf_cache, loader
+from tokenmill.models.loader import load_model, load_model_config
+from tokenmill.quant import PackedQuantMethod
+from tokenmill.worker.memory import dummy_prefill
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A cache directory of this test's own, which takes the tiny files."""
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOKENMILL_NO_CACHE", raising=False)
+    monkeypatch.setattr(gguf_cache, "MIN_FILE_BYTES", 0)
+    return tmp_path / "cache" / "packed"
+
+
+@pytest.fixture
+def gguf_path(tmp_path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.gguf", "gemma3").path
+
+
+def _load(path: Path, max_position: int = 64):
+    config = load_model_config(resolve_model(str(path)))
+    return load_model(config, torch.float32, CPU, max_position, PackedQuantMethod(), None, "cpu")
+
+
+def _logits(model) -> torch.Tensor:
+    run = dummy_prefill(model, CacheConfig(16), torch.float32, CPU, 20, 64, 20)
+    return run()
+
+
+class _Loads:
+    """Counts the loads from the file (not from the cache)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = loader._build_and_load
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(loader, "_build_and_load", counted)
+
+
+def test_second_load_comes_from_the_cache_and_computes_the_same(cache, gguf_path, monkeypatch):
+    loads = _Loads(monkeypatch)
+    fresh = _load(gguf_path)
+    assert loads.count == 1 and len(list(cache.glob("*.pt"))) == 1
+    assert not list(cache.glob(".*.tmp"))  # written atomically: no temporary left
+    cached = _load(gguf_path)
+    assert loads.count == 1  # no repacking
+    assert torch.equal(_logits(fresh), _logits(cached))
+    # Kernels are bound after loading: the cached model's are the ones asked for.
+    assert type(cached.kernels) is type(fresh.kernels)
+
+
+def test_a_changed_file_is_loaded_afresh(cache, gguf_path, monkeypatch):
+    loads = _Loads(monkeypatch)
+    _load(gguf_path)
+    before = file_identity(gguf_path)
+    # Same size and mtime, other bytes in the tensor data (the file's last MiB here).
+    stat = gguf_path.stat()
+    data = bytearray(gguf_path.read_bytes())
+    data[-100] ^= 0xFF
+    gguf_path.write_bytes(bytes(data))
+    os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file_identity(gguf_path) != before
+    _load(gguf_path)
+    assert loads.count == 2
+    # Only the mtime changed: a new identity too.
+    os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    _load(gguf_path)
+    assert loads.count == 3
+
+
+def test_format_version_and_arguments_are_in_the_key(cache, gguf_path, monkeypatch):
+    loads = _Loads(monkeypatch)
+    _load(gguf_path)
+    _load(gguf_path, max_position=32)  # another RoPE table: another entry
+    assert loads.count == 2
+    monkeypatch.setattr(gguf_cache, "FORMAT_VERSION", gguf_cache.FORMAT_VERSION + 1)
+    gguf_cache.code_version.cache_clear()
+    try:
+        _load(gguf_path)
+    finally:
+        gguf_cache.code_version.cache_clear()
+    assert loads.count == 3
+
+
+def test_damaged_entry_is_dropped_and_rebuilt(cache, gguf_path, monkeypatch):
+    loads = _Loads(monkeypatch)
+    _load(gguf_path)
+    (entry,) = cache.glob("*.pt")
+    entry.write_bytes(b"not a torch file")
+    model = _load(gguf_path)
+    assert loads.count == 2 and model is not None
+    assert entry.stat().st_size > 1000  # rewritten whole
+
+
+def test_no_cache_writes_and_reads_nothing(cache, gguf_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_NO_CACHE", "1")
+    loads = _Loads(monkeypatch)
+    _load(gguf_path)
+    _load(gguf_path)
+    assert loads.count == 2 and not cache.exists()
+
+
+def test_small_files_are_not_cached(cache, gguf_path, monkeypatch):
+    monkeypatch.setattr(gguf_cache, "MIN_FILE_BYTES", gguf_path.stat().st_size + 1)
+    _load(gguf_path)
+    assert not cache.exists()
+
+
+def test_only_the_most_recent_entries_are_kept(cache, gguf_path, monkeypatch):
+    monkeypatch.setattr(gguf_cache, "MAX_ENTRIES", 2)
+    for max_position in (16, 32, 48):
+        _load(gguf_path, max_position)
+    assert len(list(cache.glob("*.pt"))) == 2
+
+
+def test_write_atomic_leaves_the_old_file_on_failure(tmp_path):
+    target = tmp_path / "f.bin"
+    target.write_bytes(b"old")
+
+    def fail(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_atomic(target, fail)
+    assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_remembered_checksum_is_forgotten_when_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOKENMILL_NO_CACHE", raising=False)
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"x" * 100)
+    assert not verified_sha256(f, "abc")
+    record_sha256(f, "abc")
+    assert verified_sha256(f, "abc") and not verified_sha256(f, "abd")
+    f.write_bytes(b"y" * 100)
+    assert not verified_sha256(f, "abc")
+    monkeypatch.setenv("TOKENMILL_NO_CACHE", "1")
+    record_sha256(f, "abc")
+    assert not verified_sha256(f, "abc")
