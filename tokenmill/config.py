@@ -62,7 +62,7 @@ SLIDING_ATTENTION = "sliding_attention"
 # "auto": the model dtype; "int8" / "fp8": quantized, one float32 scale per token per KV head.
 KV_CACHE_DTYPES = ("auto", "float16", "int8", "fp8")
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
-QUANTIZATION_METHODS = ("gguf", "none", "int8", "int4")
+QUANTIZATION_METHODS = ("gguf", "half", "none", "int8", "int4")
 PACKED_ACTIVATIONS = ("int8", "float32")
 # How draft tokens are proposed (spec/, worker/draft_proposer.py): "ngram" = prompt lookup in
 # the request's own tokens, "suffix" = the most frequent continuation in its own tokens and in
@@ -641,7 +641,8 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     # Weights in memory: None = as stored (a GGUF's quantized tensors stay packed, float
-    # checkpoints stay float); "gguf" says so explicitly; "none" dequantizes everything to dtype;
+    # checkpoints stay float, a bf16 / fp16 one on a CPU as its halves: "half"); "gguf" says so
+    # explicitly; "none" dequantizes everything to dtype;
     # "int8" (per-channel) / "int4" (group-wise) quantize float weights at load.
     quantization: str | None = None
     # Activations of packed-weight matmuls at small batch: int8 per 32 elements (fast) or float32.

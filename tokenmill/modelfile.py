@@ -404,8 +404,11 @@ def _summarize_hf(path: Path) -> ModelSummary:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
     text = cfg.get("text_config") or cfg
     by_type: dict[str, int] = {}
-    for _, n, _, dtype in safetensors_tensors(path):
+    matrix_types: dict[str, int] = {}
+    for _, n, shape, dtype in safetensors_tensors(path):
         by_type[dtype] = by_type.get(dtype, 0) + n
+        if len(shape) == 2:
+            matrix_types[dtype] = matrix_types.get(dtype, 0) + n
     heads = int(text.get("num_attention_heads", 1) or 1)
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // heads)
@@ -426,7 +429,7 @@ def _summarize_hf(path: Path) -> ModelSummary:
         file_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
         file_type=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
         parameters_by_type=by_type,
-        weight_bytes_estimate=int(params * FLOAT32_BYTES),  # float weights: float32 on CPU
+        weight_bytes_estimate=_hf_resident_bytes(params, matrix_types),
         kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
         chat_template=template,
         tokenizer="tokenizer.json" if (path / "tokenizer.json").exists() else "?",
@@ -434,6 +437,15 @@ def _summarize_hf(path: Path) -> ModelSummary:
         experts_used=int(text.get("num_experts_per_tok") or 0),
         metadata={k: v for k, v in text.items() if not isinstance(v, (dict, list))},
     )
+
+
+def _hf_resident_bytes(params: int, matrix_types: dict[str, int]) -> int:
+    """Float weights on a CPU: float32, but matrices all stored in one 16-bit float dtype stay
+    its halves (quant/half.py)."""
+    if len(matrix_types) == 1 and next(iter(matrix_types)) in ("BF16", "F16"):
+        halves = next(iter(matrix_types.values()))
+        return int(halves * 2 + (params - halves) * FLOAT32_BYTES)
+    return int(params * FLOAT32_BYTES)
 
 
 def safetensors_tensors(model_dir: Path) -> list[tuple[str, int, tuple[int, ...], str]]:

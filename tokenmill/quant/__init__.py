@@ -6,12 +6,14 @@ from __future__ import annotations
 from tokenmill.config import PACKED_ACTIVATIONS, QUANTIZATION_METHODS
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.half import HalfQuantMethod
 from tokenmill.quant.int4 import Int4QuantMethod
 from tokenmill.quant.int8 import Int8QuantMethod
 
 __all__ = [
     "PACKED_ACTIVATIONS",
     "QUANTIZATION_METHODS",
+    "HalfQuantMethod",
     "Int4QuantMethod",
     "Int8QuantMethod",
     "PackedQuantMethod",
@@ -21,11 +23,14 @@ __all__ = [
 
 
 def create_quant_method(
-    name: str, packed_activations: str = "int8", int4_group_size: int = 32
+    name: str, packed_activations: str = "int8", int4_group_size: int = 32, half_kind: str = "bf16"
 ) -> QuantMethod:
+    """``half_kind``: the halves of ``half`` ("bf16", or "f16" for a checkpoint stored so)."""
     act_int8 = packed_activations == "int8"
     if name == "gguf":
         return PackedQuantMethod(act_int8)
+    if name == "half":
+        return HalfQuantMethod(half_kind)
     if name == "int8":
         return Int8QuantMethod(act_int8)
     if name == "int4":

@@ -38,6 +38,7 @@ from tokenmill.modelfile import (
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
+from tokenmill.quant.half import stored_half_kind
 from tokenmill.spec import Proposer, create_proposer
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
@@ -181,7 +182,10 @@ class Worker:
         quant_method = None
         if quantization:
             quant_method = create_quant_method(
-                quantization, args.packed_activations, args.int4_group_size
+                quantization,
+                args.packed_activations,
+                args.int4_group_size,
+                stored_half_kind(config) or "bf16",
             )
         importance = None
         if args.int4_calibration:
@@ -252,7 +256,8 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig, quantization: s
     """ValueError unless the model and these arguments split into tensor-parallel ranks."""
     size = args.tensor_parallel_size
     config.check_tensor_parallel(size)
-    if quantization not in (None, "gguf"):  # a GGUF's packed blocks split; int8/int4 not yet
+    # A GGUF's packed blocks split, and halves pack each rank's float shard; int8/int4 not yet.
+    if quantization not in (None, "gguf", "half"):
         raise ValueError(
             f"tensor_parallel_size {size} with quantization {quantization!r}: quantized "
             "weights are not split across ranks yet; use float or GGUF weights"
@@ -369,10 +374,21 @@ def pick_quantization(
     assert config.source is not None
     source_format = config.source.format
     if requested is None:
-        # A GGUF's quantized tensors stay packed on CPUs (the packed kernel is a CPU kernel).
-        requested = "gguf" if source_format == "gguf" and device.type == "cpu" else "none"
+        # Weights stay as stored on CPUs (the packed kernel is a CPU kernel): a GGUF's quantized
+        # tensors packed, a bf16 / fp16 checkpoint's as its halves.
+        requested = "none"
+        if device.type == "cpu" and source_format == "gguf":
+            requested = "gguf"
+        elif device.type == "cpu" and stored_half_kind(config) is not None:
+            requested = "half"
     if requested == "gguf" and source_format != "gguf":
         raise ValueError("quantization 'gguf' needs a .gguf model; use int8, int4 or none")
+    if requested == "half" and (source_format != "hf" or device.type != "cpu"):
+        raise ValueError(
+            "quantization 'half' keeps a float Hugging Face checkpoint's weights as 16-bit halves "
+            "for the CPU kernels (a GGUF's F16 tensors stay halves unset; on CUDA weights are "
+            "bfloat16 already); use none"
+        )
     return None if requested == "none" else requested
 
 
