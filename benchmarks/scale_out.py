@@ -7,7 +7,7 @@ a warm-up of the same shape):
 
     1 replica     tokenmill serve --num-threads T
     TP=2          tokenmill serve --tensor-parallel-size 2 --num-threads T/2 (each rank)
-    DP=2          tokenmill serve --data-parallel-size 2 (the T threads split between them)
+    DP=2          tokenmill serve --data-parallel-size 2 (this machine's threads split between them)
 
     python benchmarks/scale_out.py [--model gemma-3-270m] [--num-prompts 32]
         [--input-len 128] [--output-len 64] [--threads 2]
@@ -70,7 +70,9 @@ def main() -> None:
     configs = {
         "1 replica": ["--num-threads", str(args.threads)],
         "TP=2": ["--tensor-parallel-size", "2", "--num-threads", str(half)],
-        "DP=2 (router)": ["--data-parallel-size", "2", "--num-threads", str(args.threads)],
+        # Unset, the launcher splits this machine's threads between the replicas (given, each
+        # replica would take them all: 2 x T threads on T cores).
+        "DP=2 (router)": ["--data-parallel-size", "2"],
     }
     print(
         f"workload: {args.num_prompts} prompts x {args.input_len} tokens, {args.output_len} "
