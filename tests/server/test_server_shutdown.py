@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,6 +26,19 @@ def _stream_body(max_tokens: int) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log_path, timeout: float) -> None:
+    """Until the server's /health is 200; fails with its log if it exits or takes too long
+    (connection errors mean it is not listening yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.1)
 
 
 def test_shutdown_drains_in_flight_requests(tiny_model_dir) -> None:
@@ -74,16 +88,7 @@ def test_sigterm_aborts_what_is_left_and_exits_0(tiny_model_dir, tmp_path) -> No
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+        _wait_ready(proc, url, tmp_path / "server.log", 60)
         events: list[str] = []
         with httpx.stream("POST", f"{url}/v1/completions", json=_stream_body(240), timeout=60) as r:
             for line in r.iter_lines():
@@ -124,16 +129,7 @@ def test_a_lost_tensor_parallel_rank_fails_the_stream_and_exits_1(tiny_model_dir
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.1)
+        _wait_ready(proc, url, log_path, 120)
         ranks = [
             p for p in psutil.Process(proc.pid).children(recursive=True)
             if "tokenmill.worker.distributed" in " ".join(p.cmdline())

@@ -238,8 +238,8 @@ class RayExecutor(Executor):
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     return self._rank_error(rank_of[ref], f"its actor died ({_first_line(e)})")
-                except Exception:
-                    pass
+                except Exception:  # another rank failing after it: the first error stands
+                    continue
         return self._rank_error(rank, f"it failed:\n{error}")
 
     def _rank_error(self, rank: int, what: str) -> TensorParallelWorkerError:
