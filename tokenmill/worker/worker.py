@@ -45,6 +45,7 @@ from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.cuda_graph import cuda_graphs_supported
 from tokenmill.worker.decode_graph import graphs_supported
 from tokenmill.worker.draft_proposer import DraftModelProposer
+from tokenmill.worker.malloc import keep_freed_buffers
 from tokenmill.worker.memory import (
     MemoryPlan,
     dummy_prefill,
@@ -79,6 +80,8 @@ class Worker:
         self._decode_graphs = graphed and not self._cuda_graphs and graphs_supported(self.device)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_buffers()  # a long prefill's buffers, reused rather than re-faulted
         dtype_name = pick_dtype(args.dtype, self.device)
         self.dtype = _DTYPES[dtype_name]
         model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
