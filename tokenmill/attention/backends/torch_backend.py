@@ -151,11 +151,12 @@ class TorchAttentionBackend(AttentionBackend):
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         if window is None or window >= seq.seq_len:
             return _attend(q, keys, values, seq.num_computed, 0, scale, window)
-        # A sliding window: queries in blocks of half a window, each against the keys its
-        # window reaches (at most 1.5 windows), not the whole context: for 1,024 tokens and a
-        # window of 512, 56% of the scores.
+        # A sliding window: queries in blocks of an eighth of a window, each against the keys
+        # its window reaches (at most 1.125 windows), not the whole context. On AMD EPYC (Zen 5,
+        # 2 threads) an 8,192-token prompt's window-512 layer took 0.156 s in blocks of 64,
+        # 0.173 s in blocks of 256 and 0.232 s in blocks of 512.
         out = torch.empty_like(q)
-        step = max(1, window // 2)
+        step = max(1, window // 8)
         for a in range(0, q.shape[0], step):
             b = min(a + step, q.shape[0])
             k0 = max(0, seq.num_computed + a - window + 1)
@@ -204,26 +205,88 @@ def _attend(
 ) -> torch.Tensor:
     """Causal (and windowed) attention of a run of queries to a run of keys that ends at the
     last query's position."""
+    in_window = window is None or window >= keys.shape[0]
+    if q.device.type == "cpu" and q0 > k0 and in_window:
+        return _attend_in_parts(q, keys, values, scale)
+    return _attend_masked(q, keys, values, q0, k0, scale, window)
+
+
+def _attend_masked(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q0: int,
+    k0: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """``_attend`` in one SDPA call under a position mask (the plain form; the oracle of
+    ``_attend_in_parts``)."""
     nq, nk = q.shape[0], keys.shape[0]
     square = q0 == k0 and nq == nk  # SDPA's is_causal aligns the first query with the first key
     needs_mask = not square or (window is not None and window < nk)
     mask = None
     if needs_mask:
-        q_pos = torch.arange(q0, q0 + nq, device=q.device)[:, None]
-        k_pos = torch.arange(k0, k0 + nk, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
+        mask = _position_mask(q0, nq, k0, nk, window, q.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, queries, head_dim]
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
+        _heads_first(q),
+        _heads_first(keys),
+        _heads_first(values),
         attn_mask=mask,
         is_causal=not needs_mask,
         scale=scale,
         enable_gqa=True,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _attend_in_parts(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Full causal attention of queries on top of earlier keys as two attentions merged by
+    their log-sum-exps (flash-decoding's merge): over the earlier keys, which every query sees
+    (no mask), and over the queries' own keys (SDPA's ``is_causal`` square).
+
+    One masked call over all the keys costs more: on AMD EPYC (Zen 5, 2 threads) a 2,048-token
+    chunk on 6,144 cached tokens took 0.45 s masked, 0.39 s in parts. (A window's band would
+    need a mask of its own: measured there, three parts lost to one masked call.) CPU only: the
+    parts come from torch's CPU flash-attention op, which returns the log-sum-exps.
+    """
+    own = keys.shape[0] - q.shape[0]
+    before, lse_before = _flash_part(q, keys[:own], values[:own], scale, causal=False)
+    mine, lse_mine = _flash_part(q, keys[own:], values[own:], scale, causal=True)
+    # softmax over both key sets: each output weighted by its share of the total exp-sum.
+    share_before = torch.sigmoid(lse_before - lse_mine).unsqueeze(-1)
+    out = mine.add_(share_before * (before - mine))
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _flash_part(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [1, heads, queries, head_dim], log-sum-exp [1, heads, queries]) of q over these
+    keys alone. The op broadcasts KV heads over query heads (GQA) itself."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads_first(q), _heads_first(keys), _heads_first(values), 0.0, causal, scale=scale
+    )
+
+
+def _position_mask(
+    q0: int, nq: int, k0: int, nk: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[queries, keys] True where a query at q0 + i may see the key at k0 + j: not after it,
+    and within its window."""
+    q_pos = torch.arange(q0, q0 + nq, device=device)[:, None]
+    k_pos = torch.arange(k0, k0 + nk, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, head_dim] -> [1, heads, tokens, head_dim], SDPA's layout (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
 def _gather_blocks(
