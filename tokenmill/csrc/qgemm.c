@@ -823,13 +823,36 @@ TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng
     return s;
 }
 
+static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x, int kind,
+                      const uint8_t *w, const void *scales, const float *offsets, int64_t G,
+                      const float *bias, float *y, int act_int8);
+
 /*
  * y[M, N] = x[M, K] · Wᵀ - offsets' share + bias. K must be a multiple of 64 and of G.
  * Returns 0, or -1 when a scratch buffer could not be allocated.
+ *
+ * A long prefill's rows go MSLICE at a time: its scratch (int8 codes, their scales, sums)
+ * then stays in L2 rather than spanning megabytes. Measured on AMD EPYC (Zen 5, AVX512-VNNI,
+ * 2 threads), an 8,192-row [4096 x 640] Q5_0 matmul: 258 GOP/s whole, 467 in slices of 512.
+ * A row's result never depends on the other rows (tiles of 8 rows, and MSLICE is a multiple
+ * of 8), so slicing changes no bit.
  */
+#define MSLICE 512
 TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind,
                        const uint8_t *w, const void *scales, const float *offsets, int64_t G,
                        const float *bias, float *y, int act_int8) {
+    for (int64_t m0 = 0; m0 < M; m0 += MSLICE) {
+        const int64_t rows = M - m0 < MSLICE ? M - m0 : MSLICE;
+        if (qgemm_rows(rows, N, K, x + m0 * K, kind, w, scales, offsets, G, bias, y + m0 * N,
+                       act_int8))
+            return -1;
+    }
+    return 0;
+}
+
+TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x, int kind,
+                                const uint8_t *w, const void *scales, const float *offsets,
+                                int64_t G, const float *bias, float *y, int act_int8) {
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
     kind = layout_kind(kind);
     /* act_int8 = 2: "q8" codes run as unsigned bytes code + 128 (KIND 3, zero point 128, as
