@@ -214,6 +214,14 @@ class ModelConfig:
         return None
 
     @property
+    def window_of_every_layer(self) -> int | None:
+        """The window when every layer attends within one (Mistral), else None (full layers,
+        or Gemma's mix of local and global ones)."""
+        if self.sliding_window and all(t == SLIDING_ATTENTION for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    @property
     def attention_scale(self) -> float:
         scalar = self.query_pre_attn_scalar or self.head_dim
         return float(scalar) ** -0.5
@@ -580,6 +588,9 @@ class CacheConfig:
     # Set once the worker has sized the cache from the budget (WorkerInfo.num_kv_blocks).
     num_blocks: int = 0
     kv_cache_dtype: str = "auto"
+    # Set when every layer attends within this many tokens: a request's blocks that fall
+    # wholly before its window are released (core/kv_cache_manager.py).
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import KVCacheManager, max_blocks_held
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -241,3 +241,72 @@ def test_output_tokens_are_cached_once_their_block_is_full():
     kv.free(a)
     hits = kv.find_cached_prefix(make_req([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     assert len(hits) == 2
+
+
+def _decode(kv: KVCacheManager, req: Request, steps: int) -> None:
+    for step in range(steps):
+        req.output_token_ids.append(1000 + step)
+        assert kv.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+
+
+def test_every_layer_windowed_releases_blocks_before_the_window():
+    window = 6
+    kv = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, sliding_window=window)
+    req = make_req(list(range(10, 30)))  # a 20-token prompt in 5 blocks
+    admit(kv, req)
+    _decode(kv, req, 30)
+    table = kv.block_ids(req.req_id)
+    # The next query sits at position 50 and sees keys 45..50: blocks 11 and 12 (of 4 tokens).
+    # Every block before them is released to the null block 0; they and the last stay.
+    first_needed = (req.num_computed_tokens - window + 1) // BLOCK_SIZE
+    assert table[:first_needed] == [0] * first_needed
+    assert 0 not in table[first_needed:]
+    assert kv.num_free_blocks == kv.pool.num_usable_blocks - len(table[first_needed:])
+    kv.free(req)
+    assert_all_free(kv)
+
+
+def test_a_windowed_request_outlives_a_pool_smaller_than_its_context():
+    # 7 usable blocks hold 28 tokens; with a window of 6 a request (at most 3 blocks: the
+    # window and the new token straddle 3 blocks of 4) runs to 58 tokens, beside another.
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, sliding_window=6)
+    a, b = make_req(list(range(10, 18))), make_req(list(range(50, 54)))
+    admit(kv, a)
+    admit(kv, b)
+    for _ in range(50):
+        _decode(kv, a, 1)
+        _decode(kv, b, 1)
+    kv.free(a)
+    kv.free(b)
+    assert_all_free(kv)
+
+
+def test_released_blocks_stay_findable_until_reused():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, sliding_window=4)
+    prompt = list(range(10, 26))  # 4 full blocks
+    first = make_req(prompt)
+    admit(kv, first)
+    _decode(kv, first, 8)
+    assert kv.block_ids(first.req_id)[0] == 0  # released from the first request's table
+    second = make_req(prompt)
+    assert len(kv.find_cached_prefix(second)) == 3  # yet still cached (one token left to run)
+    kv.free(first)
+    assert_all_free(kv)
+
+
+def test_without_a_window_blocks_stay():
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
+    req = make_req(list(range(10, 30)))
+    admit(kv, req)
+    _decode(kv, req, 30)
+    assert 0 not in kv.block_ids(req.req_id)
+    kv.free(req)
+    assert_all_free(kv)
+
+
+def test_max_blocks_held_with_and_without_a_window():
+    assert max_blocks_held(16, 4096, 2048, None) == 256
+    # A 4,096-token window behind a 2,048-token step: 6,143 tokens over blocks of 16.
+    assert max_blocks_held(16, 32768, 2048, 4096) == 385
+    assert max_blocks_held(16, 1024, 2048, 4096) == 64  # never more than the whole context

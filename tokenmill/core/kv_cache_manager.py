@@ -12,7 +12,13 @@ runs steps synchronously, so by the next lookup their KV is written.
 Sliding-window layers (Gemma 3's local layers, Mistral): a block holds the K/V of *every* layer
 for its tokens, local layers included, and local layers merely mask keys outside their window.
 So a cached block serves local and global layers alike, and a prefix hit skips all layers for
-those tokens. The price is memory: blocks that have left every window are still kept.
+those tokens. When *every* layer is windowed (Mistral; ``sliding_window`` set), a block whose
+tokens all lie before the window of the request's next query is released: its table entry
+becomes the null block 0, which no kernel reads (they read only the window), and the block
+goes back to the pool, still findable by its hash until it is handed out again. A request then
+holds at most window + step tokens of blocks however long it runs. With full layers among the
+windowed ones (Gemma 2 and 3) every block stays: releasing the windowed layers' share needs a
+pool per layer group, which is not built.
 """
 
 from __future__ import annotations
@@ -20,11 +26,32 @@ from __future__ import annotations
 from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from tokenmill.request import Request
 
+NULL_BLOCK = 0  # block_pool never hands it out; released window blocks' table entries
+
+
+def max_blocks_held(
+    block_size: int, max_model_len: int, max_step_tokens: int, window: int | None
+) -> int:
+    """The most blocks one request holds at once: its whole context, or with every layer
+    windowed the window behind a step's first query plus the step (and one block of
+    misalignment), whichever is fewer."""
+    whole = -(-max_model_len // block_size)
+    if window is None:
+        return whole
+    return min(whole, -(-(window - 1 + max_step_tokens) // block_size) + 1)
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[Block]] = {}
         self._req_hashes: dict[str, list[BlockHash]] = {}
@@ -89,6 +116,8 @@ class KVCacheManager:
         blocks = self._req_blocks.setdefault(req.req_id, [])
         cached_blocks = cached_blocks or []
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        if self.sliding_window is not None:
+            self._release_before_window(blocks, num_computed)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_alloc = num_needed - len(blocks) - len(cached_blocks)
         # Cached blocks that sit in the free queue count against the free total when taken.
@@ -108,7 +137,17 @@ class KVCacheManager:
         """Release all the request's blocks (tail first: see block_pool)."""
         blocks = self._req_blocks.pop(req.req_id, [])
         self._req_hashes.pop(req.req_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(b for b in reversed(blocks) if b.block_id != NULL_BLOCK)
+
+    def _release_before_window(self, blocks: list[Block], num_computed: int) -> None:
+        """Release the blocks no query from position ``num_computed`` on can see: those wholly
+        before its window, which starts at num_computed - window + 1."""
+        first_needed = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        out = [i for i in range(min(first_needed, len(blocks))) if blocks[i].block_id != NULL_BLOCK]
+        if out:
+            self.pool.free(blocks[i] for i in out)
+            for i in out:
+                blocks[i] = self.pool.blocks[NULL_BLOCK]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -121,7 +160,7 @@ class KVCacheManager:
         hashes = self._hashes(req, tokens, num_full, cache_salt)
         blocks = self._req_blocks[req.req_id]
         for i in range(num_full):
-            if blocks[i].block_hash is None:
+            if blocks[i].block_hash is None and blocks[i].block_id != NULL_BLOCK:
                 start = i * self.block_size
                 self.pool.cache_block(blocks[i], hashes[i], tokens[start : start + self.block_size])
 

@@ -36,7 +36,10 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
         self.kv = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -27,6 +27,7 @@ from tokenmill.config import (
     parse_memory,
 )
 from tokenmill.core import RunnerOutput, Scheduler
+from tokenmill.core.kv_cache_manager import max_blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.modelfile import human_bytes, resident_bytes
@@ -101,6 +102,8 @@ class LLMEngine:
             "?" if tokenizer_bytes is None else human_bytes(max(tokenizer_bytes, 0)),
             "?" if resident is None else human_bytes(resident),
         )
+        if self.config.cache_config.sliding_window is not None:
+            logger.info("%s", _window_capacity(self.config))
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:
@@ -307,6 +310,13 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             num_blocks=worker.num_kv_blocks,
             kv_cache_dtype=args.kv_cache_dtype,
+            # A draft model's K/V share the target's block ids (worker/draft_proposer.py) and
+            # it may attend to the whole context, so its blocks are kept.
+            sliding_window=(
+                worker.model_config.window_of_every_layer
+                if args.speculative_method != "draft"
+                else None
+            ),
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -317,6 +327,21 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
         dtype=worker.dtype,
         seed=args.seed,
         quantization=worker.quantization,
+    )
+
+
+def _window_capacity(config: EngineConfig) -> str:
+    """The memory plan's line for a model windowed in every layer: what a request holds."""
+    cache, sched = config.cache_config, config.scheduler_config
+    held = max_blocks_held(
+        cache.block_size, sched.max_model_len, sched.max_num_batched_tokens, cache.sliding_window
+    )
+    whole = max_blocks_held(cache.block_size, sched.max_model_len, 0, None)
+    usable = cache.num_blocks - 1
+    return (
+        f"every layer attends within {cache.sliding_window} tokens: a request holds at most "
+        f"{held} blocks (not {whole}), so {usable // held} requests of max_model_len "
+        f"({sched.max_model_len}) fit at once, not {usable // whole}"
     )
 
 
