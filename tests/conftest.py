@@ -30,14 +30,21 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+# Run only when ``-m`` names them: soak tests take minutes each; timing tests compare
+# timings, which on a shared VM its neighbours' minute-to-minute load decides.
+OPT_IN_MARKERS = ("soak", "timing")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Soak tests (minutes each) run only when ``-m`` names them: ``pytest -m soak``."""
-    if "soak" in (config.option.markexpr or ""):
-        return
-    soak = [item for item in items if item.get_closest_marker("soak") is not None]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+    """Leave out the OPT_IN_MARKERS' tests unless ``-m`` names their marker."""
+    named = config.option.markexpr or ""
+    for marker in OPT_IN_MARKERS:
+        if marker in named:
+            continue
+        left_out = [item for item in items if item.get_closest_marker(marker) is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 TINY_COMMON = dict(
