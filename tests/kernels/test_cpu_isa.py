@@ -1,5 +1,6 @@
 """The packed matmul's int8 mode gives the same bits on every instruction set it runs on
-(csrc/qgemm.c: maddubs + madd on AVX2, vpdpbusd on AVX-VNNI / AVX512-VNNI, chosen at load).
+(csrc/qgemm.c: maddubs + madd on AVX2, vpdpbusd on AVX-VNNI / AVX512-VNNI, AMX tiles from 16
+rows, chosen at load).
 
 The path is chosen once per process, so the other paths run in a subprocess with
 TOKENMILL_ISA naming them, on the same inputs, and their outputs must equal this process's
@@ -32,7 +33,7 @@ pytestmark = [
 ]
 
 ROWS = (1, 3, 17, 64, 130)
-FORCED_ISAS = ("avx2", "avxvnni")  # run in a subprocess; this process runs the fastest
+FORCED_ISAS = ("avx2", "avxvnni", "avx512vnni")  # in a subprocess; this process runs the fastest
 
 
 def _gguf(ggml_type: int, n: int, k: int) -> PackedWeight:
@@ -171,6 +172,6 @@ def _isa_with(value: str | None) -> str:
 
 def test_tokenmill_isa_forces_avx2_and_ignores_names_the_cpu_does_not_run(forced) -> None:
     fastest = _isa_with(None)
-    assert fastest in ("avxvnni", "avx512vnni")  # a VNNI CPU (pytestmark)
+    assert fastest in ("avxvnni", "avx512vnni", "amx")  # a VNNI CPU (pytestmark)
     assert forced["avx2"][0] == "avx2"
     assert _isa_with("no-such-isa") == fastest

@@ -121,7 +121,9 @@ def test_route_matches_the_torch_twin(cpu, ref, num_tokens, top_k, renormalize) 
     assert calls == ["moe route"]
     ref_weights, ref_ids = ref.moe_route(x, router, top_k, renormalize)
     assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=1e-6)
+    # The router logits are float sums in another order than torch's matmul, whose kernel
+    # depends on the CPU: weights 1.4e-6 apart on an Intel Xeon with AVX-512 and AMX.
+    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=5e-6)
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(num_tokens), rtol=0, atol=1e-6)
 

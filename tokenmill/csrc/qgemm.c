@@ -32,7 +32,9 @@
  * (no int16 sums to bound): the same integer sums, so the same results, bit for bit; "q8" then
  * always runs unsigned (code + 128), against 8-bit activations too. tm_qgemm_isa says which
  * runs, chosen once at load (TOKENMILL_ISA=avx2 forces AVX2): from 8 rows 1.2-1.35x on "q4",
- * 1.15-1.75x on "q8" (Zen 5, one thread; benchmarks/qgemm_isa.py).
+ * 1.15-1.75x on "q8" (Zen 5, one thread; benchmarks/qgemm_isa.py). On CPUs with AMX
+ * ("amx": Intel Sapphire Rapids and later) batches of 16 rows and more run on the tile unit
+ * (block_amx, below), with the same integer sums and float steps: the same bits again.
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
  * "q2", "q3" (G = 16, K a multiple of 256: every block is 8 chunks, one 256-element super-block)
  * keep the file's bytes a weight: a super-block is 2 planes of 32 bytes, code vector 4p + s in
@@ -97,6 +99,18 @@
 #define TM_TARGET_AVX512VNNI TM_TARGET
 #define TM_RUNS_AVX512VNNI 0
 #endif
+/* AMX (AMX-TILE + AMX-INT8: Intel Sapphire Rapids and later) needs GCC 11's intrinsics, the
+ * AVX512-VNNI path (its small batches and other layouts run there) and Linux, which hands out
+ * the tile registers' state only to a process that asks (arch_prctl, once, in choose_isa). */
+#if defined(TM_HAS_AVX512VNNI) && defined(__linux__) && __has_include(<amxint8intrin.h>)
+#define TM_HAS_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TM_TARGET_AMX                                                                      \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni,"  \
+                          "amx-tile,amx-int8")))
+#endif
 #define TM_INLINE static inline __attribute__((always_inline))
 #ifndef TM_PREFETCH
 #define TM_PREFETCH 2048 /* bytes ahead in the weight stream: measured 1.15-1.3x at batch 1 */
@@ -118,15 +132,29 @@ int tm_cpu_supported(void) {
  * its VEX (AVX-VNNI) or EVEX form (AVX512-VNNI on 256-bit vectors, AVX512VL; the compiler then
  * also has 32 vector registers). The integer sums are the same on each (maddubs never
  * saturates here) and so is the float work after them: results are bit-identical. */
-enum { ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, NUM_ISAS };
-static const char *const ISA_NAMES[NUM_ISAS] = {"avx2", "avxvnni", "avx512vnni"};
+enum { ISA_AVX2, ISA_AVXVNNI, ISA_AVX512VNNI, ISA_AMX, NUM_ISAS };
+static const char *const ISA_NAMES[NUM_ISAS] = {"avx2", "avxvnni", "avx512vnni", "amx"};
 static int qgemm_isa = ISA_AVX2;
+
+/* "amx": AVX512-VNNI, with the tile unit's int8 products for batches of AMX_MIN_ROWS rows and
+ * more (amx_takes says which layouts). The CPU must have AMX-TILE and AMX-INT8 (CPUID leaf 7,
+ * EDX bits 24, 25) and the kernel must grant this process the tile data (XFEATURE 18). */
+static int amx_runs(void) {
+#ifdef TM_HAS_AMX
+    unsigned a, b, c, d;
+    if (!TM_RUNS_AVX512VNNI || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!(d >> 24 & 1) || !(d >> 25 & 1)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+#else
+    return 0;
+#endif
+}
 
 /* Chosen once, at load: the fastest the CPU runs, or TOKENMILL_ISA's where the CPU runs that
  * (TOKENMILL_ISA=avx2: the AVX2 path, for tests and A/B timings). */
 __attribute__((constructor)) static void choose_isa(void) {
     __builtin_cpu_init();
-    const int runs[NUM_ISAS] = {1, TM_RUNS_AVXVNNI, TM_RUNS_AVX512VNNI};
+    const int runs[NUM_ISAS] = {1, TM_RUNS_AVXVNNI, TM_RUNS_AVX512VNNI, amx_runs()};
     const char *want = getenv("TOKENMILL_ISA");
     int fastest = ISA_AVX2, wanted = -1;
     for (int isa = 0; isa < NUM_ISAS; isa++) {
@@ -813,14 +841,376 @@ static void group_sums(const float *x, int64_t K, int64_t G, float *out) {
     }
 }
 
-TM_TARGET static float offsets_dot(const float *off, const float *xs, int64_t ng) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(xs + g), acc);
-    float s = hsum(acc);
-    for (; g < ng; g++) s += off[g] * xs[g];
-    return s;
+/* y rows [m0, m1), columns [n0, n1) = the tile's results (src, nb a row) - the offsets' share
+ * (sum_g offset[n, g] · xs[m, g], from off_t: the tile's offsets by group, nb a group) + bias.
+ * Each column is a chain of FMAs over g in order (8 columns a vector, 4 vectors side by side;
+ * the tail's columns one at a time): a result does not depend on the tile it falls in. */
+TM_TARGET static void finish_tile(const float *src, int64_t nb, const float *off_t,
+                                  const float *xs, int64_t ng, const float *bias, int64_t m0,
+                                  int64_t m1, int64_t n0, int64_t n1, float *y, int64_t N) {
+    for (int64_t m = m0; m < m1; m++) {
+        const float *row = src + (m - m0) * nb, *xm = xs ? xs + m * ng : NULL;
+        float *dst = y + m * N + n0;
+        int64_t n = 0;
+        for (int64_t step; n + 8 <= n1 - n0; n += step) { /* 4 chains at a time: FMA latency */
+            const int nv = n + 32 <= n1 - n0 ? 4 : 1;
+            step = 8 * nv;
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
+            for (int64_t g = 0; xm && g < ng; g++) {
+                const __m256 xg = _mm256_set1_ps(xm[g]);
+                for (int v = 0; v < nv; v++)
+                    acc[v] = _mm256_fmadd_ps(_mm256_loadu_ps(off_t + g * nb + n + 8 * v), xg, acc[v]);
+            }
+            for (int v = 0; v < nv; v++) {
+                __m256 o = _mm256_loadu_ps(row + n + 8 * v);
+                if (xm) o = _mm256_sub_ps(o, acc[v]);
+                if (bias) o = _mm256_add_ps(o, _mm256_loadu_ps(bias + n0 + n + 8 * v));
+                _mm256_storeu_ps(dst + n + 8 * v, o);
+            }
+        }
+        for (; n < n1 - n0; n++) {
+            __m128 v = _mm_set_ss(row[n]);
+            if (xm) {
+                __m128 acc = _mm_setzero_ps();
+                for (int64_t g = 0; g < ng; g++)
+                    acc = _mm_fmadd_ss(_mm_set_ss(off_t[g * nb + n]), _mm_set_ss(xm[g]), acc);
+                v = _mm_sub_ss(v, acc);
+            }
+            if (bias) v = _mm_add_ss(v, _mm_set_ss(bias[n0 + n]));
+            dst[n] = _mm_cvtss_f32(v);
+        }
+    }
+}
+
+/*
+ * AMX: a tile instruction multiplies 16 activation rows by 16 weight rows over up to 64 bytes
+ * of K (int32 sums, 16 x 16). The scales come per 32-element chunk on both sides, so each
+ * instruction sums what one int32 lane of tile_int8 sums over a block (a "lane": chunk
+ * l mod t, its part l / t: t code vectors' 4 bytes, 4t elements), and the float work is then
+ * tile_int8's, lane by lane, in the same order: the same bits (tests/kernels/test_cpu_isa.py).
+ *   Activations: quantized as for tile_int8 (quantize_row_lanes), then each block regrouped so
+ *   that a chunk's lanes are its 32 bytes (amx_regroup). An activation tile is 16 rows of one
+ *   chunk, K bytes apart.
+ *   Weights: for each 16 rows, each lane as 8 rows of 64 bytes (row r: the 16 rows' 4 bytes
+ *   that meet activation bytes 4r..4r+3 of the chunk; the tile unit's B layout), zero where
+ *   the chunk's bytes belong to another lane (blocks of 4 chunks: 2 lanes a chunk; G = 16:
+ *   its halves, 2 steps a lane), gathered once per call with the lanes' scales (amx_prepare).
+ * Every instruction thus has one shape (K = 32), and the tile registers hold 2 x 2 sums
+ * (32 activation rows by 32 weight rows). A lane's sums are stored while the next lane's
+ * instructions run, then scaled into float partial sums (amx_scale, amx_scale16).
+ * tdpbssd (signed x signed) for "q8" and "n4", tdpbsud (unsigned weights) for "q4" and "u8",
+ * whose zero point leaves as tile_int8's does (the sums start from -z · sum x). Blocks of 8
+ * and 4 chunks; "q2", "q3" and tails of 2 chunks stay on AVX512-VNNI.
+ */
+#define AMX_MIN_ROWS 16
+
+static int amx_takes(int kind, int64_t G, int64_t nc) {
+    if (kind != 0 && kind != 1 && kind != 2 && kind != 4) return 0;
+    if (G == 16) return (kind == 0 || kind == 2) && nc % 8 == 0;
+    return nc % 8 == 0 || nc % 8 == 4;
+}
+
+/* A row quantized in lane order (vector u of block c0 at 32 · (c0 + u), lane l at 4l) -> each
+ * chunk's lanes together: lane l of block (c0, t) at 32 · (c0 + l mod t) + 4t · (l / t), its
+ * vector u's 4 bytes at + 4u (t = 8: the chunk in element order). */
+static void amx_regroup(const int8_t *lanes, int64_t K, int8_t *out) {
+    const int64_t nc = K / 32;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
+        const int t = block_chunks(nc, c0);
+        for (int u = 0; u < t; u++)
+            for (int l = 0; l < 8; l++)
+                memcpy(out + 32 * (c0 + l % t) + 4 * t * (l / t) + 4 * u,
+                       lanes + 32 * (c0 + u) + 4 * l, 4);
+    }
+}
+
+#ifdef TM_HAS_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Tiles 0-3: sums of activation tile i by weight tile j in 2i + j; 4, 5: activation tiles
+ * (16 rows x 32 bytes); 6, 7: weight tiles (8 rows of 16 x 4 bytes). */
+TM_TARGET_AMX static void amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = i < 6 ? 16 : 8;
+        c.colsb[i] = i == 4 || i == 5 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Steps (weight tiles of 512 bytes, scale vectors of 16) per block: a lane each, G = 16 a half
+ * of a lane each. */
+static inline int amx_steps(int64_t G) { return G == 16 ? 16 : 8; }
+
+/* Weight rows [n0, n0 + nn) (nn <= 16; the rest zero) as B tiles: step k of block b at
+ * bt + 512 · (S · b + k) (S = amx_steps; k = l, or 2l + h for G = 16's half h), its row r
+ * the 16 rows' 4 bytes of code vector r - 4p of lane l (p: the lane's part, t = 4), r (t = 8)
+ * or r (G = 16, r in 4h..4h+3), zero elsewhere. The step's scales, each weight row's as
+ * lane_scales / lane_scales16 give it, at sc + 16 · (S · b + k). */
+TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, const uint8_t *w,
+                                      const void *scales, int64_t n0, int nn, uint8_t *bt,
+                                      float *sc) {
+    const int64_t nc = K / 32, wrow = row_bytes(kind, K), ng = row_scale_count(kind, K, G);
+    const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
+    const int S = amx_steps(G), g16 = G == 16;
+    const __mmask16 rows = nn >= 16 ? 0xFFFF : (__mmask16)((1u << nn) - 1);
+    const __m512i n16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i at = _mm512_mullo_epi32(n16, _mm512_set1_epi32((int)wrow));
+    const __m512i sat = _mm512_mullo_epi32(n16, _mm512_set1_epi32((int)(ng * (f16 ? 2 : 4))));
+    const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_setr_epi8(TM_IQ4_KVALUES));
+    const uint8_t *base = w + n0 * wrow;
+    const char *sbase = (const char *)scales + n0 * ng * (f16 ? 2 : 4);
+    int64_t b = 0;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
+        const int t = block_chunks(nc, c0);
+        __m512i vec[8][8]; /* [vector u][lane l]: the 16 rows' 4 bytes */
+        for (int l = 0; l < 8; l++) {
+            if (kind == 0 || kind == 2) /* a byte a code: vector u at 32 · (c0 + u) */
+                for (int u = 0; u < t; u++)
+                    vec[u][l] = _mm512_mask_i32gather_epi32(zero, rows, at,
+                                                            base + 32 * (c0 + u) + 4 * l, 1);
+            else /* "q4", "n4": the 32 bytes at 16 · c0 + 32v hold vectors 2v, 2v + 1 */
+                for (int v = 0; v < t / 2; v++) {
+                    const __m512i p = _mm512_mask_i32gather_epi32(
+                        zero, rows, at, base + 16 * c0 + 32 * v + 4 * l, 1);
+                    __m512i lo = _mm512_and_si512(p, low);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+                    if (kind == 4) {
+                        lo = _mm512_shuffle_epi8(iq4, lo);
+                        hi = _mm512_shuffle_epi8(iq4, hi);
+                    }
+                    vec[2 * v][l] = lo;
+                    vec[2 * v + 1][l] = hi;
+                }
+        }
+        for (int k = 0; k < S; k++) {
+            const int l = g16 ? k / 2 : k, h = g16 ? k % 2 : 0;
+            uint8_t *tile = bt + 512 * (S * b + k);
+            for (int r = 0; r < 8; r++) {
+                int u = -1;
+                if (g16) u = r / 4 == h ? r : -1;
+                else if (t == 8) u = r;
+                else u = r / 4 == l / 4 ? r % 4 : -1; /* t = 4: part l / 4 is rows 4p..4p+3 */
+                _mm512_storeu_si512(tile + 64 * r, u < 0 ? zero : vec[u][l]);
+            }
+            /* the step's scale: group (c0 + l mod t) >> gshift, or G = 16's 2 (c0 + l) + h */
+            const int64_t grp = g16 ? 2 * (c0 + l) + h : (c0 + l % t) >> gshift;
+            __m512 s;
+            if (!f16) {
+                s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), rows, sat, sbase + 4 * grp, 1);
+            } else { /* the aligned 4 bytes holding it (ng is even), then its half */
+                __m512i d = _mm512_mask_i32gather_epi32(zero, rows, sat, sbase + 2 * (grp & ~1), 1);
+                if (grp & 1) d = _mm512_srli_epi32(d, 16);
+                s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(d));
+            }
+            _mm512_store_ps(sc + 16 * (S * b + k), s);
+        }
+    }
+}
+
+/* acc[r] (+)= cvt(sums[r] + z_r) · (sw · dx_r) for the 16 rows r of a tile: tile_int8's float
+ * step (lane_scales · xd8, one FMA; first: acc starts at zero). zr, dr: the rows' zero-point
+ * terms (zst apart) and scales (dst apart). */
+TM_TARGET_AMX TM_INLINE void amx_scale(const int32_t *sums, const int32_t *zr, int64_t zst,
+                                       const float *dr, int64_t dst, __m512 sw, float *acc,
+                                       int first) {
+    for (int r = 0; r < 16; r++) {
+        __m512i s = _mm512_load_si512(sums + 16 * r);
+        if (zr) s = _mm512_add_epi32(s, _mm512_set1_epi32(zr[r * zst]));
+        const __m512 dd = _mm512_mul_ps(sw, _mm512_set1_ps(dr[r * dst]));
+        float *a = acc + 16 * r;
+        const __m512 in = first ? _mm512_setzero_ps() : _mm512_load_ps(a);
+        _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, in));
+    }
+}
+
+/* G = 16: acc[r] (+)= (cvt(a_r + za_r) · sa + cvt(b_r + zb_r) · sb) · dx_r for a lane's two
+ * halves (their zero-point terms 8 apart), as tile_int8's. */
+TM_TARGET_AMX TM_INLINE void amx_scale16(const int32_t *as, const int32_t *bs, const int32_t *zr,
+                                         int64_t zst, const float *dr, int64_t dst, __m512 sa,
+                                         __m512 sb, float *acc, int first) {
+    for (int r = 0; r < 16; r++) {
+        __m512i a = _mm512_load_si512(as + 16 * r), b = _mm512_load_si512(bs + 16 * r);
+        if (zr) {
+            a = _mm512_add_epi32(a, _mm512_set1_epi32(zr[r * zst]));
+            b = _mm512_add_epi32(b, _mm512_set1_epi32(zr[r * zst + 8]));
+        }
+        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), sa,
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(b), sb));
+        float *o = acc + 16 * r;
+        const __m512 in = first ? _mm512_setzero_ps() : _mm512_load_ps(o);
+        _mm512_store_ps(o, _mm512_fmadd_ps(v, _mm512_set1_ps(dr[r * dst]), in));
+    }
+}
+
+/* 2 x 2 tiles of sums for one step: activation tiles at xa, xa + 16 K, weight tiles b0, b1,
+ * stored at sums + 256 · (2i + j). */
+#define AMX_ROUND(SIGNED, xa, K, b0, b1, sums)                                                \
+    do {                                                                                      \
+        _tile_loadd(4, xa, K);                                                                \
+        _tile_loadd(5, (xa) + 16 * (K), K);                                                   \
+        _tile_loadd(6, b0, 64);                                                               \
+        _tile_loadd(7, b1, 64);                                                               \
+        _tile_zero(0);                                                                        \
+        _tile_zero(1);                                                                        \
+        _tile_zero(2);                                                                        \
+        _tile_zero(3);                                                                        \
+        if (SIGNED) {                                                                         \
+            _tile_dpbssd(0, 4, 6);                                                            \
+            _tile_dpbssd(1, 4, 7);                                                            \
+            _tile_dpbssd(2, 5, 6);                                                            \
+            _tile_dpbssd(3, 5, 7);                                                            \
+        } else {                                                                              \
+            _tile_dpbsud(0, 4, 6);                                                            \
+            _tile_dpbsud(1, 4, 7);                                                            \
+            _tile_dpbsud(2, 5, 6);                                                            \
+            _tile_dpbsud(3, 5, 7);                                                            \
+        }                                                                                     \
+        _tile_stored(0, sums, 64);                                                            \
+        _tile_stored(1, (sums) + 256, 64);                                                    \
+        _tile_stored(2, (sums) + 512, 64);                                                    \
+        _tile_stored(3, (sums) + 768, 64);                                                    \
+    } while (0)
+
+/*
+ * block_int8's work on AMX, for all the call's activation rows at once: weight rows [n0, n1)
+ * against rows [m0, m1) into out[(m - m0) · ostride + n - n0]. xq: regrouped codes, rows
+ * padded with zeros to a multiple of 32; xd8, xz: tile_int8's lane scales and zero-point
+ * terms, a row's nblk blocks together. Each 32 weight rows are prepared once, then every 32
+ * activation rows run over them, a step (lane) at a time, the sums of step s scaled while the
+ * instructions of step s + 1 run. Returns 0, or -1 when its scratch could not be allocated.
+ */
+TM_TARGET_AMX static int block_amx(int kind, int f16, int64_t G, int64_t K, const uint8_t *w,
+                                   const void *scales, int64_t n0, int64_t n1, int64_t m0,
+                                   int64_t m1, const int8_t *xq, const float *xd8,
+                                   const int32_t *xz, int64_t nblk, float *out, int64_t ostride) {
+    const int64_t nc = K / 32, zw = G == 16 ? 16 : 8, S = amx_steps(G), nsteps = nblk * 8;
+    const int is_signed = kind == 0 || kind == 4, g16 = G == 16, per = g16 ? 2 : 1;
+    const size_t tiles = (size_t)(nblk * S);
+    uint8_t *bt = aligned_alloc(64, 2 * tiles * 512);
+    float *sc = aligned_alloc(64, sizeof(float) * 2 * tiles * 16);
+    float *acc = aligned_alloc(64, sizeof(float) * 4 * 8 * 256); /* [tile 2i + j][lane][16 x 16] */
+    int32_t *sums = aligned_alloc(64, sizeof(int32_t) * 2 * 2 * 4 * 256); /* [s & 1][half][tile] */
+    int8_t *chunk_of = malloc((size_t)nsteps); /* each step's chunk, t = 4 or 8 */
+    const int ok = bt && sc && acc && sums && chunk_of;
+    if (!ok) goto done;
+    {
+        int64_t b = 0;
+        for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++)
+            for (int l = 0; l < 8; l++) chunk_of[8 * b + l] = (int8_t)(l % block_chunks(nc, c0));
+    }
+    amx_configure();
+    for (int64_t nt = n0; nt < n1; nt += 32) {
+        const int nn = n1 - nt < 32 ? (int)(n1 - nt) : 32;
+        amx_prepare(kind, f16, G, K, w, scales, nt, nn < 16 ? nn : 16, bt, sc);
+        amx_prepare(kind, f16, G, K, w, scales, nt + 16, nn > 16 ? nn - 16 : 0, bt + tiles * 512,
+                    sc + tiles * 16);
+        for (int64_t mt = m0; mt < m1; mt += 32) {
+            const int8_t *xt = xq + mt * K;
+            /* step s: lane s % 8 of block s / 8; its rounds go to sums[s & 1], scaled at s + 1 */
+            for (int64_t s = 0; s <= nsteps; s++) {
+                if (s < nsteps) {
+                    const int64_t b = s / 8, l = s % 8;
+                    const int8_t *xa = xt + 32 * (8 * b + chunk_of[s]); /* blocks of 4: c0 = 8b */
+                    int32_t *sm = sums + (s & 1) * 2048;
+                    for (int h = 0; h < per; h++) {
+                        const int64_t k = S * b + per * l + h;
+                        const uint8_t *b0 = bt + 512 * k, *b1 = bt + (tiles + k) * 512;
+                        if (is_signed) AMX_ROUND(1, xa, K, b0, b1, sm + 1024 * h);
+                        else AMX_ROUND(0, xa, K, b0, b1, sm + 1024 * h);
+                    }
+                }
+                if (s == 0) continue;
+                const int64_t p = s - 1, b = p / 8, l = p % 8;
+                const int32_t *sm = sums + (p & 1) * 2048;
+                for (int i = 0; i < 2; i++)
+                    for (int j = 0; j < 2; j++) {
+                        const int64_t row = mt + 16 * i;
+                        const float *dr = xd8 + row * nblk * 8 + b * 8 + l;
+                        const int32_t *zr = xz ? xz + row * nblk * zw + b * zw + l : NULL;
+                        const float *scj = sc + j * tiles * 16 + 16 * (S * b + per * l);
+                        float *a = acc + (2 * i + j) * 2048 + 256 * l;
+                        const int32_t *t0 = sm + 256 * (2 * i + j);
+                        if (g16)
+                            amx_scale16(t0, t0 + 1024, zr, nblk * zw, dr, nblk * 8,
+                                        _mm512_load_ps(scj), _mm512_load_ps(scj + 16), a, b == 0);
+                        else
+                            amx_scale(t0, zr, nblk * zw, dr, nblk * 8, _mm512_load_ps(scj), a,
+                                      b == 0);
+                    }
+            }
+            /* hsum's order over the 8 lanes: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)) */
+            for (int i = 0; i < 2; i++)
+                for (int j = 0; j < 2 && 16 * j < nn; j++) {
+                    const int cn = nn - 16 * j < 16 ? nn - 16 * j : 16;
+                    const __mmask16 cols = cn >= 16 ? 0xFFFF : (__mmask16)((1u << cn) - 1);
+                    for (int r = 0; r < 16 && mt + 16 * i + r < m1; r++) {
+                        const float *a = acc + (2 * i + j) * 2048 + 16 * r;
+                        __m512 v[8];
+                        for (int l = 0; l < 8; l++) v[l] = _mm512_load_ps(a + 256 * l);
+                        __m512 e = _mm512_add_ps(_mm512_add_ps(v[0], v[4]), _mm512_add_ps(v[2], v[6]));
+                        __m512 o = _mm512_add_ps(_mm512_add_ps(v[1], v[5]), _mm512_add_ps(v[3], v[7]));
+                        _mm512_mask_storeu_ps(out + (mt + 16 * i + r - m0) * ostride + (nt + 16 * j - n0),
+                                              cols, _mm512_add_ps(e, o));
+                    }
+                }
+        }
+    }
+    _tile_release();
+done:
+    free(bt);
+    free(sc);
+    free(acc);
+    free(sums);
+    free(chunk_of);
+    return ok ? 0 : -1;
+}
+#endif
+
+/* finish_tile on AVX-512: 4 rows by 4 vectors of 16 columns (nb <= 64) at a time, each
+ * column's chain of FMAs over g as finish_tile's, so the same bits. */
+TM_TARGET_AVX512VNNI static void finish_tile_avx512(const float *src, int64_t nb,
+                                                    const float *off_t, const float *xs,
+                                                    int64_t ng, const float *bias, int64_t m0,
+                                                    int64_t m1, int64_t n0, int64_t n1, float *y,
+                                                    int64_t N) {
+#ifdef TM_HAS_AVX512VNNI
+    const int64_t cols = n1 - n0;
+    __mmask16 mask[4];
+    for (int v = 0; v < 4; v++) {
+        const int64_t left = cols - 16 * v;
+        mask[v] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    }
+    for (int64_t m = m0; m < m1; m += 4) {
+        const int rows = m1 - m < 4 ? (int)(m1 - m) : 4;
+        __m512 acc[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+        for (int64_t g = 0; xs && g < ng; g++) {
+            __m512 o[4];
+            for (int v = 0; v < 4; v++) o[v] = _mm512_maskz_loadu_ps(mask[v], off_t + g * nb + 16 * v);
+            for (int r = 0; r < rows; r++) {
+                const __m512 xg = _mm512_set1_ps(xs[(m + r) * ng + g]);
+                for (int v = 0; v < 4; v++) acc[r][v] = _mm512_fmadd_ps(o[v], xg, acc[r][v]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < 4 && mask[v]; v++) {
+                __m512 t = _mm512_maskz_loadu_ps(mask[v], src + (m + r - m0) * nb + 16 * v);
+                if (xs) t = _mm512_sub_ps(t, acc[r][v]);
+                if (bias) t = _mm512_add_ps(t, _mm512_maskz_loadu_ps(mask[v], bias + n0 + 16 * v));
+                _mm512_mask_storeu_ps(y + (m + r) * N + n0 + 16 * v, mask[v], t);
+            }
+    }
+#endif
 }
 
 static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x, int kind,
@@ -862,18 +1252,41 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
      * sums of products are int32, they run so against 8-bit activations too (act_int8 = 1):
      * the same integer sums as the sign flips give, one instruction less a vector and row.
      * "n4" codes, int8 once looked up, run as "q8" do (KIND 5: unsigned). */
+    const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
+    /* AMX multiplies signed "q8" and "n4" codes as they are (block_amx): no code + 128. */
+    const int amx = qgemm_isa == ISA_AMX && act_int8 && M >= AMX_MIN_ROWS && amx_takes(kind, G, nc);
+    const int vnni_isa = qgemm_isa == ISA_AMX ? ISA_AVX512VNNI : qgemm_isa;
     const int int8_codes = kind == 0 || kind == 4;
-    const int unsig = int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
+    const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
     const int zx = unsig ? 128 : kind == 2 || kind == 7 ? z : 0; /* the zero point the sums remove */
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
-    const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;
     float *xd8 = NULL, *xs = NULL, *xp = NULL, *xg = NULL;
     int32_t *xz = NULL;
     int failed = 0;
-    if (act_int8) {
+    if (amx) { /* rows padded to whole pairs of tiles of 16, codes regrouped (amx_regroup) */
+        const int64_t Mp = (M + 31) / 32 * 32;
+        xq = calloc((size_t)(Mp * K), 1);
+        xd8 = calloc((size_t)(Mp * nblk * 8), sizeof(float));
+        if (zx) xz = calloc((size_t)(Mp * nblk * zw), sizeof(int32_t));
+        if (!xq || !xd8 || (zx && !xz)) goto fail;
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            int8_t *lanes = malloc((size_t)K);
+            if (!lanes) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            quantize_row_lanes(x + m * K, K, lanes, 32, xd8 + m * nblk * 8, 8,
+                               xz ? xz + m * nblk * zw : NULL, zx, G == 16, qmax);
+            amx_regroup(lanes, K, xq + m * K);
+            free(lanes);
+        }
+        if (failed) goto fail;
+    } else if (act_int8) {
         xq = malloc((size_t)(M * K));
         xd8 = malloc(sizeof(float) * (size_t)(M * nblk * 8));
         if (zx) xz = malloc(sizeof(int32_t) * (size_t)(M * nblk * zw));
@@ -907,44 +1320,53 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
      * the threads, small enough that each writes whole cache lines of y and few pages at a
      * time (results go through a per-thread buffer: writing y a float at a time, M rows
      * apart, cost 1.4x at 32 rows; 64-float row pieces of 1,024 rows, 20% of the time). */
-    const int64_t mchunk = M < MCHUNK ? M : MCHUNK, mchunks = (M + mchunk - 1) / mchunk;
+    /* AMX: all rows in one tile of work, so each weight row is prepared once (block_amx) */
+    const int64_t mchunk = amx || M < MCHUNK ? M : MCHUNK, mchunks = (M + mchunk - 1) / mchunk;
     int64_t nb = 64;
-    while (nb > 8 && mchunks * ((N + nb - 1) / nb) < 4 * omp_get_max_threads()) nb /= 2;
+    while (nb > (amx ? 32 : 8) && mchunks * ((N + nb - 1) / nb) < 4 * omp_get_max_threads())
+        nb /= 2;
     const int64_t nblocks = (N + nb - 1) / nb;
 #pragma omp parallel
     {
         float *ybuf = malloc(sizeof(float) * (size_t)(mchunk * nb));
-        if (!ybuf) {
+        float *off_t = xs ? malloc(sizeof(float) * (size_t)(ng * nb)) : NULL;
+        if (!ybuf || (xs && !off_t)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < mchunks * nblocks; tile++) {
-            if (!ybuf) continue;
+            if (!ybuf || (xs && !off_t)) continue;
             const int64_t b = tile % nblocks, m0 = tile / nblocks * mchunk;
             const int64_t n0 = b * nb, n1 = n0 + nb < N ? n0 + nb : N;
             const int64_t m1 = m0 + mchunk < M ? m0 + mchunk : M;
-            if (act_int8)
-                BLOCK_INT8[qgemm_isa](ikind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz,
-                                      xg, nblk, ybuf, nb);
+            if (amx) {
+#ifdef TM_HAS_AMX
+                if (block_amx(kind, f16, G, K, w, scales, n0, n1, m0, m1, xq, xd8, xz, nblk, ybuf,
+                              nb)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+#endif
+            } else if (act_int8)
+                BLOCK_INT8[vnni_isa](ikind, f16, G, M, K, w, scales, n0, n1, m0, m1, xq, xd8, xz,
+                                     xg, nblk, ybuf, nb);
             else
                 block_float(kind, f16, z, G, K, w, scales, n0, n1, m0, m1, xp, xg, ybuf, nb);
-            for (int64_t m = m0; m < m1; m++) {
-                const float *src = ybuf + (m - m0) * nb;
-                float *dst = y + m * N + n0;
-                if (!xs && !bias) {
-                    memcpy(dst, src, sizeof(float) * (size_t)(n1 - n0));
-                    continue;
-                }
-                for (int64_t n = n0; n < n1; n++) {
-                    float v = src[n - n0];
-                    if (xs) v -= offsets_dot(offsets + n * ng, xs + m * ng, ng);
-                    if (bias) v += bias[n];
-                    dst[n - n0] = v;
-                }
+            if (!xs && !bias) {
+                for (int64_t m = m0; m < m1; m++)
+                    memcpy(y + m * N + n0, ybuf + (m - m0) * nb, sizeof(float) * (size_t)(n1 - n0));
+                continue;
             }
+            for (int64_t n = n0; xs && n < n1; n++)
+                for (int64_t g = 0; g < ng; g++) off_t[g * nb + n - n0] = offsets[n * ng + g];
+            if (qgemm_isa >= ISA_AVX512VNNI && nb <= 64)
+                finish_tile_avx512(ybuf, nb, off_t, xs, ng, bias, m0, m1, n0, n1, y, N);
+            else
+                finish_tile(ybuf, nb, off_t, xs, ng, bias, m0, m1, n0, n1, y, N);
         }
         free(ybuf);
+        free(off_t);
     }
     free(xq);
     free(xd8);

@@ -150,9 +150,9 @@ def available() -> bool:
 
 
 def isa() -> str | None:
-    """The instructions the packed matmul's int8 mode runs on: "avx512vnni", "avxvnni" or
-    "avx2" (chosen at load: the fastest the CPU has, or ``TOKENMILL_ISA``'s); None where the
-    kernels are not available."""
+    """The instructions the packed matmul's int8 mode runs on: "amx" (AVX512-VNNI, and AMX
+    tiles from 16 rows), "avx512vnni", "avxvnni" or "avx2" (chosen at load: the fastest the
+    CPU has, or ``TOKENMILL_ISA``'s); None where the kernels are not available."""
     lib = library()
     return None if lib is None else lib.tm_qgemm_isa().decode()
 
