@@ -12,8 +12,8 @@ time of each instruction set, the first one's time over each other's, and whethe
 are bit-identical (they must be).
 
     python benchmarks/qgemm_isa.py [--isas avx2,avx512vnni] [--rows 1,8,32,128,512] [--reps 5]
-        (--isas avx512vnni,amx on an AMX CPU: the tile unit against AVX512-VNNI)
                                    [--threads N]
+    (--isas avx512vnni,amx on an AMX CPU: the tile unit against AVX512-VNNI)
 
 On a shared 2-core VM, --threads 1: with 2, a call waits on whichever thread the other load
 delays (times in steps of the 4 ms scheduler tick).
