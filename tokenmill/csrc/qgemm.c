@@ -903,7 +903,7 @@ TM_TARGET static void finish_tile(const float *src, int64_t nb, const float *off
  * whose zero point leaves as tile_int8's does (the sums start from -z · sum x). Blocks of 8
  * and 4 chunks; "q2", "q3" and tails of 2 chunks stay on AVX512-VNNI.
  */
-#define AMX_MIN_ROWS 16
+#define AMX_MIN_ROWS 32
 
 static int amx_takes(int kind, int64_t G, int64_t nc) {
     if (kind != 0 && kind != 1 && kind != 2 && kind != 4) return 0;
@@ -949,6 +949,38 @@ TM_TARGET_AMX static void amx_configure(void) {
  * of a lane each. */
 static inline int amx_steps(int64_t G) { return G == 16 ? 16 : 8; }
 
+/* The 8 dwords at src of each of nn rows (stride bytes apart; rows from nn on zero) ->
+ * out[l]: dword l of rows 0..15. Rows k and k + 8 share a vector; an 8 x 8 transpose then
+ * runs in both halves at once (unpacks within 128-bit lanes, then 128-bit lanes paired). */
+TM_TARGET_AMX static void amx_transpose(const uint8_t *src, int64_t stride, int nn,
+                                        __m512i out[8]) {
+    __m512i r[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) {
+        const __m256i a = k < nn ? _mm256_loadu_si256((const __m256i *)(src + k * stride))
+                                 : _mm256_setzero_si256();
+        const __m256i b = k + 8 < nn ? _mm256_loadu_si256((const __m256i *)(src + (k + 8) * stride))
+                                     : _mm256_setzero_si256();
+        r[k] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    }
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+        t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int j = 0; j < 2; j++) {
+            u[k + 2 * j] = _mm512_unpacklo_epi64(t[k + j], t[k + j + 2]);
+            u[k + 2 * j + 1] = _mm512_unpackhi_epi64(t[k + j], t[k + j + 2]);
+        }
+    /* u[q] (q < 4) holds dwords 4i + q' of rows 0-3 (and 8-11) in 128-bit lane i; u[4 + q] of
+     * rows 4-7 (12-15): dword l is lane l / 4 of u[l % 4] beside the same of u[4 + l % 4] */
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int q = 0; q < 4; q++) {
+        out[q] = _mm512_permutex2var_epi64(u[q], lo, u[4 + q]);
+        out[4 + q] = _mm512_permutex2var_epi64(u[q], hi, u[4 + q]);
+    }
+}
+
 /* Weight rows [n0, n0 + nn) (nn <= 16; the rest zero) as B tiles: step k of block b at
  * bt + 512 · (S · b + k) (S = amx_steps; k = l, or 2l + h for G = 16's half h), its row r
  * the 16 rows' 4 bytes of code vector r - 4p of lane l (p: the lane's part, t = 4), r (t = 8)
@@ -962,7 +994,6 @@ TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, c
     const int S = amx_steps(G), g16 = G == 16;
     const __mmask16 rows = nn >= 16 ? 0xFFFF : (__mmask16)((1u << nn) - 1);
     const __m512i n16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i at = _mm512_mullo_epi32(n16, _mm512_set1_epi32((int)wrow));
     const __m512i sat = _mm512_mullo_epi32(n16, _mm512_set1_epi32((int)(ng * (f16 ? 2 : 4))));
     const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const __m512i iq4 = _mm512_broadcast_i32x4(_mm_setr_epi8(TM_IQ4_KVALUES));
@@ -972,15 +1003,14 @@ TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, c
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0);
         __m512i vec[8][8]; /* [vector u][lane l]: the 16 rows' 4 bytes */
-        for (int l = 0; l < 8; l++) {
-            if (kind == 0 || kind == 2) /* a byte a code: vector u at 32 · (c0 + u) */
-                for (int u = 0; u < t; u++)
-                    vec[u][l] = _mm512_mask_i32gather_epi32(zero, rows, at,
-                                                            base + 32 * (c0 + u) + 4 * l, 1);
-            else /* "q4", "n4": the 32 bytes at 16 · c0 + 32v hold vectors 2v, 2v + 1 */
-                for (int v = 0; v < t / 2; v++) {
-                    const __m512i p = _mm512_mask_i32gather_epi32(
-                        zero, rows, at, base + 16 * c0 + 32 * v + 4 * l, 1);
+        if (kind == 0 || kind == 2) /* a byte a code: vector u at 32 · (c0 + u) */
+            for (int u = 0; u < t; u++) amx_transpose(base + 32 * (c0 + u), wrow, nn, vec[u]);
+        else /* "q4", "n4": the 32 bytes at 16 · c0 + 32v hold vectors 2v, 2v + 1 */
+            for (int v = 0; v < t / 2; v++) {
+                __m512i packed[8];
+                amx_transpose(base + 16 * c0 + 32 * v, wrow, nn, packed);
+                for (int l = 0; l < 8; l++) {
+                    const __m512i p = packed[l];
                     __m512i lo = _mm512_and_si512(p, low);
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
                     if (kind == 4) {
@@ -990,7 +1020,7 @@ TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, c
                     vec[2 * v][l] = lo;
                     vec[2 * v + 1][l] = hi;
                 }
-        }
+            }
         for (int k = 0; k < S; k++) {
             const int l = g16 ? k / 2 : k, h = g16 ? k % 2 : 0;
             uint8_t *tile = bt + 512 * (S * b + k);
