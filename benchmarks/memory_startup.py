@@ -33,7 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-LLAMA_BIN = Path.home() / ".cache" / "peers" / "build-llamacpp" / "bin"
+# llama.cpp's tools: shared/peers/build-llamacpp.sh's folder, or $LLAMA_CPP_BIN (another build)
+LLAMA_BIN = Path(
+    os.environ.get("LLAMA_CPP_BIN", Path.home() / ".cache" / "peers" / "build-llamacpp" / "bin")
+)
 MODEL_ALIAS = "gemma-3-270m"
 MODEL_FILE = Path.home() / ".cache" / "tokenmill" / "models" / "gemma-3-270m-q4_k_m.gguf"
 # gemma-3-270m: 18 layers x 1 KV head x head_dim 256, K and V, float16.
