@@ -891,7 +891,7 @@ TM_TARGET static void finish_tile(const float *src, int64_t nb, const float *off
  * tile_int8's, lane by lane, in the same order: the same bits (tests/kernels/test_cpu_isa.py).
  *   Activations: quantized as for tile_int8 (quantize_row_lanes), then each block regrouped so
  *   that a chunk's lanes are its 32 bytes (amx_regroup). An activation tile is 16 rows of one
- *   chunk, K bytes apart.
+ *   chunk, 512 contiguous bytes.
  *   Weights: for each 16 rows, each lane as 8 rows of 64 bytes (row r: the 16 rows' 4 bytes
  *   that meet activation bytes 4r..4r+3 of the chunk; the tile unit's B layout), zero where
  *   the chunk's bytes belong to another lane (blocks of 4 chunks: 2 lanes a chunk; G = 16:
@@ -912,15 +912,17 @@ static int amx_takes(int kind, int64_t G, int64_t nc) {
 }
 
 /* A row quantized in lane order (vector u of block c0 at 32 · (c0 + u), lane l at 4l) -> each
- * chunk's lanes together: lane l of block (c0, t) at 32 · (c0 + l mod t) + 4t · (l / t), its
- * vector u's 4 bytes at + 4u (t = 8: the chunk in element order). */
+ * chunk's lanes together, chunk c at out + 512 · c: lane l of block (c0, t) in chunk c0 +
+ * l mod t at 4t · (l / t), its vector u's 4 bytes at + 4u (t = 8: the chunk in element order).
+ * The caller puts row r of each 16 at out + 32r: an activation tile (16 rows of a chunk) is then
+ * 512 contiguous bytes, 8 cache lines rather than 16 halves of lines K bytes apart (1.2x). */
 static void amx_regroup(const int8_t *lanes, int64_t K, int8_t *out) {
     const int64_t nc = K / 32;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0);
         for (int u = 0; u < t; u++)
             for (int l = 0; l < 8; l++)
-                memcpy(out + 32 * (c0 + l % t) + 4 * t * (l / t) + 4 * u,
+                memcpy(out + 512 * (c0 + l % t) + 4 * t * (l / t) + 4 * u,
                        lanes + 32 * (c0 + u) + 4 * l, 4);
     }
 }
@@ -1085,8 +1087,8 @@ TM_TARGET_AMX TM_INLINE void amx_scale16(const int32_t *as, const int32_t *bs, c
  * stored at sums + 256 · (2i + j). */
 #define AMX_ROUND(SIGNED, xa, K, b0, b1, sums)                                                \
     do {                                                                                      \
-        _tile_loadd(4, xa, K);                                                                \
-        _tile_loadd(5, (xa) + 16 * (K), K);                                                   \
+        _tile_loadd(4, xa, 32);                                                               \
+        _tile_loadd(5, (xa) + 16 * (K), 32);                                                  \
         _tile_loadd(6, b0, 64);                                                               \
         _tile_loadd(7, b1, 64);                                                               \
         _tile_zero(0);                                                                        \
@@ -1112,8 +1114,8 @@ TM_TARGET_AMX TM_INLINE void amx_scale16(const int32_t *as, const int32_t *bs, c
 
 /*
  * block_int8's work on AMX, for all the call's activation rows at once: weight rows [n0, n1)
- * against rows [m0, m1) into out[(m - m0) · ostride + n - n0]. xq: regrouped codes, rows
- * padded with zeros to a multiple of 32; xd8, xz: tile_int8's lane scales and zero-point
+ * against rows [m0, m1) into out[(m - m0) · ostride + n - n0]. xq: regrouped codes, 16 rows
+ * interleaved chunk by chunk (amx_regroup), rows padded with zeros to a multiple of 32; xd8, xz: tile_int8's lane scales and zero-point
  * terms, a row's nblk blocks together. Each 32 weight rows are prepared once, then every 32
  * activation rows run over them, a step (lane) at a time, the sums of step s scaled while the
  * instructions of step s + 1 run. Returns 0, or -1 when its scratch could not be allocated.
@@ -1149,7 +1151,7 @@ TM_TARGET_AMX static int block_amx(int kind, int f16, int64_t G, int64_t K, cons
             for (int64_t s = 0; s <= nsteps; s++) {
                 if (s < nsteps) {
                     const int64_t b = s / 8, l = s % 8;
-                    const int8_t *xa = xt + 32 * (8 * b + chunk_of[s]); /* blocks of 4: c0 = 8b */
+                    const int8_t *xa = xt + 512 * (8 * b + chunk_of[s]); /* blocks of 4: c0 = 8b */
                     int32_t *sm = sums + (s & 1) * 2048;
                     for (int h = 0; h < per; h++) {
                         const int64_t k = S * b + per * l + h;
@@ -1312,7 +1314,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
             }
             quantize_row_lanes(x + m * K, K, lanes, 32, xd8 + m * nblk * 8, 8,
                                xz ? xz + m * nblk * zw : NULL, zx, G == 16, qmax);
-            amx_regroup(lanes, K, xq + m * K);
+            amx_regroup(lanes, K, xq + m / 16 * 16 * K + m % 16 * 32);
             free(lanes);
         }
         if (failed) goto fail;
