@@ -1131,14 +1131,8 @@ TM_TARGET_AMX static int block_amx(int kind, int f16, int64_t G, int64_t K, cons
     float *sc = aligned_alloc(64, sizeof(float) * 2 * tiles * 16);
     float *acc = aligned_alloc(64, sizeof(float) * 4 * 8 * 256); /* [tile 2i + j][lane][16 x 16] */
     int32_t *sums = aligned_alloc(64, sizeof(int32_t) * 2 * 2 * 4 * 256); /* [s & 1][half][tile] */
-    int8_t *chunk_of = malloc((size_t)nsteps); /* each step's chunk, t = 4 or 8 */
-    const int ok = bt && sc && acc && sums && chunk_of;
+    const int ok = bt && sc && acc && sums;
     if (!ok) goto done;
-    {
-        int64_t b = 0;
-        for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++)
-            for (int l = 0; l < 8; l++) chunk_of[8 * b + l] = (int8_t)(l % block_chunks(nc, c0));
-    }
     amx_configure();
     for (int64_t nt = n0; nt < n1; nt += 32) {
         const int nn = n1 - nt < 32 ? (int)(n1 - nt) : 32;
@@ -1151,7 +1145,9 @@ TM_TARGET_AMX static int block_amx(int kind, int f16, int64_t G, int64_t K, cons
             for (int64_t s = 0; s <= nsteps; s++) {
                 if (s < nsteps) {
                     const int64_t b = s / 8, l = s % 8;
-                    const int8_t *xa = xt + 512 * (8 * b + chunk_of[s]); /* blocks of 4: c0 = 8b */
+                    /* the lane's chunk: blocks before the last are all of 8, so c0 = 8b */
+                    const int64_t chunk = 8 * b + l % block_chunks(nc, 8 * b);
+                    const int8_t *xa = xt + 512 * chunk;
                     int32_t *sm = sums + (s & 1) * 2048;
                     for (int h = 0; h < per; h++) {
                         const int64_t k = S * b + per * l + h;
@@ -1202,7 +1198,6 @@ done:
     free(sc);
     free(acc);
     free(sums);
-    free(chunk_of);
     return ok ? 0 : -1;
 }
 #endif
