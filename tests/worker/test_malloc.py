@@ -34,8 +34,17 @@ print(nbytes >> 12, faults_of_a_filled_buffer(nbytes))
 
 @glibc
 def test_a_step_sized_buffer_is_reused_without_page_faults() -> None:
+    """NOTE: in about 1 process of 6 here (Intel Xeon, glibc 2.36) the second fill faults every
+    page again: where the address space after the heap is taken (ASLR's draw), glibc maps
+    large blocks however high the threshold. So up to 5 fresh processes are tried, and one must
+    reuse its buffer (all 5 missing by chance: ~1 in 8,000)."""
     repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-c", _CHILD]
-    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, check=True, timeout=120)
-    pages, again = map(int, out.stdout.split())
-    assert again < pages // 10, again  # under a tenth of its 4 KiB pages
+    seen = []
+    for _ in range(5):
+        out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, check=True, timeout=120)
+        pages, again = map(int, out.stdout.split())
+        seen.append(again)
+        if again < pages // 10:  # under a tenth of its 4 KiB pages
+            return
+    pytest.fail(f"every process faulted its freed buffer in again: {seen} of {pages} pages")
