@@ -11,8 +11,9 @@ For each context length L (default 4,096 and 8,192), 2 threads each, float16 KV 
                                    tg<decode> @ d<L>
 
 Ratios are tokenmill over llama.cpp (> 1: tokenmill faster). Each engine runs alone, one after
-the other. Also shown: the KV bytes a request of L tokens holds in tokenmill's cache (every
-layer keeps every token's K/V; a sliding-window layer only attends to its window).
+the other. Also shown: the KV bytes a request of L tokens holds at most in tokenmill's cache
+(its KV layout's blocks: gemma-3-270m's 15 sliding-window layers keep their window and the
+step's tokens, its 3 global layers every token; kv_layout.py).
 
     python benchmarks/long_context.py [--lengths 4096,8192] [--decode 64] [--repeats 3]
         [--max-num-batched-tokens 2048]
@@ -54,14 +55,15 @@ def run_tokenmill(lengths: list[int], decode: int, repeats: int, chunk: int) -> 
     )
     cfg = engine.config
     bs = cfg.cache_config.block_size
-    per_token = kv_bytes_per_block(cfg.model_config, bs, torch.float32, "float16") / bs
+    layout = cfg.cache_config.layout(cfg.model_config.num_hidden_layers)
+    per_block = kv_bytes_per_block(cfg.model_config, bs, torch.float32, "float16", layout)
     rows = {}
     for length in lengths:
         r = latency(engine, input_len=length, output_len=decode, num_iters=repeats)
         rows[length] = {
             "ttft_s": r["ttft_s_median"],
             "decode_tok_s": r["decode_tokens_per_s_median"],
-            "kv_mib": per_token * (length + decode) / 2**20,
+            "kv_mib": per_block * layout.blocks_held(length + decode, bs, chunk) / 2**20,
         }
     return rows
 

@@ -17,7 +17,10 @@ import tokenmill
 
 ROOT = Path(tokenmill.__file__).parent
 # Level 1: data and configuration, stdlib (and tokenizers / jinja for the tokenizer) only.
-LEVEL1 = {"config", "cost", "modelfile", "request", "sampling_params", "outputs", "tokenizer"}
+LEVEL1 = {
+    *("config", "cost", "kv_layout", "modelfile", "request", "sampling_params", "outputs"),
+    "tokenizer",
+}
 # Level 3: torch building blocks; they may use each other.
 # (_qgemm is the C extension built from tokenmill/csrc, loaded by the kernels package.)
 LEVEL3 = {"kernels", "layers", "attention", "quant", "moe", "spec", "structured", "_qgemm"}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.kv_layout import KVLayout, uniform_layout
 from tokenmill.modelfile import GGUF_FILE_TYPES
 
 logger = logging.getLogger(__name__)
@@ -214,12 +215,9 @@ class ModelConfig:
         return None
 
     @property
-    def window_of_every_layer(self) -> int | None:
-        """The window when every layer attends within one (Mistral), else None (full layers,
-        or Gemma's mix of local and global ones)."""
-        if self.sliding_window and all(t == SLIDING_ATTENTION for t in self.layer_types):
-            return self.sliding_window
-        return None
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's attention window (``layer_sliding_window``), in order."""
+        return tuple(self.layer_sliding_window(i) for i in range(self.num_hidden_layers))
 
     @property
     def attention_scale(self) -> float:
@@ -588,9 +586,18 @@ class CacheConfig:
     # Set once the worker has sized the cache from the budget (WorkerInfo.num_kv_blocks).
     num_blocks: int = 0
     kv_cache_dtype: str = "auto"
-    # Set when every layer attends within this many tokens: a request's blocks that fall
-    # wholly before its window are released (core/kv_cache_manager.py).
-    sliding_window: int | None = None
+    # Which layers a block holds and each request's block tables (kv_layout.py), set from what
+    # the worker loaded; None: one table, every layer in a block, no window.
+    kv_layout: KVLayout | None = None
+
+    def layout(self, num_layers: int) -> KVLayout:
+        """The cache's layout (``num_layers``: the model's, for the default one)."""
+        return self.kv_layout or uniform_layout(num_layers)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Per block table of a request, its layers' window (None: full attention)."""
+        return self.kv_layout.group_windows if self.kv_layout else (None,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,8 +621,9 @@ class WorkerInfo:
     quantization: str | None
     weight_nbytes: int
     num_parameters: int  # weights' elements, packed ones counted as the floats they stand for
-    kv_bytes_per_block: int  # all layers: K and V (and their scales)
+    kv_bytes_per_block: int  # the layers a block holds: K and V (and their scales)
     num_kv_blocks: int  # blocks that fit the kv_cache_memory budget, the null block included
+    kv_layout: KVLayout  # which layers a block holds; each request's block tables
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,10 +122,9 @@ class EngineInfo:
     block_size: int
     num_kv_blocks: int  # usable blocks (the null block excluded)
     kv_cache_nbytes: int
-
-    @property
-    def num_kv_tokens(self) -> int:
-        return self.num_kv_blocks * self.block_size
+    # The longest request whose K/V fit (at most num_kv_blocks x block_size): fewer blocks than
+    # tokens when sliding-window layers keep only their window (kv_layout.py).
+    num_kv_tokens: int
 
 
 @dataclass(slots=True)

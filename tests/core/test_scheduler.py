@@ -16,6 +16,7 @@ import pytest
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core import RunnerOutput, Scheduler, SchedulerOutput
 from tokenmill.core.sched_output import RequestUpdate
+from tokenmill.kv_layout import KVLayout
 from tokenmill.request import FinishReason, Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -32,12 +33,24 @@ TokenFn = Callable[[str, int], int]
 
 
 class FakeWorker:
-    def __init__(self, block_size: int, token_fn: TokenFn = default_token) -> None:
+    """Per group of layers (``group_windows``), a block table per request and a cache of
+    "which prefix each slot holds"; every step checks that each scheduled token's context, as
+    far as its group attends (all of it, or the window), holds that token's own sequence."""
+
+    def __init__(
+        self,
+        block_size: int,
+        token_fn: TokenFn = default_token,
+        group_windows: tuple[int | None, ...] = (None,),
+    ) -> None:
         self.block_size = block_size
         self.token_fn = token_fn
-        self.reqs: dict[str, tuple[list[int], list[int]]] = {}  # id -> (tokens, block ids)
+        self.group_windows = group_windows
+        # id -> (tokens, block table per group)
+        self.reqs: dict[str, tuple[list[int], list[list[int]]]] = {}
         self.num_prompt: dict[str, int] = {}
-        self.slots: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix it encodes
+        # per group: slot -> the token prefix it encodes
+        self.slots: list[dict[int, tuple[int, ...]]] = [{} for _ in group_windows]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
@@ -46,26 +59,33 @@ class FakeWorker:
         computed: dict[str, int] = {}
         for new in out.new_reqs:
             assert new.req_id not in self.reqs
-            self.reqs[new.req_id] = (list(new.token_ids), list(new.block_ids))
+            assert len(new.block_ids) == len(self.group_windows)
+            self.reqs[new.req_id] = (list(new.token_ids), [list(t) for t in new.block_ids])
             self.num_prompt[new.req_id] = new.num_prompt_tokens
             computed[new.req_id] = new.num_computed_tokens
         for cached in out.cached_reqs:
-            self.reqs[cached.req_id][1].extend(cached.new_block_ids)
+            for table, new_ids in zip(self.reqs[cached.req_id][1], cached.new_block_ids):
+                table.extend(new_ids)
             computed[cached.req_id] = cached.num_computed_tokens
         assert set(computed) == set(out.num_scheduled_tokens)
-        # Write every scheduled token's "KV", then check each request's whole context.
+        # Write every scheduled token's "KV", then check each request's context.
         for rid, n in out.num_scheduled_tokens.items():
-            tokens, blocks = self.reqs[rid]
+            tokens, tables = self.reqs[rid]
             start = computed[rid]
             assert n >= 1 and start + n <= len(tokens)
-            assert len(blocks) * bs >= start + n, "block table too short"
-            for pos in range(start, start + n):
-                self.slots[blocks[pos // bs] * bs + pos % bs] = tuple(tokens[: pos + 1])
+            for g, blocks in enumerate(tables):
+                assert len(blocks) * bs >= start + n, "block table too short"
+                for pos in range(start, start + n):
+                    assert blocks[pos // bs] != 0, "a token written into the null block"
+                    self.slots[g][blocks[pos // bs] * bs + pos % bs] = tuple(tokens[: pos + 1])
         for rid, n in out.num_scheduled_tokens.items():
-            tokens, blocks = self.reqs[rid]
-            for pos in range(computed[rid] + n):
-                slot = blocks[pos // bs] * bs + pos % bs
-                assert self.slots.get(slot) == tuple(tokens[: pos + 1]), (rid, pos)
+            tokens, tables = self.reqs[rid]
+            for g, (blocks, window) in enumerate(zip(tables, self.group_windows)):
+                # The step's first query sees the most keys before it.
+                first = 0 if window is None else max(0, computed[rid] - window + 1)
+                for pos in range(first, computed[rid] + n):
+                    slot = blocks[pos // bs] * bs + pos % bs
+                    assert self.slots[g].get(slot) == tuple(tokens[: pos + 1]), (rid, g, pos)
         sampled: dict[str, list[int]] = {}
         for rid, n in out.num_scheduled_tokens.items():
             tokens, _ = self.reqs[rid]
@@ -76,6 +96,12 @@ class FakeWorker:
         return RunnerOutput(sampled_token_ids=sampled)
 
 
+def layout_of(group_windows: tuple[int | None, ...]) -> KVLayout:
+    """A layout of one layer per group (the scheduler reads only the groups' windows)."""
+    n = len(group_windows)
+    return KVLayout(1, group_windows, tuple(range(n)), (0,) * n)
+
+
 def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -83,6 +109,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
+    group_windows: tuple[int | None, ...] = (None,),
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
@@ -90,6 +117,7 @@ def make_scheduler(
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             num_blocks=num_blocks,
+            kv_layout=layout_of(group_windows),
         ),
     )
 
@@ -119,7 +147,7 @@ class Driver:
 
     def __init__(self, sched: Scheduler, token_fn: TokenFn = default_token) -> None:
         self.sched = sched
-        self.worker = FakeWorker(sched.kv.block_size, token_fn)
+        self.worker = FakeWorker(sched.kv.block_size, token_fn, sched.kv.group_windows)
         self.outputs: list[SchedulerOutput] = []
         self.finished: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -407,10 +435,10 @@ def test_finish_request_from_running_frees_blocks_at_once():
     d.add(victim, other)
     d.step()
     d.step()
-    held_by_other = len(sched.kv.block_ids(other.req_id))
-    assert len(sched.kv.block_ids(victim.req_id)) == 3
+    held_by_other = len(sched.kv.block_ids(other.req_id)[0])
+    assert len(sched.kv.block_ids(victim.req_id)[0]) == 3
     sched.finish_request(victim.req_id, FinishReason.ABORT)
-    assert sched.kv.block_ids(victim.req_id) == []
+    assert sched.kv.block_ids(victim.req_id) == [[]]
     assert sched.kv.num_free_blocks == 32 - held_by_other
     assert victim not in sched.running
     assert victim.finish_reason == FinishReason.ABORT
@@ -484,10 +512,10 @@ def test_siblings_wait_for_the_leader_prompt_then_hit_its_blocks():
     d.step()
     out = d.outputs[-1]
     assert [n.req_id for n in out.new_reqs] == ["g#1", "g#2"]
-    leader_blocks = sched.kv.block_ids("g")
+    (leader_blocks,) = sched.kv.block_ids("g")
     for new in out.new_reqs:
         assert new.num_computed_tokens == 16
-        assert new.block_ids[:4] == leader_blocks[:4]
+        assert new.block_ids[0][:4] == leader_blocks[:4]
     assert out.num_scheduled_tokens == {"g#1": 1, "g#2": 1, "g": 1}
     d.run()
     for req in (leader, sib1, sib2):
@@ -550,22 +578,29 @@ def test_cache_salt_prevents_sharing_between_requests():
 # ---- randomized: shared prefixes, memory pressure, aborts ----------------------------------------
 
 
+@pytest.mark.parametrize("group_windows", [(None,), (None, 7, 7), (5,)], ids=str)
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workload_keeps_every_invariant(seed):
+def test_random_workload_keeps_every_invariant(seed, group_windows):
     """Random prompts with shared prefixes, n = 2 groups, tight memory and budgets, aborts; the
     fake worker checks every block table, and every request ends with the right tokens. (Over
-    these seeds: preemptions in 7 of 8 runs, prefix hits in 6, 5 to 12 aborts each.)"""
+    these seeds, one group without a window: preemptions in 7 of 8 runs, prefix hits in 6, 5 to
+    12 aborts each.) Also with window groups beside a full one (Gemma), and every layer
+    windowed (Mistral)."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     max_model_len = 48
-    num_blocks = max_model_len // block_size + 1 + rng.randrange(0, 12)
+    max_num_batched_tokens = rng.choice([5, 16, 64])
+    layout = layout_of(group_windows)
+    one_request = layout.blocks_held(max_model_len, block_size, max_num_batched_tokens)
+    num_blocks = one_request + 1 + rng.randrange(0, 12 * len(group_windows))
     sched = make_scheduler(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=rng.choice([2, 4, 16]),
-        max_num_batched_tokens=rng.choice([5, 16, 64]),
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=rng.random() < 0.8,
+        group_windows=group_windows,
     )
     d = Driver(sched)
     shared = [rng.randrange(3, 60) for _ in range(20)]
@@ -597,9 +632,9 @@ def test_random_workload_keeps_every_invariant(seed):
             break
         d.step()
         # Every block is either free or held by a running request; waiting ones hold none.
-        held = {b for r in sched.running for b in sched.kv.block_ids(r.req_id)}
-        assert sched.kv.num_free_blocks + len(held) == sched.kv.pool.num_usable_blocks
-        assert all(sched.kv.block_ids(r.req_id) == [] for r in sched.waiting)
+        held = [b for r in sched.running for t in sched.kv.block_ids(r.req_id) for b in t if b != 0]
+        assert sched.kv.num_free_blocks + len(set(held)) == sched.kv.pool.num_usable_blocks
+        assert all(not any(sched.kv.block_ids(r.req_id)) for r in sched.waiting)
     d.run()
     assert set(expected) - aborted == set(d.finished) - aborted
     for rid, max_tokens in expected.items():
@@ -628,7 +663,7 @@ def test_drafts_run_with_a_decode_and_rejected_ones_are_taken_back() -> None:
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 4} and out.draft_token_ids == {"a": [51, 52, 53]}
     assert req.draft_token_ids == []  # a proposal runs once
-    assert len(sched.kv.block_ids("a")) == 4  # room for 10 + 1 + 3 tokens
+    assert len(sched.kv.block_ids("a")[0]) == 4  # room for 10 + 1 + 3 tokens
     # 51 accepted, 52 rejected: the model's 60 instead; 53 never counted.
     sched.update_from_output(out, RunnerOutput({"a": [51, 60]}))
     assert req.output_token_ids == [50, 51, 60]

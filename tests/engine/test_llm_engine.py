@@ -225,14 +225,14 @@ def test_abort_mid_generation_frees_blocks_and_others_finish(engine):
     for _ in range(4):
         engine.step()
     free_before = engine.num_free_blocks
-    held = len(engine.scheduler.kv.block_ids(ids[1]))
+    held = sum(len(t) for t in engine.scheduler.kv.block_ids(ids[1]))
     assert held > 0
     aborted = engine.abort_request(ids[1])
     assert aborted.finished
     assert aborted.outputs[0].finish_reason == "abort"
     assert 0 < len(aborted.outputs[0].token_ids) < 40
     assert engine.num_free_blocks == free_before + held  # back at once, not at the next step
-    assert engine.scheduler.kv.block_ids(ids[1]) == []
+    assert not any(engine.scheduler.kv.block_ids(ids[1]))
     assert engine.abort_request(ids[1]) is None  # already gone
     done = {}
     while engine.has_unfinished_requests():

@@ -128,7 +128,7 @@ def test_a_windowed_model_holds_only_its_window_and_still_matches(tiny_model_dir
         model=str(path), max_model_len=256, block_size=block_size, kv_cache_memory="8MiB",
         max_num_batched_tokens=16,  # the prompt runs in chunks, each on released blocks
     )  # fmt: skip
-    assert engine.config.cache_config.sliding_window == 24
+    assert engine.config.cache_config.group_windows == (24,)
     prompt = prompts_for(1, seed=3, lo=40, hi=41)[0]
     longer = SamplingParams(temperature=0.0, max_tokens=80, logprobs=5, ignore_eos=True)
     first = engine.add_request(prompt, longer)
@@ -138,10 +138,43 @@ def test_a_windowed_model_holds_only_its_window_and_still_matches(tiny_model_dir
             outputs[out.request_id] = out
         if len(held) == 60:
             second = engine.add_request(prompt, GREEDY)
-        table = engine.scheduler.kv.block_ids(first)
+        (table,) = engine.scheduler.kv.block_ids(first)
         held.append(sum(1 for b in table if b != 0))
     # A window of 24 plus a step of up to 16 spans at most 6 blocks of 8; the context, 15.
     assert max(held) <= 6 < -(-(len(prompt) + 80) // block_size)
+    check_against_hf(path, prompt, outputs[first].outputs[0])
+    check_against_hf(path, prompt, outputs[second].outputs[0])
+    assert outputs[second].metrics.num_cached_tokens > 0
+    assert_all_blocks_free(engine)
+
+
+def test_a_hybrid_model_keeps_only_its_window_layers_windows_and_still_matches(tiny_model_dir):
+    """The tiny Gemma 3 has 5 local layers (window 24) and 1 global one: a block table per
+    layer (kv_layout.py). The global layer's table keeps every block; the local layers' keep
+    only their window's, as the request runs. A long generation still matches transformers,
+    and a second request with the same prompt still finds it cached while the first runs."""
+    path = tiny_model_dir("gemma3")
+    block_size = 8
+    engine = LLMEngine.from_args(
+        model=str(path), max_model_len=256, block_size=block_size, kv_cache_memory="8MiB",
+        max_num_batched_tokens=16,  # the prompt runs in chunks, each on released blocks
+    )  # fmt: skip
+    assert engine.config.cache_config.group_windows == (None,) + (24,) * 5
+    prompt = prompts_for(1, seed=3, lo=40, hi=41)[0]
+    longer = SamplingParams(temperature=0.0, max_tokens=80, logprobs=5, ignore_eos=True)
+    first = engine.add_request(prompt, longer)
+    held, outputs = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if len(held) == 60:
+            second = engine.add_request(prompt, GREEDY)
+        tables = engine.scheduler.kv.block_ids(first)
+        held.append([sum(1 for b in t if b != 0) for t in tables])
+    whole = -(-(len(prompt) + 79) // block_size)  # the last sample never runs
+    assert max(h[0] for h in held) == whole  # the global layer: every token's block
+    # A window of 24 plus a step of up to 16 spans at most 6 blocks of 8.
+    assert max(n for h in held for n in h[1:]) <= 6 < whole
     check_against_hf(path, prompt, outputs[first].outputs[0])
     check_against_hf(path, prompt, outputs[second].outputs[0])
     assert outputs[second].metrics.num_cached_tokens > 0

@@ -203,7 +203,8 @@ def test_rejected_slots_are_never_attended(tiny_model_dir) -> None:
     )
     engine = LLMEngine(args)
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    caches = engine.executor.worker.runner.kv_caches
+    runner = engine.executor.worker.runner
+    caches, layer_groups = runner.kv_caches, runner.kv_layout.layer_groups
     block_size = args.block_size
     done, num_poisoned = {}, 0
     while engine.has_unfinished_requests():
@@ -211,12 +212,12 @@ def test_rejected_slots_are_never_attended(tiny_model_dir) -> None:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         for req in engine.scheduler.running:
-            blocks = engine.scheduler.kv.block_ids(req.req_id)
-            for pos in range(req.num_computed_tokens, len(blocks) * block_size):
+            tables = engine.scheduler.kv.block_ids(req.req_id)  # a table per group of layers
+            for pos in range(req.num_computed_tokens, len(tables[0]) * block_size):
                 b, off = divmod(pos, block_size)
-                for layer in caches:
-                    layer[0][blocks[b], off] = 1e4
-                    layer[1][blocks[b], off] = -1e4
+                for layer, group in zip(caches, layer_groups):
+                    layer[0][tables[group][b], off] = 1e4
+                    layer[1][tables[group][b], off] = -1e4
                 num_poisoned += 1
     assert num_poisoned > 0
     assert [done[i] for i in ids] == [o.token_ids for o in plain]

@@ -97,7 +97,7 @@ def test_profiling_step_runs_the_model_in_sequences_of_max_model_len(tiny_model_
     worker.initialize(CacheConfig(block_size=16, num_blocks=8))
     assert worker.runner is not None
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    new = NewRequestData("r", [0] * 9, 9, params, [1], 0)
+    new = NewRequestData("r", [0] * 9, 9, params, [[1]], 0)
     runner = worker.runner
     sched = SchedulerOutput([new], [], {"r": 8})  # positions 0..7 of the nine zeros
     runner.update_states(sched)

@@ -28,16 +28,29 @@ BLOCK_SIZE = 16
 
 
 def make_runner(tiny_model_dir, arch: str, kv_cache_dtype: str = "auto") -> ModelRunner:
+    """The worker's runner, in the worker's KV layout: the tiny gemma3 (window 24 in 5 of its 6
+    layers) has a block table per layer, 6 groups."""
     args = EngineArgs(model=str(tiny_model_dir(arch)), max_model_len=128, kv_cache_memory="4MiB")
     worker = Worker(args)
-    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=32, kv_cache_dtype=kv_cache_dtype)
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE,
+        num_blocks=32,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_layout=worker.kv_layout,
+    )
     worker.initialize(cache)
     assert worker.runner is not None
     return worker.runner
 
 
-def new_req(req_id: str, token_ids: list[int], block_ids: list[int], num_computed: int = 0):
-    return NewRequestData(req_id, token_ids, len(PROMPT), GREEDY, block_ids, num_computed)
+def tables(runner: ModelRunner, block_ids: list[int]) -> list[list[int]]:
+    """A block table per group: group g's blocks are ``block_ids`` + 5 g (below 32 for 6)."""
+    return [[b + 5 * g for b in block_ids] for g in range(runner.kv_layout.num_groups)]
+
+
+def new_req(runner, req_id: str, token_ids: list[int], block_ids: list[int], num_computed=0):
+    blocks = tables(runner, block_ids)
+    return NewRequestData(req_id, token_ids, len(PROMPT), GREEDY, blocks, num_computed)
 
 
 def step_logits(runner: ModelRunner, sched: SchedulerOutput) -> tuple[list, torch.Tensor]:
@@ -54,16 +67,21 @@ def test_one_plus_k_rows_give_the_logits_of_k_plus_1_single_steps(
     tiny_model_dir, arch, kv_cache_dtype
 ) -> None:
     runner = make_runner(tiny_model_dir, arch, kv_cache_dtype)
+    assert runner.kv_layout.num_groups == (6 if arch == "gemma3" else 1)
     known = PROMPT + [KNOWN_NEXT]
     prefill = {"a": len(PROMPT), "b": len(PROMPT)}
     runner.execute(  # both prompts into the cache; mid-known tokens: nothing sampled
-        SchedulerOutput([new_req("a", known, [1, 2]), new_req("b", known, [3, 4])], [], prefill)
+        SchedulerOutput(
+            [new_req(runner, "a", known, [1, 2]), new_req(runner, "b", known, [3, 4])],
+            [],
+            prefill,
+        )
     )
     # "a": its next token and 4 drafts in one step, beside a one-token decode of "c".
     c_tokens = [1, 2, 3]
     sched = SchedulerOutput(
-        new_reqs=[new_req("c", c_tokens, [5], num_computed=2)],
-        cached_reqs=[CachedRequestData("a", [], len(PROMPT))],
+        new_reqs=[new_req(runner, "c", c_tokens, [5], num_computed=2)],
+        cached_reqs=[CachedRequestData("a", tables(runner, []), len(PROMPT))],
         num_scheduled_tokens={"c": 1, "a": 1 + len(DRAFTS)},
         draft_token_ids={"a": DRAFTS},
     )
@@ -75,7 +93,7 @@ def test_one_plus_k_rows_give_the_logits_of_k_plus_1_single_steps(
     for j in range(len(DRAFTS) + 1):
         tokens = known + DRAFTS[:j]
         sched = SchedulerOutput(
-            new_reqs=[new_req(f"b{j}", tokens, [3, 4], num_computed=len(tokens) - 1)],
+            new_reqs=[new_req(runner, f"b{j}", tokens, [3, 4], num_computed=len(tokens) - 1)],
             cached_reqs=[],
             num_scheduled_tokens={f"b{j}": 1},
             finished_req_ids={f"b{j - 1}"} if j else {"b"},

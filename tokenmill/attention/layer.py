@@ -36,6 +36,7 @@ class Attention(nn.Module):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         k_cache, v_cache, *scales = fwd.kv_caches[self.layer_idx]
         kv_scales = (scales[0], scales[1]) if scales else None  # quantized cache
+        attn = fwd.layer_attn(self.layer_idx)
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, fwd.attn, self.scale, self.sliding_window, kv_scales
+            q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, kv_scales
         )

@@ -62,6 +62,14 @@ class ForwardBatch:
     """What a model's forward needs besides input ids and positions; passed explicitly."""
 
     # Per layer: K, V [num_blocks, block_size, num_kv_heads, head_dim]; a quantized cache
-    # (int8 / fp8) adds K and V scales [num_blocks, block_size, num_kv_heads] float32.
+    # (int8 / fp8) adds K and V scales [num_blocks, block_size, num_kv_heads] float32. Layers of
+    # different groups share tensors (kv_layout.py).
     kv_caches: list[tuple[torch.Tensor, ...]]
-    attn: AttentionMetadata
+    # Per group of layers: its block tables and slots (one group: every layer's).
+    attn: list[AttentionMetadata]
+    # Per layer: its group; empty when there is one group.
+    layer_groups: tuple[int, ...] = ()
+
+    def layer_attn(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer ``layer_idx`` attends with."""
+        return self.attn[self.layer_groups[layer_idx] if self.layer_groups else 0]

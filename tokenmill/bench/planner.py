@@ -8,7 +8,8 @@ that:
 
 - prefill of a prompt (chunks of ``max_num_batched_tokens``) -> time to first token;
 - a decode step of B requests at context c -> each user's tokens/s (1 / step time);
-- KV bytes per token (layers x KV heads x head dim x 2 x dtype) -> requests that fit in memory;
+- KV bytes per token (layers x KV heads x head dim x 2 x dtype; a window layer holds its window)
+  -> requests that fit in memory;
 - N requests at once, each prompt P and output O -> prefill all, then O - 1 decode steps ->
   throughput, and cost per million tokens at the hardware's price per hour;
 - a request rate R -> the concurrency where R x response time = concurrency (Little's law).
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from tokenmill.bench.hardware import Hardware
 from tokenmill.config import ModelConfig, resolve_model
 from tokenmill.cost import cost_per_million_tokens
+from tokenmill.kv_layout import plan_kv_layout
 from tokenmill.modelfile import (
     FLOAT32_BYTES,
     RESIDENT_BYTES_PER_WEIGHT,
@@ -50,6 +52,7 @@ _EMBED_NAMES = ("token_embd.weight", "model.embed_tokens.weight", "embed_tokens.
 # float32 scale and offset per group of 32), the packed layouts of quant/.
 _QUANTIZED_BYTES = {"int8": 1.0, "int4": 0.5 + 8 / 32}
 _KV_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
+_BLOCK_SIZE, _MAX_STEP_TOKENS = 16, 2048  # EngineArgs' block_size, max_num_batched_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +97,12 @@ class ModelFacts:
         )
 
     def kv_bytes_per_sequence(self, num_tokens: int) -> float:
-        """Bytes a request of ``num_tokens`` holds: blocks of every layer for every token (the
-        engine keeps a window layer's old blocks too)."""
-        return num_tokens * self.num_layers * self.kv_bytes_per_token
+        """Bytes a request of ``num_tokens`` holds at most in the engine's blocks (of 16 tokens,
+        steps of 2,048, its defaults): a full-attention layer's every token, a window layer's
+        window and step (kv_layout.py)."""
+        layout = plan_kv_layout(self.layer_windows, self.max_model_len)
+        num_blocks = layout.blocks_held(num_tokens, _BLOCK_SIZE, _MAX_STEP_TOKENS)
+        return num_blocks * layout.group_size * _BLOCK_SIZE * self.kv_bytes_per_token
 
     def kv_tokens_read(self, context_len: int) -> int:
         """Token-layers of K/V a query at ``context_len`` attends to (windows cut it)."""

@@ -1,6 +1,6 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
 
-Block layout of one request (block_size = 4 here)::
+Block layout of one request's table (block_size = 4 here)::
 
     | computed (cached or run) | scheduled this step | free room |
     [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .. ..]
@@ -9,19 +9,23 @@ Block layout of one request (block_size = 4 here)::
 Full blocks are hashed (chained, see block_pool) as soon as their tokens are scheduled; the engine
 runs steps synchronously, so by the next lookup their KV is written.
 
-Sliding-window layers (Gemma 3's local layers, Mistral): a block holds the K/V of *every* layer
-for its tokens, local layers included, and local layers merely mask keys outside their window.
-So a cached block serves local and global layers alike, and a prefix hit skips all layers for
-those tokens. When *every* layer is windowed (Mistral; ``sliding_window`` set), a block whose
-tokens all lie before the window of the request's next query is released: its table entry
-becomes the null block 0, which no kernel reads (they read only the window), and the block
-goes back to the pool, still findable by its hash until it is handed out again. A request then
-holds at most window + step tokens of blocks however long it runs. With full layers among the
-windowed ones (Gemma 2 and 3) every block stays: releasing the windowed layers' share needs a
-pool per layer group, which is not built.
+A request has one table per group of layers (kv_layout.py): one for most models, and for Gemma
+2 and 3 one for the full-attention layers and one per group of sliding-window layers. Every
+table covers the same tokens, block for block. In a window group, a block whose tokens all lie
+before the window of the request's next query is released: its table entry becomes the null
+block 0, which no kernel reads (they read only the window), and the block goes back to the pool,
+still findable by its hash until it is handed out again (in LRU order, as any freed cached
+block: another request with the same prefix may still need its window). A window group thus
+holds at most window + step tokens of blocks however long the request runs.
+
+A prefix hit covers the same leading blocks in every group: all of them in a full group, and in a
+window group those the window of the first token left to compute reaches (the blocks before it
+were released, and are not needed).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from tokenmill.request import Request
@@ -29,16 +33,17 @@ from tokenmill.request import Request
 NULL_BLOCK = 0  # block_pool never hands it out; released window blocks' table entries
 
 
-def max_blocks_held(
-    block_size: int, max_model_len: int, max_step_tokens: int, window: int | None
-) -> int:
-    """The most blocks one request holds at once: its whole context, or with every layer
-    windowed the window behind a step's first query plus the step (and one block of
-    misalignment), whichever is fewer."""
-    whole = -(-max_model_len // block_size)
-    if window is None:
-        return whole
-    return min(whole, -(-(window - 1 + max_step_tokens) // block_size) + 1)
+@dataclass(slots=True)
+class PrefixHit:
+    """Cached blocks a waiting request starts from: its first ``num_blocks`` blocks of tokens,
+    per group (a window group's entries before its window are the null block)."""
+
+    num_blocks: int
+    blocks: list[list[Block]]
+
+    def held(self) -> list[Block]:
+        """The blocks the hit takes a reference on (not the null entries)."""
+        return [b for table in self.blocks for b in table if b.block_id != NULL_BLOCK]
 
 
 class KVCacheManager:
@@ -47,17 +52,22 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        sliding_window: int | None = None,
+        group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
+        self.group_windows = group_windows
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._req_blocks: dict[str, list[Block]] = {}
+        self._req_blocks: dict[str, list[list[Block]]] = {}  # per request, per group
         self._req_hashes: dict[str, list[BlockHash]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
         # Prefix-cache counters, in tokens (what /metrics reports).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,11 +77,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(req_id, ())]
+    def block_ids(self, req_id: str) -> list[list[int]]:
+        """The request's block table of each group (empty ones if it holds none)."""
+        tables = self._req_blocks.get(req_id) or [[] for _ in self.group_windows]
+        return [[b.block_id for b in table] for table in tables]
 
-    def find_cached_prefix(self, req: Request, cache_salt: str | None = None) -> list[Block]:
-        """The longest chain of cached full blocks that starts the request's tokens.
+    def find_cached_prefix(self, req: Request, cache_salt: str | None = None) -> PrefixHit:
+        """The longest run of cached full blocks that starts the request's tokens, in every group.
 
         At least one token is always left to compute, since the model must run on the last one
         to produce the next token's logits.
@@ -80,19 +92,53 @@ class KVCacheManager:
         prompt position are needed, so its whole prompt runs. Its full blocks are still cached
         for others.
         """
+        none = PrefixHit(0, [[] for _ in self.group_windows])
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
-            return []
+            return none
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hashes = self._hashes(req, tokens, max_blocks, cache_salt)
-        hits: list[Block] = []
-        for i, block_hash in enumerate(hashes[:max_blocks]):
-            start = i * self.block_size
-            block = self.pool.get_cached_block(block_hash, tokens[start : start + self.block_size])
-            if block is None:
+        found: dict[tuple[int, int], Block | None] = {}
+
+        def cached(group: int, i: int) -> Block | None:
+            if (group, i) not in found:
+                chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+                key = _group_key(hashes[i], group)
+                found[group, i] = self.pool.get_cached_block(key, chunk)
+            return found[group, i]
+
+        # Full groups: the run of cached blocks from the first one.
+        num_blocks = max_blocks
+        for g, window in enumerate(self.group_windows):
+            if window is None:
+                num_blocks = next(
+                    (i for i in range(num_blocks) if cached(g, i) is None), num_blocks
+                )
+        # Window groups: the longest run whose window is cached. A miss at block i rules out
+        # every run longer than i (its window reaches block i or a later miss).
+        while num_blocks > 0:
+            miss = None
+            for g, window in enumerate(self.group_windows):
+                if window is None:
+                    continue
+                first = self._first_needed(g, num_blocks)
+                miss = next(
+                    (i for i in range(num_blocks - 1, first - 1, -1) if cached(g, i) is None), None
+                )
+                if miss is not None:
+                    break
+            if miss is None:
                 break
-            hits.append(block)
-        return hits
+            num_blocks = miss
+        if num_blocks == 0:
+            return none
+        null = self.pool.blocks[NULL_BLOCK]
+        blocks = []
+        for g in range(self.num_groups):
+            first = self._first_needed(g, num_blocks)
+            table = [null] * first + [cached(g, i) for i in range(first, num_blocks)]
+            blocks.append(table)  # type: ignore[arg-type]
+        return PrefixHit(num_blocks, blocks)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup whose request was then scheduled (retries of a request that did not
@@ -105,64 +151,89 @@ class KVCacheManager:
         self,
         req: Request,
         num_new_tokens: int,
-        cached_blocks: list[Block] | None = None,
+        hit: PrefixHit | None = None,
         cache_salt: str | None = None,
-    ) -> list[int] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if blocks run out.
+    ) -> list[list[int]] | None:
+        """Make room for ``num_new_tokens`` more tokens; None if blocks run out (nothing is then
+        allocated; blocks behind a window are released all the same: no query needs them).
 
-        ``cached_blocks`` are prefix hits for a request that holds no blocks yet. Returns the ids
-        of the newly allocated blocks.
+        ``hit`` is the prefix hit of a request that holds no blocks yet. Returns the ids of each
+        group's new table entries (the hit's, null ones included, then fresh blocks).
         """
-        blocks = self._req_blocks.setdefault(req.req_id, [])
-        cached_blocks = cached_blocks or []
-        num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
-        if self.sliding_window is not None:
-            self._release_before_window(blocks, num_computed)
+        tables = self._req_blocks.setdefault(req.req_id, [[] for _ in self.group_windows])
+        hit = hit or PrefixHit(0, [[] for _ in self.group_windows])
+        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
+        for g, table in enumerate(tables):
+            self._release_before_window(g, table, num_computed)
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_alloc = num_needed - len(blocks) - len(cached_blocks)
+        num_alloc = [
+            max(num_needed - len(table) - len(hit.blocks[g]), 0) for g, table in enumerate(tables)
+        ]
         # Cached blocks that sit in the free queue count against the free total when taken.
-        num_evictable_hits = sum(1 for b in cached_blocks if b.ref_cnt == 0)
-        if num_alloc + num_evictable_hits > self.pool.num_free_blocks:
-            if not blocks:
+        held = hit.held()
+        num_evictable_hits = sum(1 for b in held if b.ref_cnt == 0)
+        if sum(num_alloc) + num_evictable_hits > self.pool.num_free_blocks:
+            if not any(tables):
                 del self._req_blocks[req.req_id]
             return None
-        self.pool.touch(cached_blocks)
-        blocks.extend(cached_blocks)
-        new_blocks = self.pool.allocate(max(num_alloc, 0))
-        blocks.extend(new_blocks)
+        self.pool.touch(held)
+        new_ids = []
+        for g, table in enumerate(tables):
+            new = hit.blocks[g] + self.pool.allocate(num_alloc[g])
+            table.extend(new)
+            new_ids.append([b.block_id for b in new])
         self._cache_full_blocks(req, num_computed + num_new_tokens, cache_salt)
-        return [b.block_id for b in cached_blocks + new_blocks]
+        return new_ids
 
     def free(self, req: Request) -> None:
-        """Release all the request's blocks (tail first: see block_pool)."""
-        blocks = self._req_blocks.pop(req.req_id, [])
+        """Release all the request's blocks (each table tail first: see block_pool)."""
+        tables = self._req_blocks.pop(req.req_id, [])
         self._req_hashes.pop(req.req_id, None)
-        self.pool.free(b for b in reversed(blocks) if b.block_id != NULL_BLOCK)
+        self._num_hashed.pop(req.req_id, None)
+        for table in tables:
+            self.pool.free(b for b in reversed(table) if b.block_id != NULL_BLOCK)
 
-    def _release_before_window(self, blocks: list[Block], num_computed: int) -> None:
-        """Release the blocks no query from position ``num_computed`` on can see: those wholly
-        before its window, which starts at num_computed - window + 1."""
-        first_needed = max(0, num_computed - self.sliding_window + 1) // self.block_size
-        out = [i for i in range(min(first_needed, len(blocks))) if blocks[i].block_id != NULL_BLOCK]
+    def _first_needed(self, group: int, num_computed_blocks: int) -> int:
+        """The first block of a group that a query at the start of block ``num_computed_blocks``
+        sees: 0 for full attention, the block of its window's first key otherwise."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_blocks * self.block_size - window + 1) // self.block_size
+
+    def _release_before_window(self, group: int, table: list[Block], num_computed: int) -> None:
+        """Release the blocks of a window group that no query from position ``num_computed`` on
+        can see: those wholly before its window, which starts at num_computed - window + 1."""
+        window = self.group_windows[group]
+        if window is None:
+            return
+        first_needed = max(0, num_computed - window + 1) // self.block_size
+        out = [i for i in range(min(first_needed, len(table))) if table[i].block_id != NULL_BLOCK]
         if out:
-            self.pool.free(blocks[i] for i in out)
+            self.pool.free(table[i] for i in out)
             for i in out:
-                blocks[i] = self.pool.blocks[NULL_BLOCK]
+                table[i] = self.pool.blocks[NULL_BLOCK]
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
     def _cache_full_blocks(self, req: Request, num_tokens: int, cache_salt: str | None) -> None:
+        """Register the request's newly full blocks under their hashes, in every group (a
+        block another request registered first stays unregistered: first writer wins)."""
         if not self.enable_caching:
             return
         tokens = req.all_token_ids
         num_full = min(num_tokens, len(tokens)) // self.block_size
+        start = self._num_hashed.get(req.req_id, 0)
+        if num_full <= start:
+            return
         hashes = self._hashes(req, tokens, num_full, cache_salt)
-        blocks = self._req_blocks[req.req_id]
-        for i in range(num_full):
-            if blocks[i].block_hash is None and blocks[i].block_id != NULL_BLOCK:
-                start = i * self.block_size
-                self.pool.cache_block(blocks[i], hashes[i], tokens[start : start + self.block_size])
+        for g, table in enumerate(self._req_blocks[req.req_id]):
+            for i in range(start, num_full):
+                if table[i].block_hash is None and table[i].block_id != NULL_BLOCK:
+                    chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+                    self.pool.cache_block(table[i], _group_key(hashes[i], g), chunk)
+        self._num_hashed[req.req_id] = num_full
 
     def _hashes(
         self, req: Request, tokens: list[int], num_full: int, cache_salt: str | None
@@ -175,3 +246,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, chunk, cache_salt if i == 0 else None))
         return hashes
+
+
+def _group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """A block's key in the pool's index: the same tokens hold other layers in each group."""
+    return block_hash + group.to_bytes(2, "little")

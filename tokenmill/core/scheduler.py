@@ -39,7 +39,7 @@ class Scheduler:
             cache_config.num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
-            cache_config.sliding_window,
+            cache_config.group_windows,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -178,7 +178,7 @@ class Scheduler:
                 continue
             salt = self.cache_salts.get(req.req_id)
             cached = self.kv.find_cached_prefix(req, salt)
-            num_cached = len(cached) * self.kv.block_size
+            num_cached = cached.num_blocks * self.kv.block_size
             num_new = min(req.num_tokens - num_cached, budget)
             block_ids = self.kv.allocate_slots(req, num_new, cached, salt)
             if block_ids is None:

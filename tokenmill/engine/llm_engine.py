@@ -27,7 +27,6 @@ from tokenmill.config import (
     parse_memory,
 )
 from tokenmill.core import RunnerOutput, Scheduler
-from tokenmill.core.kv_cache_manager import max_blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.modelfile import human_bytes, resident_bytes
@@ -86,8 +85,8 @@ class LLMEngine:
         self.info = _engine_info(args, worker, self.config)
         resident = resident_bytes()
         logger.info(
-            "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d = %d tokens "
-            "(%.2f GiB); tokenizer %s, resident now %s",
+            "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d tokens, up to %d "
+            "tokens a request (%.2f GiB); tokenizer %s, resident now %s",
             args.model,
             model_config.architecture,
             worker.dtype,
@@ -102,7 +101,7 @@ class LLMEngine:
             "?" if tokenizer_bytes is None else human_bytes(max(tokenizer_bytes, 0)),
             "?" if resident is None else human_bytes(resident),
         )
-        if self.config.cache_config.sliding_window is not None:
+        if any(w is not None for w in self.config.cache_config.group_windows):
             logger.info("%s", _window_capacity(self.config))
 
     @classmethod
@@ -296,8 +295,12 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
     """The engine's frozen config from the arguments and what the worker loaded; refuses a KV
     cache too small for one request of max_model_len."""
-    tokens_that_fit = (worker.num_kv_blocks - 1) * args.block_size
-    if tokens_that_fit < worker.max_model_len:
+    layout = worker.kv_layout
+    needed = layout.blocks_held(worker.max_model_len, args.block_size, args.max_num_batched_tokens)
+    if needed > worker.num_kv_blocks - 1:
+        tokens_that_fit = layout.max_request_tokens(
+            worker.num_kv_blocks - 1, args.block_size, args.max_num_batched_tokens
+        )
         raise ValueError(
             f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
             f"({worker.max_model_len}); raise kv_cache_memory or lower max_model_len"
@@ -310,13 +313,7 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             num_blocks=worker.num_kv_blocks,
             kv_cache_dtype=args.kv_cache_dtype,
-            # A draft model's K/V share the target's block ids (worker/draft_proposer.py) and
-            # it may attend to the whole context, so its blocks are kept.
-            sliding_window=(
-                worker.model_config.window_of_every_layer
-                if args.speculative_method != "draft"
-                else None
-            ),
+            kv_layout=layout,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -331,17 +328,16 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
 
 
 def _window_capacity(config: EngineConfig) -> str:
-    """The memory plan's line for a model windowed in every layer: what a request holds."""
+    """The memory plan's line for a layout with sliding windows: what a request holds."""
     cache, sched = config.cache_config, config.scheduler_config
-    held = max_blocks_held(
-        cache.block_size, sched.max_model_len, sched.max_num_batched_tokens, cache.sliding_window
-    )
-    whole = max_blocks_held(cache.block_size, sched.max_model_len, 0, None)
+    layout = cache.layout(config.model_config.num_hidden_layers)
+    held = layout.blocks_held(sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
+    whole = layout.num_groups * -(-sched.max_model_len // cache.block_size)
     usable = cache.num_blocks - 1
     return (
-        f"every layer attends within {cache.sliding_window} tokens: a request holds at most "
-        f"{held} blocks (not {whole}), so {usable // held} requests of max_model_len "
-        f"({sched.max_model_len}) fit at once, not {usable // whole}"
+        f"KV layout: {layout.describe()}. A request of max_model_len ({sched.max_model_len}) "
+        f"holds at most {held} blocks (not {whole}), so {usable // held} of them fit at once, "
+        f"not {usable // whole}"
     )
 
 
@@ -365,6 +361,9 @@ def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> 
         block_size=cache.block_size,
         num_kv_blocks=cache.num_blocks - 1,  # block 0 is the null block
         kv_cache_nbytes=cache.num_blocks * worker.kv_bytes_per_block,
+        num_kv_tokens=worker.kv_layout.max_request_tokens(
+            cache.num_blocks - 1, cache.block_size, config.scheduler_config.max_num_batched_tokens
+        ),
     )
 
 

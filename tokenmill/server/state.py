@@ -182,7 +182,8 @@ def describe_memory_plan(engine: AsyncEngine) -> str:
         f"weights {_format_bytes(info.weight_nbytes)} ({info.dtype}{quantization} "
         f"on {info.device}); "
         f"KV cache {_format_bytes(info.kv_cache_nbytes)} ({info.kv_cache_dtype}) = "
-        f"{info.num_kv_blocks} blocks x {info.block_size} tokens = {info.num_kv_tokens} tokens; "
+        f"{info.num_kv_blocks} blocks of {info.block_size} tokens, {info.num_kv_tokens} tokens "
+        "for one request; "
         f"max_model_len {info.max_model_len}, max_num_seqs {info.max_num_seqs}"
     )
 

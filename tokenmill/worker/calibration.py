@@ -104,7 +104,8 @@ def _prefill(worker: Worker, prompts: list[list[int]], args: EngineArgs) -> None
     )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for i, prompt in enumerate(prompts):
-        req = NewRequestData(str(i), prompt, len(prompt), params, list(range(1, num_blocks + 1)), 0)
+        blocks = [list(range(1, num_blocks + 1))]  # one block table: the default layout
+        req = NewRequestData(str(i), prompt, len(prompt), params, blocks, 0)
         worker.execute(
             SchedulerOutput(
                 new_reqs=[req],

@@ -5,9 +5,12 @@ A decode step of a small model is mostly kernel launches; a captured graph launc
 at once. A graph replays fixed addresses, so every step writes its inputs into persistent
 buffers sized for the largest batch, and reads its logits from a persistent buffer::
 
-    ids, positions, slot_mapping, seq_lens   [max_batch]
-    block_table                              [max_batch, max_blocks_per_seq]  (fixed width)
+    ids, positions, seq_lens                 [max_batch]
+    slot_mapping                             [num_groups, max_batch]
+    block_table                              [num_groups, max_batch, max_blocks_per_seq]
     logits                                   [max_batch, vocab]
+
+(one slot mapping and block table per group of layers, kv_layout.py).
 
 A step of n rows runs the graph of the smallest captured size b >= n (``graph_batch_sizes``:
 1, 2, 4, 8, 16, 24, ... max_batch). Rows n..b-1 are padding: token 0 at position 0 with a
@@ -30,6 +33,7 @@ import logging
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardBatch
+from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ class CudaDecodeGraphs:
         self,
         model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, ...]],
+        layout: KVLayout,
         block_size: int,
         max_blocks_per_seq: int,
         max_batch: int,
@@ -75,21 +80,23 @@ class CudaDecodeGraphs:
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.layout = layout
         self.block_size = block_size
         self.max_batch = max_batch
         self.device = device
         self.sizes = graph_batch_sizes(max_batch)
-        m, w = max_batch, max_blocks_per_seq
-        # | ids | positions | slots | seq_lens | block table (m x w) |: the inputs of every
-        # size, in one tensor on the device and its host staging twin (pinned on CUDA).
-        self._device_inputs = torch.zeros(4 * m + m * w, dtype=torch.long, device=device)
+        m, w, g = max_batch, max_blocks_per_seq, layout.num_groups
+        # | ids | positions | seq_lens | slots (g x m) | block tables (g x m x w) |: the inputs
+        # of every size, in one tensor on the device and its host staging twin (pinned on CUDA).
+        size = 3 * m + g * m + g * m * w
+        self._device_inputs = torch.zeros(size, dtype=torch.long, device=device)
         if device.type == "cpu":
             self._host_inputs = self._device_inputs
         else:
             self._host_inputs = torch.zeros_like(self._device_inputs, device="cpu").pin_memory()
-        views = _views(self._device_inputs, m, w)
-        self.ids, self.positions, self.slots, self.seq_lens, self.block_table = views
-        self._host_views = _views(self._host_inputs, m, w)
+        views = _views(self._device_inputs, m, w, g)
+        self.ids, self.positions, self.seq_lens, self.slots, self.block_table = views
+        self._host_views = _views(self._host_inputs, m, w, g)
         self._pad(0, m)
         self._copy_in(m)
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], made by the first run
@@ -110,15 +117,16 @@ class CudaDecodeGraphs:
         self,
         ids: list[int],
         positions: list[int],
-        slots: list[int],
-        block_tables: list[list[int]],
+        slots: list[list[int]],
+        block_tables: list[list[tuple[int, list[int]]]],
         seq_lens: list[int],
     ) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step, a view of the shared output buffer: read it
-        before the next step."""
+        before the next step. Per group: each row's slot, and its block table entries (first
+        entry, ids)."""
         n = len(ids)
         b = self.padded_size(n)
-        host_ids, host_positions, host_slots, host_seq_lens, host_table = (
+        host_ids, host_positions, host_seq_lens, host_slots, host_table = (
             v.numpy() for v in self._host_views
         )
         # NOTE: the host staging buffer is rewritten here while the previous step's copy could
@@ -126,11 +134,12 @@ class CudaDecodeGraphs:
         # one transfer waits for the device), so every copy has landed by the next step.
         host_ids[:n] = ids
         host_positions[:n] = positions
-        host_slots[:n] = slots
         host_seq_lens[:n] = seq_lens
-        host_table[:b] = 0
-        for i, blocks in enumerate(block_tables):
-            host_table[i, : len(blocks)] = blocks
+        host_table[:, :b] = 0
+        for g, (group_slots, rows) in enumerate(zip(slots, block_tables)):
+            host_slots[g, :n] = group_slots
+            for i, (first, blocks) in enumerate(rows):
+                host_table[g, i, first : first + len(blocks)] = blocks
         self._pad(n, b)
         self._copy_in(b)
         self.replay(b)
@@ -171,15 +180,19 @@ class CudaDecodeGraphs:
     def _forward(self, b: int) -> None:
         """The decode step of the first ``b`` rows of the buffers, its logits into the shared
         buffer (the callable a graph records)."""
-        attn = AttentionMetadata(
-            block_size=self.block_size,
-            slot_mapping=self.slots[:b],
-            num_decodes=b,
-            decode_block_table=self.block_table[:b],
-            decode_seq_lens=self.seq_lens[:b],
-            prefills=[],
-        )
-        hidden = self.model(self.ids[:b], self.positions[:b], ForwardBatch(self.kv_caches, attn))
+        attn = [
+            AttentionMetadata(
+                block_size=self.block_size,
+                slot_mapping=self.slots[g, :b],
+                num_decodes=b,
+                decode_block_table=self.block_table[g, :b],
+                decode_seq_lens=self.seq_lens[:b],
+                prefills=[],
+            )
+            for g in range(self.layout.num_groups)
+        ]
+        fwd = ForwardBatch(self.kv_caches, attn, self.layout.layer_groups)
+        hidden = self.model(self.ids[:b], self.positions[:b], fwd)
         buf = self.logits
         # float32 logits go straight into the shared buffer, others through a copy.
         direct = buf is not None and buf.dtype == hidden.dtype == torch.float32
@@ -193,24 +206,25 @@ class CudaDecodeGraphs:
 
     def _pad(self, start: int, end: int) -> None:
         """Rows start..end-1 of the host buffers become padding rows."""
-        ids, positions, slots, seq_lens, table = (v.numpy() for v in self._host_views)
+        ids, positions, seq_lens, slots, table = (v.numpy() for v in self._host_views)
         ids[start:end] = 0
         positions[start:end] = 0
-        slots[start:end] = PAD_SLOT
         seq_lens[start:end] = 1
-        table[start:end] = 0
+        slots[:, start:end] = PAD_SLOT
+        table[:, start:end] = 0
 
     def _copy_in(self, b: int) -> None:
         """The first ``b`` rows of every host buffer onto the device (a no-op on CPU)."""
         if self._host_inputs is self._device_inputs:
             return
-        for dst, src in zip(
-            (self.ids, self.positions, self.slots, self.seq_lens, self.block_table),
-            self._host_views,
-        ):
+        for dst, src in zip((self.ids, self.positions, self.seq_lens), self._host_views):
             dst[:b].copy_(src[:b], non_blocking=True)
+        for dst, src in zip((self.slots, self.block_table), self._host_views[3:]):
+            dst[:, :b].copy_(src[:, :b], non_blocking=True)
 
 
-def _views(flat: torch.Tensor, m: int, w: int) -> tuple[torch.Tensor, ...]:
-    """ids, positions, slots, seq_lens [m] and the block table [m, w] of one flat buffer."""
-    return (*flat[: 4 * m].view(4, m).unbind(0), flat[4 * m :].view(m, w))
+def _views(flat: torch.Tensor, m: int, w: int, g: int) -> tuple[torch.Tensor, ...]:
+    """ids, positions, seq_lens [m], slots [g, m] and block tables [g, m, w] of one flat
+    buffer."""
+    head, slots, tables = flat.split([3 * m, g * m, g * m * w])
+    return (*head.view(3, m).unbind(0), slots.view(g, m), tables.view(g, m, w))

@@ -10,9 +10,9 @@ steps of that size replay in one C call after writing their inputs into the buff
 mode whose decode step computes anything with torch (a float checkpoint's F.linear, the torch
 kernel backend, ...) is not captured and keeps running eagerly; nothing else changes.
 
-The input buffers are sized for the largest batch: token ids, positions, slots, block tables
-[max_batch, max_blocks_per_seq] and sequence lengths; a graph of batch size B uses their first
-B rows; every graph writes its logits into the first B rows of one buffer. What a step allocates
+The input buffers are sized for the largest batch: token ids, positions and sequence lengths,
+and per group of layers (kv_layout.py) slots and block tables [max_batch, max_blocks_per_seq]; a
+graph of batch size B uses their first B rows; every graph writes its logits into the first B rows of one buffer. What a step allocates
 while it is recorded (its intermediates) moves into one scratch buffer that all graphs share
 (one step runs at a time): a graph holds no memory of its own beyond its list of calls. A replay
 is checked once, right after its capture, against the eager step it recorded.
@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,6 +32,7 @@ from tokenmill.attention import AttentionMetadata, ForwardBatch
 from tokenmill.kernels import cpu_library
 from tokenmill.kernels.graph import Graph, Scratch
 from tokenmill.kernels.recording import recording
+from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -81,20 +83,26 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, ...]],
+        layout: KVLayout,
         block_size: int,
         max_blocks_per_seq: int,
         max_batch: int,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.layout = layout
         self.block_size = block_size
         self.max_batch = max_batch
         long = dict(dtype=torch.long)
         self.ids = torch.zeros(max_batch, **long)
         self.positions = torch.zeros(max_batch, **long)
-        self.slots = torch.zeros(max_batch, **long)
         self.seq_lens = torch.zeros(max_batch, **long)
-        self.block_table = torch.zeros(max_batch, max_blocks_per_seq, **long)
+        num_groups = layout.num_groups
+        self.slots = torch.zeros(num_groups, max_batch, **long)
+        # NOTE: numpy's zeros: a large one is calloc'd, its pages zeroed as first written (a
+        # row per batch row used, a table per group: 3 MiB for gemma-3-270m at 8k context).
+        table = np.zeros((num_groups, max_batch, max_blocks_per_seq), dtype=np.int64)
+        self.block_table = torch.from_numpy(table)
         # Every graph writes its logits into the first rows of this one buffer: one [B, vocab]
         # float32 tensor per batch size would hold ~0.5 GB for sizes up to 32 (262k vocab).
         self.logits = torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32)
@@ -122,21 +130,23 @@ class DecodeGraphs:
         self,
         ids: list[int],
         positions: list[int],
-        slots: list[int],
-        block_tables: list[list[int]],
+        slots: list[list[int]],
+        block_tables: list[list[tuple[int, list[int]]]],
         seq_lens: list[int],
     ) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step: replayed, or run eagerly while capturing.
-        The tensor is the graph's output buffer: read it before the next step."""
+        Per group: each row's slot, and its block table entries (first entry, ids). The tensor
+        is the graph's output buffer: read it before the next step."""
         b = len(ids)
         # NOTE: through numpy views: a torch copy per buffer costs more than the writes.
         self.ids.numpy()[:b] = ids
         self.positions.numpy()[:b] = positions
-        self.slots.numpy()[:b] = slots
         self.seq_lens.numpy()[:b] = seq_lens
-        table = self.block_table.numpy()
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = blocks
+        for g, (group_slots, rows) in enumerate(zip(slots, block_tables)):
+            self.slots.numpy()[g, :b] = group_slots
+            table = self.block_table.numpy()[g]
+            for i, (first, blocks) in enumerate(rows):
+                table[i, first : first + len(blocks)] = blocks
         captured = self._captured.get(b)
         if captured is not None:
             captured.graph.replay()
@@ -144,15 +154,18 @@ class DecodeGraphs:
         return self._capture(b)
 
     def _capture(self, b: int) -> torch.Tensor:
-        attn = AttentionMetadata(
-            block_size=self.block_size,
-            slot_mapping=self.slots[:b],
-            num_decodes=b,
-            decode_block_table=self.block_table[:b],
-            decode_seq_lens=self.seq_lens[:b],
-            prefills=[],
-        )
-        fwd = ForwardBatch(self.kv_caches, attn)
+        attn = [
+            AttentionMetadata(
+                block_size=self.block_size,
+                slot_mapping=self.slots[g, :b],
+                num_decodes=b,
+                decode_block_table=self.block_table[g, :b],
+                decode_seq_lens=self.seq_lens[:b],
+                prefills=[],
+            )
+            for g in range(self.layout.num_groups)
+        ]
+        fwd = ForwardBatch(self.kv_caches, attn, self.layout.layer_groups)
         watch = _ComputeWatch()
         with recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)

@@ -90,7 +90,7 @@ class DraftModelProposer(Proposer):
                 token_ids=[],
                 num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params,
-                block_ids=[],
+                block_ids=[[]],  # the draft's cache has one group (Worker's hybrid_kv=False)
                 generator=req.generator,
                 eos_token_ids=(),
             )
@@ -115,7 +115,7 @@ class DraftModelProposer(Proposer):
         if missing > 0:
             new = self.pool.allocate(missing)
             self._blocks[rid].extend(new)
-            state.block_ids.extend(b.block_id for b in new)
+            state.block_ids[0].extend(b.block_id for b in new)
         return True
 
     def _release(self, req_id: str) -> None:
@@ -128,7 +128,7 @@ class DraftModelProposer(Proposer):
 
     def _step(self, scheduled: dict[str, int]) -> SchedulerOutput:
         """A step of the draft runner: ``scheduled[rid]`` tokens after its valid ones."""
-        cached = [CachedRequestData(rid, [], self._num_valid[rid]) for rid in scheduled]
+        cached = [CachedRequestData(rid, [[]], self._num_valid[rid]) for rid in scheduled]
         return SchedulerOutput(new_reqs=[], cached_reqs=cached, num_scheduled_tokens=scheduled)
 
     # ---- drawing drafts ------------------------------------------------------------------

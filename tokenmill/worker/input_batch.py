@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata, PrefillSeq
@@ -35,16 +36,16 @@ class RequestState:
     token_ids: list[int]  # prompt + outputs known to the worker
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group of layers (kv_layout.py), its block table
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
     # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
     next_prompt_logprob_idx: int = 1
     grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
 
-    def slot(self, position: int, block_size: int) -> int:
-        """Where the K/V of the token at ``position`` goes in the paged cache."""
-        return self.block_ids[position // block_size] * block_size + position % block_size
+    def slot(self, position: int, block_size: int, group: int = 0) -> int:
+        """Where the K/V of the token at ``position`` goes in a group's tensors."""
+        return self.block_ids[group][position // block_size] * block_size + position % block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,7 @@ class PromptLogprobRows:
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
-    attn: AttentionMetadata
+    attn: list[AttentionMetadata]  # per group of layers
     reqs: list[ScheduledRequest]  # in batch order
     logits_indices: torch.Tensor  # [num_logits] long: rows whose hidden states give logits
     prompt_logprob_rows: list[PromptLogprobRows]
@@ -105,8 +106,11 @@ def build_step_inputs(
     block_size: int,
     device: torch.device,
     gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
+    group_windows: tuple[int | None, ...] = (None,),
 ) -> StepInputs:
-    """Lay the scheduled tokens out flat: decodes (with their drafts) first, then the others.
+    """Lay the scheduled tokens out flat: decodes (with their drafts) first, then the others,
+    with attention metadata for each group of layers (kv_layout.py), whose layers attend within
+    ``group_windows[group]`` tokens (None: all).
     ``gather_workspace(num_blocks)``: reused buffers for the decode attention's block gather."""
     decodes = {
         rid
@@ -116,7 +120,6 @@ def build_step_inputs(
     order = [rid for rid in num_scheduled_tokens if rid in decodes]
     order += [rid for rid in num_scheduled_tokens if rid not in decodes]
     ids: list[int] = []
-    slots: list[int] = []
     positions: list[int] = []
     reqs: list[ScheduledRequest] = []
     logits_indices: list[int] = []
@@ -128,7 +131,6 @@ def build_step_inputs(
         ids.extend(state.token_ids[start : start + n - len(drafts)])
         ids.extend(drafts)
         positions.extend(range(start, start + n))
-        slots.extend(state.slot(p, block_size) for p in range(start, start + n))
         last_known = len(state.token_ids) - 1  # its row predicts the first new token
         num_logits = 1 + len(drafts) if start + n > last_known else 0
         first_logit_row = row + last_known - start
@@ -138,10 +140,19 @@ def build_step_inputs(
         if rows is not None:
             prompt_rows.append(rows)
     dev = device
+    gather_buffers = None
+    attn = []
+    for group in range(len(group_windows)):
+        meta = _attention_metadata(
+            requests, reqs, group, group_windows[group], block_size, device, gather_buffers
+        )
+        if gather_buffers is None and meta.num_decodes:  # the same size in every group
+            meta.gather_buffers = gather_buffers = gather_workspace(meta.decode_block_table.numel())
+        attn.append(meta)
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
         positions=torch.tensor(positions, dtype=torch.long, device=dev),
-        attn=_attention_metadata(requests, reqs, slots, block_size, device, gather_workspace),
+        attn=attn,
         reqs=reqs,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         prompt_logprob_rows=prompt_rows,
@@ -151,37 +162,57 @@ def build_step_inputs(
 def _attention_metadata(
     requests: dict[str, RequestState],
     reqs: list[ScheduledRequest],
-    slots: list[int],
+    group: int,
+    window: int | None,
     block_size: int,
     device: torch.device,
-    gather_workspace: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None],
+    gather_buffers: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> AttentionMetadata:
-    """Decode rows as one batched decode (a padded block table, a row per query); each longer
-    query as a chunk on top of its computed context."""
+    """One group's metadata (its layers attend within ``window``, None: all): decode rows as one
+    batched decode (a padded block table, a row per query); each longer query as a chunk on top
+    of its computed context."""
+    slots: list[int] = []
+    for r in reqs:
+        slots.extend(
+            _slots(requests[r.req_id].block_ids[group], r.num_computed, r.query_len, block_size)
+        )
     decodes = [r for r in reqs if r.is_decode]
     # (request, position) of every decode row: a verify request's rows at consecutive positions.
     rows = [(r.req_id, r.num_computed + j) for r in decodes for j in range(r.query_len)]
     max_blocks = max((p // block_size + 1 for _, p in rows), default=1)
-    table = torch.zeros((len(rows), max_blocks), dtype=torch.long)
+    table = np.zeros((len(rows), max_blocks), dtype=np.int64)
     for i, (rid, p) in enumerate(rows):
-        blocks = requests[rid].block_ids[: p // block_size + 1]
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        # Entries before the row's window stay the null block 0: no kernel reads them.
+        first = 0 if window is None else max(0, p - window + 1) // block_size
+        end = p // block_size + 1
+        table[i, first:end] = requests[rid].block_ids[group][first:end]
     seq_lens = torch.tensor([p + 1 for _, p in rows], dtype=torch.long)
     chunks = []
     for r in reqs[len(decodes) :]:
         seq_len = r.num_computed + r.query_len
-        blocks = requests[r.req_id].block_ids[: -(-seq_len // block_size)]
+        blocks = requests[r.req_id].block_ids[group][: -(-seq_len // block_size)]
         block_ids = torch.tensor(blocks, dtype=torch.long, device=device)
         chunks.append(PrefillSeq(r.token_start, r.query_len, r.num_computed, block_ids))
     return AttentionMetadata(
         block_size=block_size,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decodes=len(rows),
-        decode_block_table=table.to(device),
+        decode_block_table=torch.from_numpy(table).to(device),
         decode_seq_lens=seq_lens.to(device),
         prefills=chunks,
-        gather_buffers=gather_workspace(len(rows) * max_blocks),
+        gather_buffers=gather_buffers,
     )
+
+
+def _slots(block_ids: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """Cache slots of positions ``start .. start + num_tokens - 1`` of one block table."""
+    if num_tokens <= 8:  # decode rows: plain Python beats numpy's per-call cost
+        return [block_ids[p // block_size] * block_size + p % block_size
+                for p in range(start, start + num_tokens)]  # fmt: skip
+    first = start // block_size
+    blocks = np.asarray(block_ids[first : (start + num_tokens - 1) // block_size + 1])
+    positions = np.arange(start, start + num_tokens)
+    return (blocks[positions // block_size - first] * block_size + positions % block_size).tolist()
 
 
 def prompt_logprob_rows(

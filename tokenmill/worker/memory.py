@@ -207,7 +207,7 @@ def dummy_prefill(
             decode_seq_lens=torch.zeros(0, **long),
             prefills=prefills,
         )
-        hidden = model(input_ids, position_ids, ForwardBatch(kv_caches, attn))
+        hidden = model(input_ids, position_ids, ForwardBatch(kv_caches, [attn]))
         logits = model.compute_logits(hidden[-num_logits:]).float()  # [num_logits, vocab]
         # The sampler's own [rows, vocab] temporaries: probabilities and their running sum.
         logits.softmax(dim=-1).cumsum(dim=-1)

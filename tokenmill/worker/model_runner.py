@@ -30,6 +30,7 @@ from tokenmill.core.sched_output import (
     SampledLogprobs,
     SchedulerOutput,
 )
+from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
 from tokenmill.spec import Draft, DraftRequest, Proposer
 from tokenmill.structured import CompiledGrammar, GrammarMatcher
@@ -67,30 +68,38 @@ def decode_graph_rows(max_rows: int) -> int:
 
 
 def kv_bytes_per_block(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    layout: KVLayout | None = None,
 ) -> int:
-    """Bytes of one block over all layers: K and V (and their scales, if quantized)."""
+    """Bytes of one block: K and V (and their scales, if quantized) of the layers it holds
+    (every layer without a layout)."""
     per_token = kv_bytes_per_token(
         config.num_local_kv_heads, config.head_dim, kv_cache_dtype, dtype
     )
-    return per_token * block_size * config.num_hidden_layers
+    num_layers = layout.group_size if layout is not None else config.num_hidden_layers
+    return per_token * block_size * num_layers
 
 
 def allocate_kv_caches(
     config: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
     """Per layer K, V [num_blocks, block_size, num_kv_heads, head_dim]; a quantized cache adds
-    K and V scales [num_blocks, block_size, num_kv_heads] float32."""
+    K and V scales [num_blocks, block_size, num_kv_heads] float32. Layers of different groups
+    (kv_layout.py) share tensors: layer i's are tensor ``layout.layer_tensors[i]``'s."""
+    layout = cache.layout(config.num_hidden_layers)
     storage_dtype = kv_storage_dtype(cache.kv_cache_dtype, dtype)
     # This rank's KV heads (all of them without tensor parallelism).
     shape = (cache.num_blocks, cache.block_size, config.num_local_kv_heads, config.head_dim)
-    caches: KVCaches = []
-    for _ in range(config.num_hidden_layers):
-        layer = [_zeros(shape, storage_dtype, device), _zeros(shape, storage_dtype, device)]
+    tensors = []
+    for _ in range(layout.group_size):
+        tensor = [_zeros(shape, storage_dtype, device), _zeros(shape, storage_dtype, device)]
         if is_quantized_kv(cache.kv_cache_dtype):
-            layer += [_zeros(shape[:-1], torch.float32, device) for _ in range(2)]
-        caches.append(tuple(layer))
-    return caches
+            tensor += [_zeros(shape[:-1], torch.float32, device) for _ in range(2)]
+        tensors.append(tuple(tensor))
+    return [tensors[j] for j in layout.layer_tensors]
 
 
 class ModelRunner:
@@ -115,6 +124,7 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.kv_cache_dtype = cache.kv_cache_dtype
+        self.kv_layout = cache.layout(model.config.num_hidden_layers)
         self.kv_caches = allocate_kv_caches(model.config, cache, dtype, device)
         self.sampler = Sampler(device, seed, model.kernels)
         self.requests: dict[str, RequestState] = {}
@@ -141,6 +151,7 @@ class ModelRunner:
             self.cuda_graphs = CudaDecodeGraphs(
                 model,
                 self.kv_caches,
+                self.kv_layout,
                 cache.block_size,
                 max_blocks_per_seq,
                 min(CUDA_GRAPH_MAX_BATCH, max_rows),
@@ -152,6 +163,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
+                self.kv_layout,
                 cache.block_size,
                 max_blocks_per_seq,
                 decode_graph_rows(max_rows),
@@ -202,11 +214,13 @@ class ModelRunner:
             self.block_size,
             self.device,
             self._gather_workspace,
+            self.kv_layout.group_windows,
         )
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of every row; new K/V written to the cache."""
-        return self.model(step.input_ids, step.positions, ForwardBatch(self.kv_caches, step.attn))
+        fwd = ForwardBatch(self.kv_caches, step.attn, self.kv_layout.layer_groups)
+        return self.model(step.input_ids, step.positions, fwd)
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """Logits [num_logits, vocab] at ``step.logits_indices``: valid until the next step (they
@@ -234,14 +248,16 @@ class ModelRunner:
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=[list(table) for table in new.block_ids],
                 generator=generator,
                 eos_token_ids=new.eos_token_ids,
                 next_prompt_logprob_idx=next_prompt_logprob_idx,
                 grammar=_matcher(new.grammar, new.token_ids[new.num_prompt_tokens :]),
             )
         for cached in sched.cached_reqs:
-            self.requests[cached.req_id].block_ids.extend(cached.new_block_ids)
+            tables = self.requests[cached.req_id].block_ids
+            for table, new_ids in zip(tables, cached.new_block_ids):
+                table.extend(new_ids)
 
     # ---- sampling -----------------------------------------------------------------------
 
@@ -381,7 +397,10 @@ class ModelRunner:
             return None
         num_computed = sched.num_computed_tokens()
         bs = self.block_size
-        ids, positions, slots, tables, seq_lens = [], [], [], [], []
+        windows = self.kv_layout.group_windows
+        ids, positions, seq_lens = [], [], []
+        slots: list[list[int]] = [[] for _ in windows]  # per group, per row
+        tables: list[list[tuple[int, list[int]]]] = [[] for _ in windows]
         for rid, n in scheduled.items():
             state, p = self.requests[rid], num_computed[rid]
             drafts = sched.draft_token_ids.get(rid, [])
@@ -392,9 +411,14 @@ class ModelRunner:
             for j, token_id in enumerate([state.token_ids[p], *drafts]):
                 ids.append(token_id)
                 positions.append(p + j)
-                slots.append(state.slot(p + j, bs))
-                tables.append(state.block_ids[: (p + j) // bs + 1])
                 seq_lens.append(p + j + 1)
+                end = (p + j) // bs + 1
+                for g, window in enumerate(windows):
+                    slots[g].append(state.slot(p + j, bs, g))
+                    # A window group's entries before its window are never read: only those
+                    # from the window's first block on are written.
+                    first = 0 if window is None else max(0, p + j - window + 1) // bs
+                    tables[g].append((first, state.block_ids[g][first:end]))
         return graphs.step(ids, positions, slots, tables, seq_lens)
 
     def _logits_out(self, rows: torch.Tensor) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
+from tokenmill.kv_layout import plan_kv_layout
 from tokenmill.modelfile import (
     available_memory,
     human_bytes,
@@ -66,9 +67,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Worker:
     """``num_layers``: keep only the model's first layers (with its final norm and head), as an
-    early-exit draft model does."""
+    early-exit draft model does. ``hybrid_kv=False``: one block table for every layer whatever
+    their windows (a draft model's cache, whose blocks worker/draft_proposer.py hands out)."""
 
-    def __init__(self, args: EngineArgs, num_layers: int | None = None, tp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        num_layers: int | None = None,
+        tp_rank: int = 0,
+        hybrid_kv: bool = True,
+    ) -> None:
         self.args = args
         # The process's resident memory before anything is loaded: the memory plan's runtime.
         self._runtime_bytes = resident_bytes()
@@ -110,8 +118,12 @@ class Worker:
         self.draft: Worker | None = None
         if args.speculative_method == "draft":
             self.draft = load_draft_worker(args, model_config, max_model_len)
+        # NOTE: beside a draft model, one table: the draft's cache holds a twin of each of the
+        # target's blocks (a token's), which a block per group of layers would multiply.
+        hybrid_kv = hybrid_kv and args.speculative_method != "draft"
+        self.kv_layout = plan_kv_layout(model_config.layer_windows, max_model_len, hybrid_kv)
         per_block = kv_bytes_per_block(
-            model_config, args.block_size, self.dtype, args.kv_cache_dtype
+            model_config, args.block_size, self.dtype, args.kv_cache_dtype, self.kv_layout
         )
         if self.draft is not None:
             per_block += self.draft.info.kv_bytes_per_block
@@ -128,6 +140,7 @@ class Worker:
             num_parameters=self.model.num_parameters(),
             kv_bytes_per_block=per_block,
             num_kv_blocks=self.memory_plan.num_kv_blocks,
+            kv_layout=self.kv_layout,
         )
         self.runner: ModelRunner | None = None
 
@@ -155,7 +168,10 @@ class Worker:
         if self.draft is not None:
             # Twin blocks, plus one a request for drafts that spill past its last block.
             num_blocks = cache.num_blocks + args.max_num_seqs
-            self.draft.initialize(dataclasses.replace(cache, num_blocks=num_blocks))
+            draft_cache = dataclasses.replace(
+                cache, num_blocks=num_blocks, kv_layout=self.draft.kv_layout
+            )
+            self.draft.initialize(draft_cache)
             assert self.draft.runner is not None
             return DraftModelProposer(
                 self.draft.runner, args.num_speculative_tokens, num_blocks, self.info.max_model_len
@@ -287,7 +303,7 @@ def load_draft_worker(args: EngineArgs, target: ModelConfig, max_model_len: int)
         quantization=None if args.quantization == "gguf" else args.quantization,
         int4_calibration=None,
     )
-    draft = Worker(draft_args, num_layers=args.draft_num_layers)
+    draft = Worker(draft_args, num_layers=args.draft_num_layers, hybrid_kv=False)
     check_same_vocabulary(target, draft.info.model_config)
     return draft
 
