@@ -8,13 +8,19 @@ from tokenmill.attention.kv_cache import (
     quantize_kv,
 )
 from tokenmill.attention.layer import Attention
-from tokenmill.attention.metadata import AttentionMetadata, ForwardBatch, PrefillSeq
+from tokenmill.attention.metadata import (
+    AttentionMetadata,
+    ForwardBatch,
+    PrefillSeq,
+    decode_forward_batch,
+)
 
 __all__ = [
     "Attention",
     "AttentionMetadata",
     "ForwardBatch",
     "PrefillSeq",
+    "decode_forward_batch",
     "dequantize_kv",
     "is_quantized_kv",
     "kv_bytes_per_token",

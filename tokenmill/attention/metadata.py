@@ -73,3 +73,28 @@ class ForwardBatch:
     def layer_attn(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer ``layer_idx`` attends with."""
         return self.attn[self.layer_groups[layer_idx] if self.layer_groups else 0]
+
+
+def decode_forward_batch(
+    kv_caches: list[tuple[torch.Tensor, ...]],
+    layer_groups: tuple[int, ...],
+    block_size: int,
+    slots: torch.Tensor,  # [num_groups, >= num_decodes] long
+    block_tables: torch.Tensor,  # [num_groups, >= num_decodes, max_blocks] long
+    seq_lens: torch.Tensor,  # [>= num_decodes] long
+    num_decodes: int,
+) -> ForwardBatch:
+    """A step of ``num_decodes`` single-token decodes over the first rows of persistent buffers
+    (the decode graphs'), with each group's slots and block tables."""
+    attn = [
+        AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=slots[g, :num_decodes],
+            num_decodes=num_decodes,
+            decode_block_table=block_tables[g, :num_decodes],
+            decode_seq_lens=seq_lens[:num_decodes],
+            prefills=[],
+        )
+        for g in range(slots.shape[0])
+    ]
+    return ForwardBatch(kv_caches, attn, layer_groups)

@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from tokenmill.attention import AttentionMetadata, ForwardBatch
+from tokenmill.attention import decode_forward_batch
 from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
 
@@ -180,18 +180,10 @@ class CudaDecodeGraphs:
     def _forward(self, b: int) -> None:
         """The decode step of the first ``b`` rows of the buffers, its logits into the shared
         buffer (the callable a graph records)."""
-        attn = [
-            AttentionMetadata(
-                block_size=self.block_size,
-                slot_mapping=self.slots[g, :b],
-                num_decodes=b,
-                decode_block_table=self.block_table[g, :b],
-                decode_seq_lens=self.seq_lens[:b],
-                prefills=[],
-            )
-            for g in range(self.layout.num_groups)
-        ]
-        fwd = ForwardBatch(self.kv_caches, attn, self.layout.layer_groups)
+        fwd = decode_forward_batch(
+            self.kv_caches, self.layout.layer_groups, self.block_size, self.slots,
+            self.block_table, self.seq_lens, b,
+        )  # fmt: skip
         hidden = self.model(self.ids[:b], self.positions[:b], fwd)
         buf = self.logits
         # float32 logits go straight into the shared buffer, others through a copy.

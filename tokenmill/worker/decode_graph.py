@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tokenmill.attention import AttentionMetadata, ForwardBatch
+from tokenmill.attention import decode_forward_batch
 from tokenmill.kernels import cpu_library
 from tokenmill.kernels.graph import Graph, Scratch
 from tokenmill.kernels.recording import recording
@@ -154,18 +154,10 @@ class DecodeGraphs:
         return self._capture(b)
 
     def _capture(self, b: int) -> torch.Tensor:
-        attn = [
-            AttentionMetadata(
-                block_size=self.block_size,
-                slot_mapping=self.slots[g, :b],
-                num_decodes=b,
-                decode_block_table=self.block_table[g, :b],
-                decode_seq_lens=self.seq_lens[:b],
-                prefills=[],
-            )
-            for g in range(self.layout.num_groups)
-        ]
-        fwd = ForwardBatch(self.kv_caches, attn, self.layout.layer_groups)
+        fwd = decode_forward_batch(
+            self.kv_caches, self.layout.layer_groups, self.block_size, self.slots,
+            self.block_table, self.seq_lens, b,
+        )  # fmt: skip
         watch = _ComputeWatch()
         with recording() as rec, watch:
             hidden = self.model(self.ids[:b], self.positions[:b], fwd)
