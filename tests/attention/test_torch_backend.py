@@ -45,6 +45,12 @@ def test_prefill_matches_masked_softmax(window, num_computed, query_len) -> None
     )
     flat_k[BS : BS + num_computed] = k_all[:num_computed]  # the context already cached
     flat_v[BS : BS + num_computed] = v_all[:num_computed]
+    if window is not None:
+        # As a window group's table: blocks wholly behind the first query's window were given
+        # back and read as the null block 0, poisoned here so that any read of them shows.
+        behind = max(0, num_computed - window + 1) // BS
+        blocks[:behind] = 0
+        k_cache[0], v_cache[0] = float("nan"), float("nan")
     meta = AttentionMetadata(
         block_size=BS,
         slot_mapping=torch.arange(BS + num_computed, BS + seq_len),

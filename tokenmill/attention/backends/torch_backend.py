@@ -134,20 +134,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         _, bs, nkv, hd = k_cache.shape
+        # Keys before the chunk's first query's window are never read, and a window group's
+        # table holds only the null block there (kv_layout.py): the context is gathered from
+        # the block the window starts in, `base` its first position.
+        base = 0 if window is None else max(0, seq.num_computed - window + 1) // bs * bs
+        blocks, n = seq.block_ids[base // bs :], seq.seq_len - base
         if kv_scales is not None:
-            # The whole context, this chunk included, as the cache holds it.
-            k_scale, v_scale = (
-                _gather_blocks(s, seq.block_ids).view(-1, nkv)[: seq.seq_len] for s in kv_scales
-            )
-            keys = _gather_blocks(k_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
-            values = _gather_blocks(v_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+            # The context, this chunk included, as the cache holds it.
+            k_scale, v_scale = (_gather_blocks(s, blocks).view(-1, nkv)[:n] for s in kv_scales)
+            keys = _gather_blocks(k_cache, blocks).view(-1, nkv, hd)[:n]
+            values = _gather_blocks(v_cache, blocks).view(-1, nkv, hd)[:n]
             keys = dequantize_kv(keys, k_scale, q.dtype)
             values = dequantize_kv(values, v_scale, q.dtype)
         elif seq.num_computed == 0:
             keys, values = k, v
         else:
-            keys = _gather_blocks(k_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
-            values = _gather_blocks(v_cache, seq.block_ids).view(-1, nkv, hd)[: seq.seq_len]
+            keys = _gather_blocks(k_cache, blocks).view(-1, nkv, hd)[:n]
+            values = _gather_blocks(v_cache, blocks).view(-1, nkv, hd)[:n]
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         if window is None or window >= seq.seq_len:
             return _attend(q, keys, values, seq.num_computed, 0, scale, window)
@@ -162,7 +165,13 @@ class TorchAttentionBackend(AttentionBackend):
             k0 = max(0, seq.num_computed + a - window + 1)
             k1 = seq.num_computed + b
             out[a:b] = _attend(
-                q[a:b], keys[k0:k1], values[k0:k1], seq.num_computed + a, k0, scale, window
+                q[a:b],
+                keys[k0 - base : k1 - base],
+                values[k0 - base : k1 - base],
+                seq.num_computed + a,
+                k0,
+                scale,
+                window,
             )
         return out
 
