@@ -545,6 +545,135 @@ TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
         _mm_prefetch((const char *)(p + TM_XPREFETCH + j), _MM_HINT_T0);
 }
 
+/* One block of tile_int8 (chunks c0 .. c0 + t - 1, the b-th block): its integer sums, then
+ * their scales into facc. t is a constant where tile_int8 calls it with 8 (every block but a
+ * row's tail): the vector loops then unroll, and GCC keeps each row's sums in one register
+ * across them instead of copying them between registers on every pass. */
+TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16, const int F16,
+                                    const int RA, const int t, int gshift, int64_t K, int64_t c0,
+                                    int64_t b, int xpf, const uint8_t *row, const void *s,
+                                    const int8_t *xq, const float *xd8, const int32_t *xz,
+                                    const float *xg, __m256 *facc) {
+    __m256i ia[RA_MAX], ib[RA_MAX];
+    const int8_t *xb = xq + c0 * RA * 32; /* the block's activations: fixed offsets from here */
+    if (KIND != 1 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
+        for (int i = 0; i < RA; i++) {
+            const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * (G16 ? 16 : 8));
+            ia[i] = _mm256_loadu_si256(zi);
+            ib[i] = G16 ? _mm256_loadu_si256(zi + 1) : _mm256_setzero_si256();
+        }
+    else
+        for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
+    if (KIND >= 6) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
+        const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND);
+        if (RA == 1) {
+            _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(src + 64 + TM_PREFETCH), _MM_HINT_T0);
+        }
+        prefetch_x(xpf, xb, 8 * RA * 32);
+        const __m256i p0 = _mm256_loadu_si256((const __m256i *)src);
+        const __m256i p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+        const __m256i hb =
+            KIND == 7 ? _mm256_loadu_si256((const __m256i *)(src + 64)) : _mm256_setzero_si256();
+        #pragma GCC unroll 8
+        for (int u = 0; u < 8; u += 2) {
+            const __m256i w0 = kq_vector(KIND, p0, p1, hb, u);
+            const __m256i w1 = kq_vector(KIND, p0, p1, hb, u + 1);
+            for (int i = 0; i < RA; i++) {
+                const int8_t *xv = xb + (u * RA + i) * 32;
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
+                if (u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
+            }
+        }
+    } else if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
+        #pragma GCC unroll 8
+        for (int u = 0; u < t; u += 2) {
+            const uint8_t *src = row + c0 * 32 + u * 32;
+            if (RA == 1) {
+                _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+                _mm_prefetch((const char *)(src + 32 + TM_PREFETCH), _MM_HINT_T0);
+            }
+            prefetch_x(xpf, xb + u * RA * 32, 2 * RA * 32);
+            __m256i w0 = _mm256_loadu_si256((const __m256i *)src);
+            __m256i w1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+            for (int i = 0; i < RA; i++) {
+                const int8_t *xv = xb + (u * RA + i) * 32;
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
+                if (G16 && u >= t / 2) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
+            }
+        }
+    } else if (KIND == 2) { /* G = 16 over 2 chunks: one vector a half */
+        for (int u = 0; u < 2; u++) {
+            __m256i w = code_vector(0, row, c0, u);
+            for (int i = 0; i < RA; i++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (u * RA + i) * 32));
+                if (u) ib[i] = dot1(ISA, ib[i], w, x);
+                else ia[i] = dot1(ISA, ia[i], w, x);
+            }
+        }
+    } else if (KIND != 1) { /* int8 codes: "q8", or "n4" looked up */
+        const int unsig = KIND == 3 || KIND == 5, vbytes = KIND >= 4 ? 16 : 32;
+        #pragma GCC unroll 8
+        for (int u = 0; u < t; u++) {
+            if (RA == 1) _mm_prefetch((const char *)(row + (c0 + u) * vbytes + TM_PREFETCH), _MM_HINT_T0);
+            prefetch_x(xpf, xb + u * RA * 32, RA * 32);
+            __m256i w = kind_vector(KIND, row, c0, u), aw;
+            if (unsig) /* code + 128 as an unsigned byte: the top bit flipped */
+                w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+            else
+                aw = _mm256_sign_epi8(w, w);
+            for (int i = 0; i < RA; i++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (u * RA + i) * 32));
+                __m256i wu = unsig ? w : aw, xs = unsig ? x : _mm256_sign_epi8(x, w);
+                if (G16 && u >= t / 2) ib[i] = dot1(ISA, ib[i], wu, xs);
+                else ia[i] = dot1(ISA, ia[i], wu, xs);
+            }
+        }
+    } else {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        #pragma GCC unroll 8
+        for (int v = 0; v < t / 2; v++) {
+            const uint8_t *src = row + c0 * 16 + v * 32;
+            if (RA == 1) _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
+            prefetch_x(xpf, xb + 2 * v * RA * 32, 2 * RA * 32);
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
+            __m256i lo = _mm256_and_si256(bytes, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+            for (int i = 0; i < RA; i++) {
+                const int8_t *xv = xb + (2 * v * RA + i) * 32;
+                ia[i] = dot2(ISA, ia[i], lo, _mm256_loadu_si256((const __m256i *)xv), hi,
+                             _mm256_loadu_si256((const __m256i *)(xv + RA * 32)));
+            }
+        }
+    }
+    if (G16) {
+        __m256 sa, sb, ma, mb;
+        if (KIND >= 6) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
+        else lane_scales16((const float *)s, c0, t, &sa, &sb);
+        for (int i = 0; i < RA; i++) {
+            __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sa,
+                                       _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
+            facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
+            if (KIND == 6) { /* the mins' share: dmin · min times the group's sum of x */
+                const float *g = xg + i * (K / 16) + b * 16;
+                facc[i] = _mm256_fnmadd_ps(ma, _mm256_loadu_ps(g), facc[i]);
+                facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
+            }
+        }
+    } else {
+        __m256 sw = lane_scales(s, c0, t, F16, gshift);
+        for (int i = 0; i < RA; i++) {
+            __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), dd, facc[i]);
+        }
+    }
+}
+
 /*
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
@@ -567,119 +696,10 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
     int64_t b = 0;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0);
-        __m256i ia[RA_MAX], ib[RA_MAX];
-        if (KIND != 1 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
-            for (int i = 0; i < RA; i++) {
-                const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * (G16 ? 16 : 8));
-                ia[i] = _mm256_loadu_si256(zi);
-                ib[i] = G16 ? _mm256_loadu_si256(zi + 1) : _mm256_setzero_si256();
-            }
+        if (t == 8)
+            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, c0, b, xpf, row, s, xq, xd8, xz, xg, facc);
         else
-            for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
-        if (KIND >= 6) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
-            const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND);
-            if (RA == 1) {
-                _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
-                _mm_prefetch((const char *)(src + 64 + TM_PREFETCH), _MM_HINT_T0);
-            }
-            prefetch_x(xpf, xq + c0 * RA * 32, 8 * RA * 32);
-            const __m256i p0 = _mm256_loadu_si256((const __m256i *)src);
-            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-            const __m256i hb =
-                KIND == 7 ? _mm256_loadu_si256((const __m256i *)(src + 64)) : _mm256_setzero_si256();
-            for (int u = 0; u < 8; u += 2) {
-                const __m256i w0 = kq_vector(KIND, p0, p1, hb, u);
-                const __m256i w1 = kq_vector(KIND, p0, p1, hb, u + 1);
-                for (int i = 0; i < RA; i++) {
-                    const int8_t *xv = xq + ((c0 + u) * RA + i) * 32;
-                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
-                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                    if (u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
-                    else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
-                }
-            }
-        } else if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
-            for (int u = 0; u < t; u += 2) {
-                const uint8_t *src = row + c0 * 32 + u * 32;
-                if (RA == 1) {
-                    _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(src + 32 + TM_PREFETCH), _MM_HINT_T0);
-                }
-                prefetch_x(xpf, xq + (c0 + u) * RA * 32, 2 * RA * 32);
-                __m256i w0 = _mm256_loadu_si256((const __m256i *)src);
-                __m256i w1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-                for (int i = 0; i < RA; i++) {
-                    const int8_t *xv = xq + ((c0 + u) * RA + i) * 32;
-                    __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
-                    __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                    if (G16 && u >= t / 2) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
-                    else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
-                }
-            }
-        } else if (KIND == 2) { /* G = 16 over 2 chunks: one vector a half */
-            for (int u = 0; u < 2; u++) {
-                __m256i w = code_vector(0, row, c0, u);
-                for (int i = 0; i < RA; i++) {
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
-                    if (u) ib[i] = dot1(ISA, ib[i], w, x);
-                    else ia[i] = dot1(ISA, ia[i], w, x);
-                }
-            }
-        } else if (KIND != 1) { /* int8 codes: "q8", or "n4" looked up */
-            const int unsig = KIND == 3 || KIND == 5, vbytes = KIND >= 4 ? 16 : 32;
-            for (int u = 0; u < t; u++) {
-                if (RA == 1) _mm_prefetch((const char *)(row + (c0 + u) * vbytes + TM_PREFETCH), _MM_HINT_T0);
-                prefetch_x(xpf, xq + (c0 + u) * RA * 32, RA * 32);
-                __m256i w = kind_vector(KIND, row, c0, u), aw;
-                if (unsig) /* code + 128 as an unsigned byte: the top bit flipped */
-                    w = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-                else
-                    aw = _mm256_sign_epi8(w, w);
-                for (int i = 0; i < RA; i++) {
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(xq + ((c0 + u) * RA + i) * 32));
-                    __m256i wu = unsig ? w : aw, xs = unsig ? x : _mm256_sign_epi8(x, w);
-                    if (G16 && u >= t / 2) ib[i] = dot1(ISA, ib[i], wu, xs);
-                    else ia[i] = dot1(ISA, ia[i], wu, xs);
-                }
-            }
-        } else {
-            const __m256i low = _mm256_set1_epi8(0x0F);
-            for (int v = 0; v < t / 2; v++) {
-                const uint8_t *src = row + c0 * 16 + v * 32;
-                if (RA == 1) _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
-                prefetch_x(xpf, xq + (c0 + 2 * v) * RA * 32, 2 * RA * 32);
-                __m256i bytes = _mm256_loadu_si256((const __m256i *)src);
-                __m256i lo = _mm256_and_si256(bytes, low);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-                for (int i = 0; i < RA; i++) {
-                    const int8_t *xv = xq + ((c0 + 2 * v) * RA + i) * 32;
-                    ia[i] = dot2(ISA, ia[i], lo, _mm256_loadu_si256((const __m256i *)xv), hi,
-                                 _mm256_loadu_si256((const __m256i *)(xv + RA * 32)));
-                }
-            }
-        }
-        if (G16) {
-            __m256 sa, sb, ma, mb;
-            if (KIND >= 6) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
-            else lane_scales16((const float *)s, c0, t, &sa, &sb);
-            for (int i = 0; i < RA; i++) {
-                __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
-                __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sa,
-                                           _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
-                facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
-                if (KIND == 6) { /* the mins' share: dmin · min times the group's sum of x */
-                    const float *g = xg + i * (K / 16) + b * 16;
-                    facc[i] = _mm256_fnmadd_ps(ma, _mm256_loadu_ps(g), facc[i]);
-                    facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
-                }
-            }
-        } else {
-            __m256 sw = lane_scales(s, c0, t, F16, gshift);
-            for (int i = 0; i < RA; i++) {
-                __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
-                facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), dd, facc[i]);
-            }
-        }
+            tile_block(ISA, KIND, G16, F16, RA, t, gshift, K, c0, b, xpf, row, s, xq, xd8, xz, xg, facc);
     }
     for (int i = 0; i < RA; i++) out[i * ostride] = hsum(facc[i]);
 }
