@@ -333,7 +333,7 @@ TM_TARGET TM_INLINE void lane_scales16(const float *s, int64_t c0, int t, __m256
 }
 
 /* 32 floats -> int8 codes in [-qmax, qmax] + scale (round to nearest even, like torch.round). */
-TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d, float qmax) {
+TM_TARGET TM_INLINE __m256i quantize_chunk_vector(const float *xc, float *d, float qmax) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
@@ -356,8 +356,46 @@ TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d, float
     __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]);
     __m256i p16b = _mm256_packs_epi32(iv[2], iv[3]);
     __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)q, p8);
+    return _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+TM_TARGET static void quantize_chunk(const float *xc, int8_t *q, float *d, float qmax) {
+    _mm256_storeu_si256((__m256i *)q, quantize_chunk_vector(xc, d, qmax));
+}
+
+/* A block of 8 chunks in lane order (quantize_row_lanes' t = 8): vector g's lane j is chunk
+ * j's group g (4 bytes), an 8 x 8 transpose of int32s; sums[h][j] += the sum of the codes
+ * of lane j over vectors 4h .. 4h + 3 (the same integers as the scalar loop's). */
+TM_TARGET static void quantize_block8_lanes(const float *x, int8_t *q, int64_t vstride, float *d,
+                                            int32_t sums[2][8], float qmax) {
+    __m256i r[8], t[8], u[8];
+    for (int j = 0; j < 8; j++) r[j] = quantize_chunk_vector(x + j * 32, &d[j], qmax);
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+        u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+        u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+        u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    if (sums) {
+        const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+        for (int h = 0; h < 2; h++) {
+            __m256i acc = _mm256_loadu_si256((const __m256i *)sums[h]);
+            for (int g = 4 * h; g < 4 * h + 4; g++) {
+                const __m256i v = _mm256_permute2x128_si256(u[g % 4], u[4 + g % 4], g < 4 ? 0x20 : 0x31);
+                _mm256_storeu_si256((__m256i *)(q + g * vstride), v);
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16));
+            }
+            _mm256_storeu_si256((__m256i *)sums[h], acc);
+        }
+        return;
+    }
+    for (int g = 0; g < 8; g++)
+        _mm256_storeu_si256((__m256i *)(q + g * vstride),
+                            _mm256_permute2x128_si256(u[g % 4], u[4 + g % 4], g < 4 ? 0x20 : 0x31));
 }
 
 /* An x row -> int8 codes in lane order + each block's chunk scales by lane. Vector v of the row
@@ -376,7 +414,8 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
         const int t = block_chunks(nc, c0), per = 8 / t;
         float d[8];
         int32_t sums[2][8] = {{0}};
-        for (int j = 0; j < t; j++) {
+        if (t == 8) quantize_block8_lanes(x + c0 * 32, q + c0 * vstride, vstride, d, zs ? sums : NULL, qmax);
+        for (int j = 0; t < 8 && j < t; j++) {
             int8_t chunk[32];
             quantize_chunk(x + (c0 + j) * 32, chunk, &d[j], qmax);
             for (int g = 0; g < 8; g++) { /* group g's 4 bytes: vector g / per, lane (g % per)·t + j */
