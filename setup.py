@@ -25,6 +25,7 @@ setup(
                 "tokenmill/csrc/graph.c",
                 "tokenmill/csrc/half.c",
                 "tokenmill/csrc/moe.c",
+                "tokenmill/csrc/prefill_attn.c",
             ],
             depends=["tokenmill/csrc/simd.h"],
             extra_compile_args=compile_args,

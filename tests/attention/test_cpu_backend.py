@@ -109,10 +109,9 @@ def test_cpu_backend_matches_the_torch_backend(kv_dtype, window, with_prefills) 
     assert ref_calls == []
     for got, want in zip(ours_caches, caches):  # every byte, scales included
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # Decodes and prefill chunks (the C prefill kernel where HEAD_DIM allows) both within
+    # float32 rounding of the torch backend.
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
-    # Prefill chunks run the same torch code on the same cache: exactly the same rows.
-    nd = meta.num_decodes
-    assert torch.equal(ours[nd:], ref[nd:])
 
 
 @needs_c
@@ -134,4 +133,5 @@ def test_what_the_kernels_do_not_take_runs_the_torch_code() -> None:
     q, k, v = _inputs(meta, num_heads=2 * (cpu_library.MAX_ATTENTION_GROUP + 1), g=g)
     ours, calls = _run(backend, q, k, v, ours_caches, meta, None)
     ref, _ = _run(TorchAttentionBackend(), q, k, v, caches, meta, None)
-    assert calls == ["kv write"] and torch.equal(ours, ref)
+    assert calls == ["kv write"]  # no decode attention call: torch's; the prefill's is C
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)

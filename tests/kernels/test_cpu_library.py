@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
+from tokenmill.attention.backends.torch_backend import TorchAttentionBackend, _attend_masked
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.kernels import cpu_library as kernels
 from tokenmill.kernels.cpu_backend import CpuKernelBackend
@@ -79,6 +79,49 @@ def test_decode_attention_matches_sdpa(window) -> None:
         q.double(), k_cache.double(), v_cache.double(), meta, 0.3, window, None
     )
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+# (queries, keys, heads, kv heads, head_dim, window): one query; a tail of a 16-row job; GQA
+# 4:1 at Gemma's head_dim; a chunk on cached keys past one block of 64; a window narrower than
+# the chunk; a window block as the torch path cuts it; groups of 1 and of 2 with padded rows;
+# more than 1,024 keys (jobs of 256 rows).
+PREFILL_SHAPES = [
+    (1, 1, 4, 1, 256, None),
+    (37, 37, 4, 1, 256, None),
+    (100, 300, 8, 2, 64, None),
+    (70, 70, 4, 1, 256, 16),
+    (64, 576, 4, 1, 256, 512),
+    (130, 130, 2, 2, 32, None),
+    (33, 97, 6, 3, 48, 40),
+    (300, 1100, 4, 1, 32, None),
+]
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_prefill_attention_matches_masked_sdpa(shape) -> None:
+    n, nk, heads, kv_heads, dim, window = shape
+    g = torch.Generator().manual_seed(n + nk)
+    q = torch.randn(n, heads, dim, generator=g)
+    keys, values = torch.randn(2, nk, kv_heads, dim, generator=g)
+    k0 = 10  # keys from position 10; the queries are the last n of them
+    q0 = k0 + nk - n
+    ours = kernels.prefill_attention(q, keys, values, q0, k0, window, 0.1)
+    ref = _attend_masked(q.double(), keys.double(), values.double(), q0, k0, 0.1, window)
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_reads_q_k_v_inside_a_fused_projection() -> None:
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(40, 6 * 32, generator=g)
+    q, k, v = (qkv[:, a : a + 2 * 32].view(40, 2, 32) for a in (0, 64, 128))
+    ours = kernels.prefill_attention(q, k, v, 0, 0, None, 0.2)
+    torch.testing.assert_close(ours, _attend_masked(q, k, v, 0, 0, 0.2, None))
+
+
+def test_prefill_attention_rejects_keys_that_do_not_end_at_the_last_query() -> None:
+    q, keys = torch.randn(4, 2, 16), torch.randn(6, 1, 16)
+    with pytest.raises(ValueError, match="keys must end at the last query"):
+        kernels.prefill_attention(q, keys, keys, 0, 0, None, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])

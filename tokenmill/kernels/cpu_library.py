@@ -100,6 +100,8 @@ def library() -> ctypes.CDLL | None:
         [_ptr, _i64] + [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr, _int]
     )
     lib.tm_decode_attn.restype = _int
+    lib.tm_prefill_attn.argtypes = [_ptr] * 3 + [_i64] * 8 + [ctypes.c_float, _ptr]
+    lib.tm_prefill_attn.restype = _int
     lib.tm_embed_rows.argtypes = [
         _ptr,
         _i64,
@@ -358,6 +360,34 @@ def decode_attention(
     )
     if rc != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [queries, heads, head_dim] at positions q0, q0 + 1, ...
+    keys: torch.Tensor,  # [keys, kv_heads, head_dim] at positions k0, ..., the last query's
+    values: torch.Tensor,
+    q0: int,
+    k0: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Causal (and windowed) attention of a run of queries to the keys that end at its last
+    query (tokenmill/csrc/prefill_attn.c; float32 CPU tensors, head_dim a multiple of 16). Not
+    recorded: a decode step's graph never holds a prefill."""
+    lib = library()
+    assert lib is not None
+    q, keys, values = (t.float().contiguous() for t in (q, keys, values))
+    (n, heads, dim), (nk, kv_heads, _) = q.shape, keys.shape
+    if q0 + n != k0 + nk:
+        raise ValueError(f"keys must end at the last query: {q0}+{n} queries, {k0}+{nk} keys")
+    out = torch.empty(q.shape, dtype=torch.float32)
+    rc = lib.tm_prefill_attn(
+        q.data_ptr(), keys.data_ptr(), values.data_ptr(), n, nk, heads, kv_heads, dim, q0, k0,
+        window or 0, float(scale), out.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("prefill attention could not allocate its scratch")
     return out
 
 

@@ -52,15 +52,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self.attend_decodes(q[:nd], k_cache, v_cache, meta, scale, window, kv_scales)
         for run in _prefill_runs(meta.prefills, window, kv_scales is not None):
             s, e = run[0].token_start, run[-1].token_start + run[-1].query_len
-            if len(run) > 1:  # fresh prompts of one length, side by side: one batched call
-                n, length = len(run), run[0].query_len
-                q4, k4, v4 = (
-                    t[s:e].view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
-                )
-                attn = F.scaled_dot_product_attention(
-                    q4, k4.to(q.dtype), v4.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
-                )
-                out[s:e] = attn.transpose(1, 2).reshape(e - s, *q.shape[1:])
+            if len(run) > 1:  # fresh prompts of one length, side by side
+                out[s:e] = self.attend_prompts(q[s:e], k[s:e], v[s:e], len(run), scale)
                 continue
             out[s:e] = self._prefill(
                 q[s:e], k[s:e], v[s:e], k_cache, v_cache, run[0], scale, window, kv_scales
@@ -121,8 +114,8 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out.squeeze(2)
 
-    @staticmethod
     def _prefill(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -152,8 +145,34 @@ class TorchAttentionBackend(AttentionBackend):
             keys = _gather_blocks(k_cache, blocks).view(-1, nkv, hd)[:n]
             values = _gather_blocks(v_cache, blocks).view(-1, nkv, hd)[:n]
         keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if window is None or window >= seq.seq_len:
-            return _attend(q, keys, values, seq.num_computed, 0, scale, window)
+        return self.attend_run(q, keys, values, seq.num_computed, base, scale, window)
+
+    def attend_prompts(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of n whole prompts of one length, side by side in q, k, v (a
+        window, if any, covers each): one batched SDPA call."""
+        length = q.shape[0] // n
+        q4, k4, v4 = (t.view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(
+            q4, k4.to(q.dtype), v4.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return attn.transpose(1, 2).reshape(q.shape)
+
+    def attend_run(
+        self,
+        q: torch.Tensor,  # [queries, num_heads, head_dim] at positions q0, q0 + 1, ...
+        keys: torch.Tensor,  # [keys, num_kv_heads, head_dim] at positions k0, ..., the last query's
+        values: torch.Tensor,
+        q0: int,
+        k0: int,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Causal (and windowed) attention of a prefill chunk's queries to its context: the
+        step a faster backend may override (cpu_backend.py)."""
+        if window is None or window >= q0 + q.shape[0]:
+            return _attend(q, keys, values, q0, k0, scale, window)
         # A sliding window: queries in blocks of an eighth of a window, each against the keys
         # its window reaches (at most 1.125 windows), not the whole context. On AMD EPYC (Zen 5,
         # 2 threads) an 8,192-token prompt's window-512 layer took 0.156 s in blocks of 64,
@@ -162,17 +181,11 @@ class TorchAttentionBackend(AttentionBackend):
         step = max(1, window // 8)
         for a in range(0, q.shape[0], step):
             b = min(a + step, q.shape[0])
-            k0 = max(0, seq.num_computed + a - window + 1)
-            k1 = seq.num_computed + b
+            lo = max(0, q0 + a - window + 1)
             out[a:b] = _attend(
-                q[a:b],
-                keys[k0 - base : k1 - base],
-                values[k0 - base : k1 - base],
-                seq.num_computed + a,
-                k0,
-                scale,
-                window,
-            )
+                q[a:b], keys[lo - k0 : q0 + b - k0], values[lo - k0 : q0 + b - k0], q0 + a, lo,
+                scale, window,
+            )  # fmt: skip
         return out
 
 
