@@ -135,3 +135,18 @@ def test_what_the_kernels_do_not_take_runs_the_torch_code() -> None:
     ref, _ = _run(TorchAttentionBackend(), q, k, v, caches, meta, None)
     assert calls == ["kv write"]  # no decode attention call: torch's; the prefill's is C
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_c
+def test_equal_length_prompts_attend_through_the_prefill_kernel() -> None:
+    # Three fresh prompts of 20 tokens side by side (a batch of new requests): the C kernel
+    # runs each, within float32 rounding of torch's one batched SDPA call.
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(60, 4, 32, generator=g)
+    k, v = torch.randn(2, 60, 2, 32, generator=g)
+    ours = create_attention_backend("cpu").attend_prompts(q, k, v, 3, 0.3)
+    ref = TorchAttentionBackend().attend_prompts(q, k, v, 3, 0.3)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # Each prompt sees only itself: the second one alone gives its rows.
+    alone = TorchAttentionBackend().attend_prompts(q[20:40], k[20:40], v[20:40], 1, 0.3)
+    torch.testing.assert_close(ours[20:40], alone, rtol=1e-5, atol=1e-5)

@@ -65,7 +65,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float
     ) -> torch.Tensor:
         length = q.shape[0] // n
-        if not _prefill_kernel_takes(q, length, None, 0, length):
+        if not _prefill_kernel_takes(q, length, None, 0, 0):
             return super().attend_prompts(q, k, v, n, scale)
         parts = [
             lib.prefill_attention(q[a : a + length], k[a : a + length], v[a : a + length], 0, 0, None, scale)
