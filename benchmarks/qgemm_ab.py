@@ -41,7 +41,9 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     src, lib = out_dir / f"{name}.c", out_dir / f"{name}.so"
     src.write_text(source)
     include = sysconfig.get_paths()["include"]
-    cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", str(src), "-o", str(lib)]
+    headers = SOURCE.parent.resolve()  # simd.h, beside qgemm.c
+    cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", f"-I{headers}", str(src)]
+    cmd += ["-o", str(lib)]
     subprocess.run(cmd, check=True)
     dll = ctypes.CDLL(str(lib))
     dll.tm_qgemm.argtypes = cpu_library.QGEMM_ARGTYPES

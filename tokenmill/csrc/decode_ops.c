@@ -22,13 +22,6 @@
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 
-TM_TARGET static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* gain = weight + weight_offset (Gemma stores 1 + w as w); dim must be a multiple of 8.
  * Row r of x starts at x + (r / inner) * outer_stride + (r % inner) * dim: groups of `inner`
  * adjacent rows, groups outer_stride apart (q or k heads viewed in a fused q/k/v projection);
@@ -45,7 +38,7 @@ TM_TARGET void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner,
             __m256 v = _mm256_loadu_ps(xr + i);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / (float)dim + eps));
+        __m256 inv = _mm256_set1_ps(1.0f / sqrtf(tm_hsum8(acc) / (float)dim + eps));
         float *o = out + r * dim;
         const float *res = residual ? residual + r * dim : NULL;
         for (int64_t i = 0; i < dim; i += 8) {
@@ -129,7 +122,7 @@ TM_TARGET static inline __attribute__((always_inline)) void attend_span_impl(
         }
         const float ks = scale * (q8 == 1 ? k_scales[slot * KVH + kvh] : 1.0f);
         for (int64_t g = 0; g < group; g++) {
-            float sc = hsum8(acc[g]) * ks;
+            float sc = tm_hsum8(acc[g]) * ks;
             scores[g * stride + p - lo] = sc;
             m[g] = sc > m[g] ? sc : m[g];
         }
@@ -147,7 +140,7 @@ TM_TARGET static inline __attribute__((always_inline)) void attend_span_impl(
             _mm256_storeu_ps(sg + j, e);
             sum = _mm256_add_ps(sum, e);
         }
-        l[g] = hsum8(sum);
+        l[g] = tm_hsum8(sum);
     }
     if (q8 == 1)
         TM_FOR_POSITIONS({

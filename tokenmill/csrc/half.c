@@ -30,13 +30,6 @@ TM_TARGET static inline float widen1(uint16_t w, int bf16) {
     return _cvtsh_ss(w);
 }
 
-TM_TARGET static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One activation row against one weight row: four accumulators, so the FMAs' latency
  * overlaps (one chain ran at a quarter of the load rate). */
 TM_TARGET static inline float dot_row(const uint16_t *w, const float *x, int64_t K, int bf16) {
@@ -49,7 +42,7 @@ TM_TARGET static inline float dot_row(const uint16_t *w, const float *x, int64_t
         a3 = _mm256_fmadd_ps(widen(w + k + 24, bf16), _mm256_loadu_ps(x + k + 24), a3);
     }
     for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(widen(w + k, bf16), _mm256_loadu_ps(x + k), a0);
-    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float s = tm_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; k < K; k++) s += widen1(w[k], bf16) * x[k];
     return s;
 }

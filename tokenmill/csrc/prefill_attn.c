@@ -137,10 +137,7 @@ TM_TARGET static void attend_rows(const float *q, const float *kt, int64_t kt_st
             float tail = 0.0f;
             for (; j < nkeys; j++) tail += sr[j] = expf(sr[j] - m_new);
             for (; j < KB; j++) sr[j] = 0.0f;
-            __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-            h4 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-            h4 = _mm_add_ss(h4, _mm_movehdup_ps(h4));
-            l[r] = l[r] * alpha + _mm_cvtss_f32(h4) + tail;
+            l[r] = l[r] * alpha + tm_hsum8(sum) + tail;
             if (alpha != 1.0f) {
                 const __m256 av = _mm256_set1_ps(alpha);
                 for (int64_t c = 0; c < D; c += 8)

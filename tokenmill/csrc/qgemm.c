@@ -71,6 +71,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 /* The VNNI paths need a compiler that knows them (AVX-VNNI: GCC 11, AVX512-VNNI: GCC 8); an
  * older one compiles them as AVX2 and they are never chosen (TM_RUNS_*). */
@@ -167,13 +169,6 @@ __attribute__((constructor)) static void choose_isa(void) {
 
 /* Which of ISA_NAMES the int8 mode runs. */
 const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
-
-TM_TARGET static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Chunks in the block that starts at chunk c0 of a row of nc chunks (nc even). */
 static inline int block_chunks(int64_t nc, int64_t c0) {
@@ -740,7 +735,7 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
         else
             tile_block(ISA, KIND, G16, F16, RA, t, gshift, K, c0, b, xpf, row, s, xq, xd8, xz, xg, facc);
     }
-    for (int i = 0; i < RA; i++) out[i * ostride] = hsum(facc[i]);
+    for (int i = 0; i < RA; i++) out[i * ostride] = tm_hsum8(facc[i]);
 }
 
 /* An x row (float32) in lane order: what code vector u's lane l byte b multiplies. */
@@ -798,7 +793,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
         }
     }
-    for (int i = 0; i < RA; i++) out[i * ostride] = hsum(acc[i]);
+    for (int i = 0; i < RA; i++) out[i * ostride] = tm_hsum8(acc[i]);
 }
 
 TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K,

@@ -9,6 +9,15 @@
  * independent, so results do not depend on the split. */
 #define TM_PARALLEL_MIN_FLOATS (1 << 16)
 
+/* The sum of 8 floats: halves, then pairs, then the last pair (every kernel sums in this one
+ * order, so paths that share it give the same bits). */
+__attribute__((target("avx2,fma"))) static inline float tm_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* exp(x) for 8 floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial), ~1 ulp. */
 __attribute__((target("avx2,fma"))) static inline __m256 tm_exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
