@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def triton_device() -> torch.device:
+    """Where the Triton tests run their kernels: CUDA where a GPU is present, so the compiled
+    kernels are what is tested; else the CPU, in Triton's interpreter (TRITON_INTERPRET above).
+    Tests build their inputs on the CPU (a CPU torch.Generator, the same numbers on every
+    machine) and move them here."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Where the C kernels are required (CI: TOKENMILL_REQUIRE_EXTENSION=1), a missing or
     unloadable extension fails the run: its tests would otherwise skip and pass silently."""

@@ -1,14 +1,20 @@
 """A tiny model generates the same greedy tokens, with log-probabilities within 1e-4 (float32,
 12 steps; the two backends round differently: SDPA against an online softmax), when its
-attention runs in the Triton kernels (interpreted on CPU) as when it runs in torch. Gemma 3's
-sliding window (24) is crossed by the longer prompts; the int8 case quantizes K/V in the
-kernels (1e-3: an upstream rounding difference can flip an 8-bit code)."""
+attention runs in the Triton kernels as when it runs in torch, both engines on conftest.py's
+``triton_device`` (compiled on a GPU, interpreted on the CPU without one). Gemma 3's sliding
+window (24) is crossed by the longer prompts; the int8 case quantizes K/V in the kernels
+(1e-3: an upstream rounding difference can flip an 8-bit code; on CUDA torch's quantize_kv
+divides by qmax as a multiply by its reciprocal, one more such difference).
+
+float32 on CUDA too (its "auto" dtype is bfloat16): the kernels' float32 dot products are IEEE
+and torch's float32 matmuls on CUDA use no TF32 by default, so 1e-4 holds there."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from conftest import assert_all_blocks_free
 
 pytest.importorskip("triton")
@@ -22,12 +28,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=T
 LOGPROB_ATOL = {"auto": 1e-4, "int8": 1e-3}
 
 
-def _engine(path, kv_cache_dtype: str, triton: bool) -> LLMEngine:
+def _engine(path, device: torch.device, kv_cache_dtype: str, triton: bool) -> LLMEngine:
     """An engine on the torch kernels; with ``triton``, its attention rebound to the Triton
     backend (the loader binds kernels and attention by one name, and the Triton kernel backend
     is another piece of issue 24)."""
     engine = LLMEngine.from_args(
         model=str(path),
+        device=str(device),
+        dtype="float32",
         max_model_len=128,
         kv_cache_memory="8MiB",
         kernel_backend="torch",
@@ -58,10 +66,12 @@ def _generate(engine: LLMEngine) -> list:
 @pytest.mark.parametrize(
     "arch, kv_cache_dtype", [("llama", "auto"), ("gemma3", "auto"), ("qwen3", "int8")]
 )
-def test_triton_attention_gives_torchs_greedy_tokens(tiny_model_dir, arch, kv_cache_dtype) -> None:
+def test_triton_attention_gives_torchs_greedy_tokens(
+    tiny_model_dir, triton_device, arch, kv_cache_dtype
+) -> None:
     path = tiny_model_dir(arch)
-    ours = _generate(_engine(path, kv_cache_dtype, triton=True))
-    ref = _generate(_engine(path, kv_cache_dtype, triton=False))
+    ours = _generate(_engine(path, triton_device, kv_cache_dtype, triton=True))
+    ref = _generate(_engine(path, triton_device, kv_cache_dtype, triton=False))
     for got, want in zip(ours, ref):
         assert len(got.token_ids) == GREEDY.max_tokens
         assert got.token_ids == want.token_ids

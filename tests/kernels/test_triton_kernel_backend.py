@@ -1,8 +1,9 @@
 """TritonKernelBackend against its TorchKernelBackend twin: each Triton op on float32 and
 bfloat16 inputs at sizes that are not multiples of the kernels' blocks, the packed matmul over
 weights packed by the real int8 / int4 methods (lane order and element order), the ops that stay
-torch's, and the registry and chooser. Without a GPU the kernels run in Triton's interpreter
-(conftest.py sets TRITON_INTERPRET=1).
+torch's, and the registry and chooser. Inputs are drawn on the CPU and moved to conftest.py's
+``triton_device``, where both backends run: compiled kernels on CUDA tensors where a GPU is
+present, else Triton's interpreter on CPU tensors (conftest.py sets TRITON_INTERPRET=1).
 
 Tolerances: float32 1e-5 (the kernels compute what torch computes, in another order); bfloat16
 rtol 1.6e-2 (~2 ulps: the interpreter rounds float32 -> bfloat16 toward zero, torch to nearest,
@@ -107,11 +108,13 @@ def test_tokenmill_imports_and_runs_torch_kernels_without_triton() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])  # 1.0: Gemma's (1 + w)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm(triton_backend, ref, calls, dtype, offset, with_residual) -> None:
+def test_rmsnorm(triton_device, triton_backend, ref, calls, dtype, offset, with_residual) -> None:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 72, generator=g) * 3).to(dtype)  # 72: not a power of two
     weight = torch.randn(72, generator=g)
     residual = torch.randn(5, 72, generator=g).to(dtype) if with_residual else None
+    x, weight = x.to(triton_device), weight.to(triton_device)
+    residual = None if residual is None else residual.to(triton_device)
     ours = triton_backend.rmsnorm(x, weight, offset, 1e-6, residual)
     want = ref.rmsnorm(x, weight, offset, 1e-6, residual)
     assert ours.dtype == want.dtype == dtype
@@ -120,25 +123,30 @@ def test_rmsnorm(triton_backend, ref, calls, dtype, offset, with_residual) -> No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rmsnorm_of_heads_inside_a_fused_projection(triton_backend, ref, dtype) -> None:
+def test_rmsnorm_of_heads_inside_a_fused_projection(
+    triton_device, triton_backend, ref, dtype
+) -> None:
     """q's heads (q_norm) are a strided view of the q/k/v output, read without a copy."""
     g = torch.Generator().manual_seed(1)
-    qkv = torch.randn(3, 4 * 24 + 2 * 24, generator=g).to(dtype)
+    qkv = torch.randn(3, 4 * 24 + 2 * 24, generator=g).to(dtype).to(triton_device)
     q = qkv[:, : 4 * 24].view(3, 4, 24)
-    weight = torch.randn(24, generator=g).to(dtype)  # a bf16 model's weight
+    weight = torch.randn(24, generator=g).to(dtype).to(triton_device)  # a bf16 model's weight
     ours = triton_backend.rmsnorm(q, weight, 0.0, 1e-6)
     torch.testing.assert_close(ours, ref.rmsnorm(q, weight, 0.0, 1e-6), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_at_scattered_positions_with_gqa(triton_backend, ref, calls, dtype) -> None:
+def test_rotary_at_scattered_positions_with_gqa(
+    triton_device, triton_backend, ref, calls, dtype
+) -> None:
     g = torch.Generator().manual_seed(2)
-    positions = torch.tensor([0, 5, 63, 17, 2, 40, 9])
+    positions = torch.tensor([0, 5, 63, 17, 2, 40, 9], device=triton_device)
     head_dim, num_heads, num_kv_heads = 24, 4, 2  # half 12: not a power of two
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
     freqs = torch.outer(torch.arange(64.0), inv_freq)
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos().to(triton_device), freqs.sin().to(triton_device)
     qkv = torch.randn(7, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    qkv = qkv.to(triton_device)
     q = qkv[:, : num_heads * head_dim].view(7, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(7, 2, head_dim)
     before = q.clone()
@@ -153,10 +161,11 @@ def test_rotary_at_scattered_positions_with_gqa(triton_backend, ref, calls, dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
-def test_act_and_mul(triton_backend, ref, calls, dtype, act) -> None:
+def test_act_and_mul(triton_device, triton_backend, ref, calls, dtype, act) -> None:
     g = torch.Generator().manual_seed(3)
     gate_up = (torch.randn(2, 3, 2 * 50, generator=g) * 4).to(dtype)  # d = 50; far tails too
     gate_up[0, 0, :4] = torch.tensor([-30.0, 30.0, -90.0, 90.0]).to(dtype)
+    gate_up = gate_up.to(triton_device)
     ours = triton_backend.act_and_mul(gate_up, act)
     want = ref.act_and_mul(gate_up, act)
     assert ours.shape == want.shape == (2, 3, 50) and ours.dtype == dtype
@@ -195,13 +204,15 @@ def _assert_matmul_close(ours: torch.Tensor, want: torch.Tensor, dtype: torch.dt
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 3, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_matmul(triton_backend, ref, calls, layout, rows, with_bias) -> None:
+def test_packed_matmul(triton_device, triton_backend, ref, calls, layout, rows, with_bias) -> None:
     w = LAYOUTS[layout]()
     assert w.kind == ("q8" if layout.startswith("int8") else "q4")
     assert (lane_order(w.shape[1]) is None) == (w.shape[1] % 64 != 0)
     g = torch.Generator().manual_seed(rows)
     bias = torch.randn(w.shape[0], generator=g) if with_bias else None
     x = torch.randn(rows, w.shape[1], generator=g)
+    w, x = w.to(triton_device), x.to(triton_device)
+    bias = None if bias is None else bias.to(triton_device)
     for dtype in DTYPES:
         xd = x.to(dtype)
         ours = triton_backend.packed_matmul(xd, w, bias, act_int8=True)
@@ -209,10 +220,10 @@ def test_packed_matmul(triton_backend, ref, calls, layout, rows, with_bias) -> N
     assert calls == {"packed_matmul": 2}
 
 
-def test_packed_matmul_writes_into_out(triton_backend, ref) -> None:
-    w = LAYOUTS["int4g32-k192"]()
-    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(20))
-    out = torch.full((3, 70), float("nan"))
+def test_packed_matmul_writes_into_out(triton_device, triton_backend, ref) -> None:
+    w = LAYOUTS["int4g32-k192"]().to(triton_device)
+    x = torch.randn(3, 192, generator=torch.Generator().manual_seed(20)).to(triton_device)
+    out = torch.full((3, 70), float("nan"), device=triton_device)
     ours = triton_backend.packed_matmul(x, w, None, act_int8=False, out=out)
     assert ours is out
     _assert_matmul_close(out, ref.packed_matmul(x, w, None, act_int8=False), torch.float32)
@@ -229,28 +240,33 @@ def _gguf_like(zero: int | None, seed: int) -> PackedWeight:
     return from_block_codes(bc, 40, 128, four_bit=zero is None, f16_scales=True, zero=zero)
 
 
-def test_gguf_layouts_q4_runs_triton_others_run_torch(triton_backend, ref, calls) -> None:
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(21))
-    q4 = _gguf_like(None, seed=22)
+def test_gguf_layouts_q4_runs_triton_others_run_torch(
+    triton_device, triton_backend, ref, calls
+) -> None:
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(21)).to(triton_device)
+    q4 = _gguf_like(None, seed=22).to(triton_device)
     assert q4.kind == "q4" and q4.scales.dtype == torch.float16 and q4.offsets is not None
     want = ref.packed_matmul(x, q4, None, act_int8=False)
     _assert_matmul_close(triton_backend.packed_matmul(x, q4, None, False), want, torch.float32)
     assert calls == {"packed_matmul": 1}
-    u8 = _gguf_like(16, seed=23)
+    u8 = _gguf_like(16, seed=23).to(triton_device)
     assert u8.kind == "u8"
     ours = triton_backend.packed_matmul(x, u8, None, act_int8=False)
     assert torch.equal(ours, ref.packed_matmul(x, u8, None, act_int8=False))
     assert calls == {"packed_matmul": 1}  # the "u8" weight went to the torch twin
 
 
-def test_ops_without_a_triton_kernel_are_the_torch_twins(triton_backend, ref, calls) -> None:
+def test_ops_without_a_triton_kernel_are_the_torch_twins(
+    triton_device, triton_backend, ref, calls
+) -> None:
     g = torch.Generator().manual_seed(30)
     x, y = torch.randn(4, 40, generator=g), torch.randn(4, 40, generator=g)
-    assert torch.equal(triton_backend.add(x, y), ref.add(x, y))
     table, ids = torch.randn(50, 24, generator=g), torch.tensor([[7, 0], [49, 7]])
+    router = torch.randn(6, 40, generator=g)
+    x, y, table, ids, router = (t.to(triton_device) for t in (x, y, table, ids, router))
+    assert torch.equal(triton_backend.add(x, y), ref.add(x, y))
     assert torch.equal(triton_backend.embedding(table, ids, 2.0), ref.embedding(table, ids, 2.0))
     assert torch.equal(triton_backend.argmax(x), ref.argmax(x))
-    router = torch.randn(6, 40, generator=g)
     for a, b in zip(
         triton_backend.moe_route(x, router, 2, True), ref.moe_route(x, router, 2, True)
     ):

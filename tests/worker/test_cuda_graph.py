@@ -1,7 +1,9 @@
-"""Decode steps through the CUDA-graph path (worker/cuda_graph.py), run on CPU: the same
-padding, buffers, bucketing and output slicing, with the forward run eagerly where CUDA would
-replay its graph. Greedy tokens and log-probs equal the plain eager engine's at batch sizes
-that need padding, with and without verification rows, and padded rows touch no live block."""
+"""Decode steps through the CUDA-graph path (worker/cuda_graph.py) on conftest.py's
+``triton_device``: on a GPU every padded size replays its captured graph; on the CPU the same
+padding, buffers, bucketing and output slicing run, with the forward run eagerly where CUDA
+would replay its graph. Greedy tokens and log-probs equal the plain eager engine's at batch
+sizes that need padding, with and without verification rows, and padded rows touch no live
+block. float32 on CUDA too (its "auto" is bfloat16), so the tolerances below hold there."""
 
 from __future__ import annotations
 
@@ -29,13 +31,17 @@ def test_batch_sizes_and_padding():
 
 @pytest.fixture
 def padded_sizes(monkeypatch) -> list[tuple[int, int]]:
-    """Turns the CUDA-graph path on for CPU workers; records (rows, padded size) of each step."""
+    """Turns the CUDA-graph path on for CPU workers (on CUDA it is on anyway); records (rows,
+    padded size) of each step. On CUDA each step's size must replay a captured graph: a failed
+    capture runs eagerly, which every comparison here would pass."""
     monkeypatch.setattr(worker, "cuda_graphs_supported", lambda device: True)
     seen: list[tuple[int, int]] = []
     original = CudaDecodeGraphs.step
 
     def step(self, ids, *args):
         seen.append((len(ids), self.padded_size(len(ids))))
+        if self.device.type == "cuda":
+            assert self.padded_size(len(ids)) in self.captured_sizes()
         return original(self, ids, *args)
 
     monkeypatch.setattr(CudaDecodeGraphs, "step", step)
@@ -83,10 +89,16 @@ def _assert_same(graphed: list, eager: list, tol: float) -> None:
         ),
     ],  # fmt: skip
 )
-def test_padded_steps_give_the_eager_tokens(tiny_model_dir, padded_sizes, arch, kwargs) -> None:
-    common = dict(model=str(tiny_model_dir(arch)), max_model_len=128, kv_cache_memory="8MiB")
-    # fp32. A padded batch runs its matmuls at another size, whose last bits may differ; an
-    # int8 cache's rounding turns those into ~1e-3 of a log-prob.
+def test_padded_steps_give_the_eager_tokens(
+    tiny_model_dir, triton_device, padded_sizes, arch, kwargs
+) -> None:
+    common = dict(
+        model=str(tiny_model_dir(arch)), device=str(triton_device), dtype="float32",
+        max_model_len=128, kv_cache_memory="8MiB",
+    )  # fmt: skip
+    # fp32. A padded batch runs its matmuls at another size (on CUDA maybe another cuBLAS
+    # kernel), whose last bits may differ; an int8 cache's rounding turns those into ~1e-3 of
+    # a log-prob.
     tol = 1e-2 if kwargs.get("kv_cache_dtype") == "int8" else 1e-4
     graphed = LLMEngine.from_args(**common, **kwargs)
     runner = graphed.executor.worker.runner
@@ -106,10 +118,13 @@ def test_padded_steps_give_the_eager_tokens(tiny_model_dir, padded_sizes, arch, 
             assert any(rows > n for rows, _ in padded_sizes), padded_sizes
 
 
-def test_padded_rows_write_only_the_pad_slot(tiny_model_dir, padded_sizes) -> None:
+def test_padded_rows_write_only_the_pad_slot(tiny_model_dir, triton_device, padded_sizes) -> None:
     """After a 3-request step padded to 4, the cache differs from the eager engine's only in
     block 0's first slot."""
-    common = dict(model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB")
+    common = dict(
+        model=str(tiny_model_dir("llama")), device=str(triton_device), dtype="float32",
+        max_model_len=128, kv_cache_memory="8MiB",
+    )  # fmt: skip
     graphed = LLMEngine.from_args(**common)
     eager = LLMEngine.from_args(**common, enforce_eager=True)
     prompts = _prompts(3, seed=5)
