@@ -163,9 +163,12 @@ class CudaDecodeGraphs:
         for b in reversed(self.sizes):
             self._forward(b)  # warm-up outside the capture: lazy initialization, the logits
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(self.device)
             try:
-                with torch.cuda.graph(graph, pool=pool):
+                # NOTE: the outer stream context restores the current stream when a capture
+                # fails; torch.cuda.graph's own exit raises before it does, which would leave
+                # every later step on the capture stream.
+                with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._forward(b)
             except RuntimeError as e:
                 logger.warning("decode steps of padded batch size %d run eagerly: %s", b, e)

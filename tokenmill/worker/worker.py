@@ -111,7 +111,9 @@ class Worker:
         self._expert_counts: dict[int, torch.Tensor] = {}
         if args.moe_router_stats:
             for layer, experts in self.model.expert_layers().items():
-                experts.counts = torch.zeros(experts.num_experts, dtype=torch.int64)
+                experts.counts = torch.zeros(
+                    experts.num_experts, dtype=torch.int64, device=self.device
+                )
                 self._expert_counts[layer] = experts.counts
         # A draft model proposes beside this one; each KV block the budget pays for has its twin
         # in the draft's cache.

@@ -9,8 +9,9 @@ import triton.language as tl
 # The activations by name (torch_backend.ACTIVATIONS) -> the kernel's constexpr code.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
+# constexpr: a compiled kernel may read no other module globals (the interpreter allows it).
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 @triton.jit
