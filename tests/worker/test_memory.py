@@ -86,7 +86,7 @@ def test_profiling_step_runs_the_model_in_sequences_of_max_model_len(tiny_model_
     """40 tokens at max_model_len 16 are sequences of 16, 16 and 8 tokens, each from position 0:
     the last rows' log-probs are those of positions 6 and 7 of one 8-token sequence (every
     token id 0), which a real prefill of eight zeros gives too."""
-    worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), max_model_len=64,
+    worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
                                kv_cache_memory="4MiB", enforce_eager=True))  # fmt: skip
     cache = CacheConfig(block_size=16)
     model, dtype, device = worker.model, worker.dtype, worker.device
@@ -109,7 +109,7 @@ def test_profiling_step_runs_the_model_in_sequences_of_max_model_len(tiny_model_
 
 def test_cpu_worker_logs_its_plan(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill.worker.worker"):
-        worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), max_model_len=64,
+        worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
                                    kv_cache_memory="4MiB", enforce_eager=True))  # fmt: skip
     plan_lines = [r.getMessage() for r in caplog.records if "memory plan" in r.getMessage()]
     assert len(plan_lines) == 1
@@ -137,7 +137,7 @@ def test_step_buffers_are_sized_from_seqs_and_batched_tokens(
 ):
     """The logits buffer has max(1, min(max_num_seqs, max_num_batched_tokens)) rows, not a fixed
     128; the plan counts it once, and eager steps use the decode graphs' buffer."""
-    args = EngineArgs(model=str(tiny_model_dir("llama")), max_model_len=64, quantization="int8",
+    args = EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64, quantization="int8",
                       kv_cache_memory="4MiB", max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
     worker = Worker(args)
