@@ -39,7 +39,10 @@ def _round_to_e4m3(y):
     exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     step_exponent = tl.maximum(exponent, -6) - 3
     step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^step_exponent
-    rounded = _round_half_even(tl.abs(y) / step) * step  # exact: step is a power of two
+    inv_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)  # 2^-step_exponent
+    # NOTE: a product by the exact inverse, not ``/ step``: a GPU's plain division is
+    # approximate (div.full.f32), and one ulp off a half-way tie rounds it the other way.
+    rounded = _round_half_even(tl.abs(y) * inv_step) * step  # exact: powers of two
     return tl.where(y < 0, -rounded, rounded)  # keeps -0.0, as torch's conversion does
 
 
