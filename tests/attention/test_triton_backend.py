@@ -32,6 +32,11 @@ from tokenmill.attention.backends import (  # noqa: E402
 )
 from tokenmill.attention.backends.triton_backend import TritonAttentionBackend  # noqa: E402
 from tokenmill.attention.triton import store_kv  # noqa: E402
+from tokenmill.attention.triton.decode import (  # noqa: E402
+    MIN_PARTITION_SIZE,
+    PARTITION_SIZE,
+    decode_partition_size,
+)
 
 KV_DTYPES = {
     "float32": torch.float32,
@@ -137,7 +142,7 @@ def _compare(
     num_kv_heads: int = 2,
     head_dim: int = HEAD_DIM,
     window: int | None = None,
-    partition_size: int = 512,
+    partition_size: int | None = 512,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both backends' outputs (on the CPU, float32) for one step on the same random caches and
@@ -163,7 +168,11 @@ def _compare(
     # The interpreter truncates float32 -> bfloat16 stores; a GPU rounds to nearest, as torch.
     if not (kv_dtype == torch.bfloat16 and q_dtype == torch.float32 and device.type == "cpu"):
         for got, want in zip(our_caches, ref_caches):
-            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+            got = got.cpu()
+            # Block 0's first slot is the pad slot: several padding rows write it, and on a GPU
+            # in any order (an engine's padding rows all write the same token's K/V).
+            got[0, 0], want[0, 0] = 0, 0
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     if our_scales is not None:
         assert torch.equal(our_scales[0].cpu(), ref_scales[0])
         assert torch.equal(our_scales[1].cpu(), ref_scales[1])
@@ -243,11 +252,19 @@ def test_prefills_match_torch(triton_device, num_heads, num_kv_heads, window) ->
     torch.testing.assert_close(ours, ref, **F32_TOL)
 
 
+def test_a_small_batch_splits_its_context_and_a_full_one_does_not() -> None:
+    assert decode_partition_size(1, 1, 4096) == MIN_PARTITION_SIZE
+    assert decode_partition_size(4, 2, 32768) == 256  # at most MAX_PARTITIONS of the context
+    assert decode_partition_size(1, 1, 10**6) == PARTITION_SIZE
+    assert decode_partition_size(128, 1, 4096) == PARTITION_SIZE
+
+
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("partition_size", [512, 32])
+@pytest.mark.parametrize("partition_size", [512, 32, None])
 @pytest.mark.parametrize("num_heads", [2, 8])
 def test_decodes_match_torch(triton_device, num_heads, partition_size, window) -> None:
-    # 150 keys: five partitions of 32 (split-K), one of 512; 64 exactly two of 32.
+    # 150 keys: five partitions of 32 (split-K), one of 512, three of the default's 64 for
+    # this small batch; 64 exactly two of 32.
     g = torch.Generator().manual_seed(4)
     meta = _step([1, 7, 13, 64, 150], [], 40, g)
     ours, ref = _compare(
@@ -265,7 +282,12 @@ def test_padded_decode_rows_give_zeros_or_finite_rows(triton_device, partition_s
     ours, ref = _compare(meta, triton_device, partition_size=partition_size)
     assert torch.equal(ours[2], torch.zeros_like(ours[2]))
     assert torch.equal(ours[4], torch.zeros_like(ours[4]))
-    torch.testing.assert_close(ours[[0, 1, 3]], ref[[0, 1, 3]], **F32_TOL)
+    torch.testing.assert_close(ours[[0, 1]], ref[[0, 1]], **F32_TOL)
+    # Row 3 attends to the pad slot alone, which the three padding rows write with different
+    # K/V here: on a GPU any of them may land last, so its output is one of their V rows.
+    assert ours[3].isfinite().all()
+    if triton_device.type == "cpu":  # the interpreter writes in order, as torch does
+        torch.testing.assert_close(ours[3], ref[3], **F32_TOL)
 
 
 def test_decodes_read_no_host_value(triton_device, monkeypatch) -> None:

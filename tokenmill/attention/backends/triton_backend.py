@@ -18,7 +18,6 @@ import torch
 from tokenmill.attention.backends.base import AttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton import decode_attention, prefill_attention, store_kv
-from tokenmill.attention.triton.decode import PARTITION_SIZE
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -26,12 +25,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     Args:
         partition_size: keys per decode program (a power of two); smaller splits a long
-            context over more programs.
+            context over more programs. None: chosen per launch from the batch
+            (attention/triton/decode.py's decode_partition_size).
     """
 
     name = "triton"
 
-    def __init__(self, partition_size: int = PARTITION_SIZE) -> None:
+    def __init__(self, partition_size: int | None = None) -> None:
         self.partition_size = partition_size
 
     def forward(
