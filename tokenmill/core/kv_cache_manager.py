@@ -208,7 +208,14 @@ class KVCacheManager:
         if window is None:
             return
         first_needed = max(0, num_computed - window + 1) // self.block_size
-        out = [i for i in range(min(first_needed, len(table))) if table[i].block_id != NULL_BLOCK]
+        # The null entries are a prefix of the table (a prefix hit's, then each release's), so
+        # the blocks to free are those just before first_needed back to the first null one:
+        # O(1) on a step that releases nothing, not a walk over the whole context.
+        out, i = [], min(first_needed, len(table)) - 1
+        while i >= 0 and table[i].block_id != NULL_BLOCK:
+            out.append(i)
+            i -= 1
+        out.reverse()  # freed in table order, as before
         if out:
             self.pool.free(table[i] for i in out)
             for i in out:
