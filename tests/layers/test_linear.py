@@ -70,6 +70,36 @@ def test_float_parts_compute_what_separate_layers_compute(bias: bool) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
+def test_joined_float_parts_are_one_matmul_over_views_of_one_weight(bias: bool) -> None:
+    """join_floats (CUDA's default): one matmul, each part's parameters views into the joined
+    rows (no second copy), the same outputs as separate layers to float32 rounding."""
+    weights = _weights(bias, seed=2)
+    separate, qkv = _separate(weights, bias), _fused(weights, bias)
+    qkv.group_parts_(join_floats=True)
+    (group,) = qkv.groups
+    assert group.parts == ("q", "k", "v") and group.sizes == tuple(SIZES.values())
+    assert qkv.is_fused
+    for part in "qkv":
+        layer = qkv.part(part)
+        assert layer.weight.untyped_storage().data_ptr() == group.weight.data_ptr()
+        if bias:
+            assert layer.bias.untyped_storage().data_ptr() == group.bias.data_ptr()
+    x = torch.randn(5, HIDDEN)
+    for part, y in zip("qkv", qkv(x), strict=True):
+        torch.testing.assert_close(y, separate[part](x), rtol=1e-5, atol=1e-5)
+    fused = qkv.forward_fused(x)
+    torch.testing.assert_close(fused, torch.cat([separate[p](x) for p in "qkv"], dim=-1))
+
+
+def test_only_float_parts_of_one_dtype_join() -> None:
+    weights = _weights(False, seed=3)
+    qkv = _fused(weights, False)
+    qkv.part("v").weight.data = qkv.part("v").weight.data.double()
+    qkv.group_parts_(join_floats=True)
+    assert [g.parts for g in qkv.groups] == [("q",), ("k",), ("v",)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
 def test_packed_parts_of_one_layout_share_one_matmul(bias: bool) -> None:
     """Packed q/k/v (as GGUF hands them over) join into one matmul, with Qwen2's biases."""
     weights = _weights(bias, seed=1)

@@ -8,8 +8,8 @@ experts are further loaders on the same seam.
 After loading, ``quantize_`` may hand a weight to a QuantMethod, which packs it and computes
 from then on (the float parameter is dropped); a weight that arrives packed (GGUF) is handed
 over as it loads. A fused layer then decides from what its parts hold which of them share one
-matmul (``group_parts_``): packed parts of one layout have their rows joined; the others, and
-float weights, are computed part by part.
+matmul (``group_parts_``): packed parts of one layout have their rows joined, and on CUDA float
+parts too; the others are computed part by part.
 """
 
 from __future__ import annotations
@@ -161,6 +161,10 @@ class PartGroup:
     # computed by its own Linear.
     method: PackedQuantMethod | None = None
     state: PackedState | None = None
+    # Float parts joined instead (``join_floats``): the rows of every part, whose own weights
+    # are views into it, and their biases (zeros where a part has none).
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 class FusedLinear(nn.Module):
@@ -219,10 +223,19 @@ class FusedLinear(nn.Module):
         except ValueError as e:
             raise ValueError(f"(part {part!r}) {e}") from e
 
-    def group_parts_(self) -> None:
+    def group_parts_(self, join_floats: bool | None = None) -> None:
         """After loading (and quantizing): the first of ``groupings`` whose groups can each be
         one packed matmul, their rows joined (fewer, larger matmuls: a decode step's fixed cost
-        per call is what they save); otherwise every part alone."""
+        per call is what they save); otherwise every part alone. Float parts are joined into
+        one matmul where ``join_floats`` (by default: on CUDA, where each matmul of a decode
+        step is a kernel launch, ~4 us at batch 1 on an H200; a CPU's float path is its exact
+        reference mode, whose golden outputs were recorded part by part)."""
+        if join_floats is None:
+            join_floats = self.part(self.part_names[0]).weight is not None and (
+                self.part(self.part_names[0]).weight.device.type == "cuda"
+            )
+        if join_floats and self._join_floats():
+            return
         for grouping in self.groupings:
             joined = [self._joined(parts) for parts in grouping]
             if all(state is not None for state in joined):
@@ -242,6 +255,35 @@ class FusedLinear(nn.Module):
                     self.part(p).quant_method, self.part(p).quant_state = None, None
             elif part not in grouped:
                 self.groups.append(PartGroup((part,), (self.part(part).out_features,)))
+
+    def _join_floats(self) -> bool:
+        """Every part's float rows into one weight, each part's parameters becoming views into
+        it (no memory added); False, and nothing changed, unless every part is an unquantized
+        float Linear of one dtype."""
+        linears = [self.part(p) for p in self.part_names]
+        if any(lin.quant_method is not None or lin.weight is None for lin in linears):
+            return False
+        if len({lin.weight.dtype for lin in linears}) != 1:
+            return False
+        weight = torch.cat([lin.weight.data for lin in linears])
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat(
+                [
+                    lin.bias.data if lin.bias is not None else weight.new_zeros(lin.weight.shape[0])
+                    for lin in linears
+                ]
+            )
+        sizes, start = [], 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[start : start + rows]
+            if lin.bias is not None:
+                lin.bias.data = bias[start : start + rows]
+            sizes.append(rows)
+            start += rows
+        self.groups = [PartGroup(self.part_names, tuple(sizes), weight=weight, bias=bias)]
+        return True
 
     def _joined(self, parts: tuple[str, ...]) -> PackedState | None:
         """One packed state computing ``parts`` (rows in order), or None when they are not all
@@ -279,7 +321,9 @@ class FusedLinear(nn.Module):
         matmul)."""
         outputs: list[torch.Tensor] = []
         for group in self.groups:
-            if group.method is None:
+            if group.weight is not None:
+                outputs += F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
+            elif group.method is None:
                 outputs.append(self.part(group.parts[0])(x))
             else:
                 outputs += group.method.apply(group.state, x, self.kernels).split(
@@ -290,6 +334,8 @@ class FusedLinear(nn.Module):
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """The parts' outputs side by side [..., out_features], from the one matmul (is_fused)."""
         (group,) = self.groups
+        if group.weight is not None:
+            return F.linear(x, group.weight, group.bias)
         assert group.method is not None, "forward_fused needs is_fused"
         return group.method.apply(group.state, x, self.kernels)
 
