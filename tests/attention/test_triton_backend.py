@@ -217,6 +217,8 @@ def test_store_kv_writes_torchs_bytes_and_scales(triton_device, kv_dtype) -> Non
     TorchAttentionBackend().store_kv(k[keep], v[keep], slots[keep], *ref, ref_scales)
     for got, want in zip(ours, ref):
         assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    if dtype == torch.float8_e4m3fn:  # covered: negative values that round to -0.0 (0x80)
+        assert (ref[1].view(torch.uint8) == 0x80).any()
     if our_scales is not None:
         assert torch.equal(our_scales[0].cpu(), ref_scales[0])
         assert torch.equal(our_scales[1].cpu(), ref_scales[1])

@@ -32,7 +32,7 @@ def _round_half_even(y):
 
 @triton.jit
 def _round_to_e4m3(y):
-    """y (|y| <= 448) rounded half to even onto float8_e4m3fn's grid, in float32: 3 mantissa
+    """y (0 <= y <= 448) rounded half to even onto float8_e4m3fn's grid, in float32: 3 mantissa
     bits, subnormal steps of 2^-9 below 2^-6. Then the conversion to fp8 is exact, whatever its
     rounding. NOTE: the interpreter's own float32 -> fp8 conversion drops the carry when
     rounding up crosses a power of two (-127.05 became -64, not -128)."""
@@ -42,8 +42,7 @@ def _round_to_e4m3(y):
     inv_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)  # 2^-step_exponent
     # NOTE: a product by the exact inverse, not ``/ step``: a GPU's plain division is
     # approximate (div.full.f32), and one ulp off a half-way tie rounds it the other way.
-    rounded = _round_half_even(tl.abs(y) * inv_step) * step  # exact: powers of two
-    return tl.where(y < 0, -rounded, rounded)  # keeps -0.0, as torch's conversion does
+    return _round_half_even(y * inv_step) * step  # exact: powers of two
 
 
 @triton.jit
@@ -64,8 +63,16 @@ def _store_row(
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX)
         y = tl.math.div_rn(x, tl.maximum(scale, TINY))
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        y = _round_half_even(y) if IS_INT8 else _round_to_e4m3(y)
-        tl.store(cache_ptr + offs_d, y.to(cache_dtype), mask=d_mask)
+        if IS_INT8:
+            q = _round_half_even(y).to(cache_dtype)
+        else:
+            # The magnitude, on e4m3's grid, converts exactly; the sign bit goes onto the byte
+            # itself, so a negative value that rounds to zero is -0.0 as in torch (on an H200,
+            # negating the float zero gave +0.0: the compiler assumes no signed zeros).
+            mag = _round_to_e4m3(tl.abs(y)).to(cache_dtype).to(tl.uint8, bitcast=True)
+            sign = (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 7).to(tl.uint8)
+            q = (mag | sign).to(cache_dtype, bitcast=True)
+        tl.store(cache_ptr + offs_d, q, mask=d_mask)
         tl.store(scale_ptr, scale)
     else:
         # NOTE: no float32 round trip: a same-dtype store stays bit-exact, and the
