@@ -231,9 +231,8 @@ class FusedLinear(nn.Module):
         step is a kernel launch, ~4 us at batch 1 on an H200; a CPU's float path is its exact
         reference mode, whose golden outputs were recorded part by part)."""
         if join_floats is None:
-            join_floats = self.part(self.part_names[0]).weight is not None and (
-                self.part(self.part_names[0]).weight.device.type == "cuda"
-            )
+            weight = self.part(self.part_names[0]).weight
+            join_floats = weight is not None and weight.device.type == "cuda"
         if join_floats and self._join_floats():
             return
         for grouping in self.groupings:
