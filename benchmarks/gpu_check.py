@@ -39,6 +39,7 @@ from tokenmill.bench.planner import ModelFacts, model_facts
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
 PROMPTS = (
     "The capital of France is",
@@ -87,8 +88,6 @@ def build_synthetic_gemma(path: Path) -> str:
     heads over 1 KV head of 256, a 262,144-token vocabulary, 5 sliding-window layers of 512 to
     1 global), random bf16 weights and a byte-level tokenizer (ids 3-258)."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
 
     if (path / "config.json").exists():
         return str(path)
@@ -112,17 +111,7 @@ def build_synthetic_gemma(path: Path) -> str:
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
-    )
+    write_byte_tokenizer(path, config.vocab_size)
     return str(path)
 
 
@@ -401,7 +390,7 @@ def run(ns: argparse.Namespace) -> dict:
         "num_kv_blocks": engine.num_total_blocks,
         "cuda_graph_sizes": graphs.captured_sizes() if graphs is not None else [],
     }
-    graphs = None  # the engine's memory goes back at its shutdown
+    del graphs  # it holds the model and caches: they go at the engine's shutdown
     refs: dict[str, list[int]] = {}  # the CPU's greedy tokens, computed once
 
     def greedy(min_agreement: float) -> Callable[[], dict]:
@@ -466,9 +455,7 @@ def run(ns: argparse.Namespace) -> dict:
         part(f"throughput_{c}", concurrent(c))
     engine.shutdown()
     _release(device)
-    # The same steps through other paths, one engine at a time: "eager" (no CUDA graphs) and
-    # "torch" (the torch kernels and attention backend), for what the graphs and kernels buy.
-    for variant in ns.variants:
+    for variant in ns.variants:  # one engine at a time (VARIANTS says what each measures)
         part(f"{variant}_engine_start_s", lambda o=VARIANTS[variant]: start_engine(**o))
         if not engines:
             continue
@@ -506,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dir", help="write torch.profiler tables of decode steps here")
     p.add_argument(
         "--variants", default="", type=lambda v: [x for x in v.split(",") if x],
-        help="also time decode steps with these engines: eager, torch (comma-separated)",
+        help="then these engines too (comma-separated; VARIANTS): eager, torch, float32",
     )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the code path on a CPU")
     p.add_argument("--out", help="where to write the JSON of results")

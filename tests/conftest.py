@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
 # Without a GPU, Triton kernels run in Triton's interpreter (numpy, on CPU tensors): set before
 # any test imports triton, which reads it when a kernel is first launched.
@@ -128,26 +129,6 @@ def _tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
-def _write_byte_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer with no merges: every byte is a token, ids 3..258."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    assert len(vocab) <= vocab_size
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
-    )
-
-
 _CACHE: dict[str, Path] = {}
 
 
@@ -168,7 +149,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
                     p.normal_(0.0, 0.2 if p.dim() > 1 else 0.1)
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(path, safe_serialization=True)
-            _write_byte_tokenizer(path, config.vocab_size)
+            write_byte_tokenizer(path, config.vocab_size)
             _CACHE[arch] = path
         return _CACHE[arch]
 

@@ -59,7 +59,9 @@ def one_kv_head_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """gemma-3-270m's shape in small: one KV head (replicated over the ranks) and a vocabulary
     that does not split evenly (387 rows: the last rank's slice is padded)."""
     import transformers as tf
-    from conftest import TINY_COMMON, _write_byte_tokenizer
+    from conftest import TINY_COMMON
+
+    from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
     torch.manual_seed(1)
     config = tf.Gemma3TextConfig(
@@ -74,7 +76,7 @@ def one_kv_head_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
             p.normal_(0.0, 0.2 if p.dim() > 1 else 0.1)
     path = tmp_path_factory.mktemp("tiny-gemma3-kv1")
     model.save_pretrained(path, safe_serialization=True)
-    _write_byte_tokenizer(path, config.vocab_size)
+    write_byte_tokenizer(path, config.vocab_size)
     return path
 
 

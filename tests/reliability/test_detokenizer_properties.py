@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import _write_byte_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
 SETTINGS = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -31,7 +31,7 @@ SETTINGS = settings(
 @pytest.fixture(scope="module")
 def byte_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("byte-tokenizer")
-    _write_byte_tokenizer(path, 384)
+    write_byte_tokenizer(path, 384)
     return load_tokenizer(path, "llama")
 
 

@@ -14,7 +14,6 @@ ever taken back.
 from __future__ import annotations
 
 import pytest
-from conftest import _write_byte_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
 ALPHABET = "ab é東🧌"
 
@@ -31,7 +31,7 @@ ALPHABET = "ab é東🧌"
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     path = tmp_path_factory.mktemp("byte-tokenizer")
-    _write_byte_tokenizer(path, 384)
+    write_byte_tokenizer(path, 384)
     return load_tokenizer(path, "llama")
 
 

@@ -84,8 +84,9 @@ def test_seeded_sampling_is_reproducible_and_stops_at_max_tokens(tiny_model_dir)
 
 
 def test_a_draft_of_another_vocabulary_is_refused(tiny_model_dir, tmp_path) -> None:
-    from conftest import _write_byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
     config = LlamaConfig(
         vocab_size=300,
@@ -96,7 +97,7 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_model_dir, tmp_path) -> N
         num_key_value_heads=1,
     )
     LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    _write_byte_tokenizer(tmp_path, 300)
+    write_byte_tokenizer(tmp_path, 300)
     args = EngineArgs(
         model=str(tiny_model_dir("llama")),
         max_model_len=256,
