@@ -50,6 +50,11 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
+    # Tokens sampled by scheduled steps whose output the scheduler has not seen yet: each step
+    # whose rows reach the end of the known tokens adds one when it is scheduled, and its output
+    # takes it back. With async scheduling the next step is scheduled before the output is in
+    # (then 2 for a while), and runs that pending token, whose id only the device knows.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -682,3 +682,48 @@ def test_drafts_are_cut_to_the_context_and_the_budget() -> None:
     req.draft_token_ids = [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 10} and len(out.draft_token_ids["a"]) == 9
+
+
+# ---- async scheduling: the next step scheduled before this one's tokens are in --------------
+
+
+def test_async_order_runs_the_pending_token_and_stops_at_max_tokens():
+    sched = make_scheduler()
+    req = make_request(5, max_tokens=3, ignore_eos=True)
+    sched.add_request(req)
+    first = sched.schedule()  # the prompt, which samples output 1
+    assert first.num_scheduled_tokens == {req.req_id: 5} and first.can_run_ahead
+    second = sched.schedule()  # output 1, not yet known: its id is on the device
+    assert second.num_scheduled_tokens == {req.req_id: 1}
+    assert req.num_pending_tokens == 2
+    sched.update_from_output(first, RunnerOutput({req.req_id: [7]}))
+    third = sched.schedule()  # output 2; output 3 (sampled by this step) is the last
+    assert third.num_scheduled_tokens == {req.req_id: 1}
+    sched.update_from_output(second, RunnerOutput({req.req_id: [8]}))
+    assert sched.schedule().is_empty  # its pending token is its last: nothing more to run
+    (update,) = sched.update_from_output(third, RunnerOutput({req.req_id: [9]}))
+    assert update.finish_reason == FinishReason.LENGTH
+    assert req.output_token_ids == [7, 8, 9] and req.num_pending_tokens == 0
+    assert_all_blocks_free(sched)
+
+
+def test_async_order_drops_the_token_after_a_stop():
+    sched = make_scheduler()
+    req = make_request(5, max_tokens=10, stop_token_ids=[7])
+    sched.add_request(req)
+    first = sched.schedule()
+    second = sched.schedule()  # runs ahead: the stop is not known yet
+    (update,) = sched.update_from_output(first, RunnerOutput({req.req_id: [7]}))
+    assert update.finish_reason == FinishReason.STOP
+    assert_all_blocks_free(sched)  # freed at once: the device runs the steps in order
+    assert sched.schedule().finished_req_ids == {req.req_id}
+    assert sched.update_from_output(second, RunnerOutput({req.req_id: [8]})) == []
+    assert req.output_token_ids == [7]
+
+
+def test_requests_that_sample_from_their_tokens_do_not_run_ahead():
+    for params in (dict(logprobs=1), dict(prompt_logprobs=0), dict(repetition_penalty=1.2)):
+        sched = make_scheduler()
+        sched.add_request(make_request(5))
+        sched.add_request(make_request(5, **params))
+        assert not sched.schedule().can_run_ahead

@@ -48,6 +48,10 @@ class SchedulerOutput:
     # Proposed tokens to verify, per request: they follow its known tokens in this step, and
     # the runner returns the sampled tokens up to the first draft the model disagrees with.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Every scheduled request may have its next step scheduled before this step's tokens are
+    # in (async scheduling, core/scheduler.py): the engine may launch this step and schedule
+    # the next while it runs.
+    can_run_ahead: bool = False
 
     def num_computed_tokens(self) -> dict[str, int]:
         """Tokens already in the cache before this step, per scheduled request."""

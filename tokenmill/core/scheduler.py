@@ -11,6 +11,15 @@ Draft tokens (``Request.draft_token_ids``, set by a proposer) ride along with a 
 request is scheduled for its next token plus its drafts, and the drafts the model rejected are
 taken back from ``num_computed_tokens`` once the step's output is in (their K/V slots are
 simply written again later).
+
+Async scheduling (engine/llm_engine.py): the engine may schedule step N+1 before step N's
+tokens are in, so that the host's work overlaps the device's. A request whose step samples
+holds a pending token (``Request.num_pending_tokens``) from its scheduling until its output is
+in; step N+1 schedules that token like a known one (the worker takes its id from step N's
+picks on the device). A request whose pending token is its last (max_tokens, the context) is
+not scheduled again; one that stops on its pending token has run one token for nothing, which
+is dropped. Only steps whose requests need no host-side view of their tokens to sample the
+next one may be run ahead (``SchedulerOutput.can_run_ahead``).
 """
 
 from __future__ import annotations
@@ -65,10 +74,7 @@ class Scheduler:
         req = self.requests.get(req_id)
         if req is None or req.is_finished:
             return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        self._dequeue(req)
         self._finish(req, reason)
         return req
 
@@ -109,11 +115,15 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
             draft_token_ids=drafts,
+            can_run_ahead=not drafts and all(_can_run_ahead(self.requests[rid]) for rid in order),
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
         for rid, n in out.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # this step samples its next token
         return out
 
     def _schedule_running(
@@ -126,7 +136,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._has_room(req):
+                i += 1  # its pending token is its last: it finishes when the token is in
+                continue
+            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
             if num_new == 1 and req.draft_token_ids:  # a decode: its drafts run with it
                 room = min(
                     self.config.max_model_len - req.num_tokens,
@@ -158,6 +171,14 @@ class Scheduler:
             budget -= num_new
             i += 1
         return preempted
+
+    def _has_room(self, req: Request) -> bool:
+        """Whether a request may run a token after the ones it has and its pending one."""
+        num_tokens = req.num_tokens + req.num_pending_tokens
+        return (
+            req.num_output_tokens + req.num_pending_tokens < req.max_tokens
+            and num_tokens < self.config.max_model_len
+        )
 
     def _take_drafts(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
         """The drafts of the running requests scheduled this step (each proposal runs once)."""
@@ -209,7 +230,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _is_blocked(self, req: Request) -> bool:
-        """n > 1 siblings wait until the first sibling's prompt is in the cache."""
+        """A preempted request waits for its pending token; n > 1 siblings wait until the
+        first sibling's prompt is in the cache."""
+        if req.num_pending_tokens:
+            return True
         leader = self.requests.get(req.wait_for_req_id) if req.wait_for_req_id else None
         if leader is None or leader.is_finished or not self.kv.enable_caching:
             return False
@@ -240,6 +264,8 @@ class Scheduler:
             prompt_logprobs = runner_out.prompt_logprobs.get(req_id)
             if req is None or req.is_finished or not (token_ids or prompt_logprobs):
                 continue
+            if token_ids:
+                req.num_pending_tokens -= 1
             if token_ids and req.first_token_time is None:
                 req.first_token_time = now
             # Rejected drafts: K drafts give 1 + (accepted) tokens; the rest is not computed.
@@ -260,7 +286,7 @@ class Scheduler:
                 if reason is not None:
                     update.finish_reason = reason
                     update.stop_reason = req.stop_reason
-                    self.running.remove(req)
+                    self._dequeue(req)  # running, or preempted while its token was pending
                     self._finish(req, reason)
                     break
             if not req.is_finished:
@@ -283,6 +309,12 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _dequeue(self, req: Request) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
@@ -291,6 +323,19 @@ class Scheduler:
         self.cache_salts.pop(req.req_id, None)
         self._finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
+
+
+def _can_run_ahead(req: Request) -> bool:
+    """Whether the request's next step may be scheduled before this one's tokens are in: the
+    worker samples it without seeing the pending token's id (penalties count token ids; a
+    grammar advances on them), and its log-probs come with the token alone."""
+    params = req.sampling_params
+    return (
+        req.grammar is None
+        and not params.has_penalties
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+    )
 
 
 def _cut_logprobs(update: RequestUpdate) -> None:
