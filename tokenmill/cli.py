@@ -67,6 +67,8 @@ _ENGINE_FLAG_HELP = {
     "tensor_parallel_size": "split the model over N processes on this machine (tensor "
     "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float or GGUF weights, "
     "run eagerly",
+    "async_scheduling": "schedule each step while the device runs the one before it "
+    "(default: on with CUDA); --no-async-scheduling runs steps one at a time",
     "distributed_executor": "where tensor-parallel ranks run: mp (processes on this machine), "
     "ray (Ray actors, one node or several) or torchrun (set by tokenmill.worker.torchrun)",
 }
@@ -82,7 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         help_text = f"{_ENGINE_FLAG_HELP.get(f.name, '')} (default: {default})"
-        if isinstance(default, bool):
+        if isinstance(default, bool) or f.name == "async_scheduling":
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )

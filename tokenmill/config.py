@@ -624,6 +624,9 @@ class WorkerInfo:
     kv_bytes_per_block: int  # the layers a block holds: K and V (and their scales)
     num_kv_blocks: int  # blocks that fit the kv_cache_memory budget, the null block included
     kv_layout: KVLayout  # which layers a block holds; each request's block tables
+    # EngineArgs.async_scheduling resolved: the executor's launch / collect let the engine
+    # schedule a step while the one before it runs.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -705,6 +708,13 @@ class EngineArgs:
     # group: one node or several; tokenmill[ray]; executor/ray_executor.py) or "torchrun" (set
     # by `torchrun -m tokenmill.worker.torchrun`: the ranks are torchrun's processes).
     distributed_executor: str = "mp"
+    # Schedule step N+1 while the device runs step N (vLLM's flag): the host's work per step
+    # (scheduling, inputs, outputs) overlaps the device's instead of adding to it. None: on
+    # with CUDA, where the device runs on its own; a CPU computes in the engine's own threads,
+    # so it gains nothing there. Not with speculative decoding (the proposer reads each step's
+    # tokens on the host) nor tensor parallelism. Steps whose requests need their tokens on the
+    # host to sample the next (penalties, log-probs, structured output) run one at a time.
+    async_scheduling: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -792,6 +802,18 @@ class EngineArgs:
             raise ValueError(
                 f"distributed_executor must be one of {', '.join(DISTRIBUTED_EXECUTORS)}; "
                 f"got {self.distributed_executor!r}"
+            )
+        if self.async_scheduling and self.speculative_method is not None:
+            raise ValueError(
+                "async_scheduling does not combine with speculative decoding (the proposer "
+                "reads each step's tokens on the host); drop one of them"
+            )
+        if self.async_scheduling and (
+            self.tensor_parallel_size > 1 or self.distributed_executor != "mp"
+        ):
+            raise ValueError(
+                "async_scheduling runs with one in-process worker; use tensor_parallel_size 1 "
+                "and distributed_executor 'mp', or drop async_scheduling"
             )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")

@@ -4,6 +4,14 @@ add_request -> Scheduler.add_request                          (validated, tokeni
 step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_output()
          -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
 
+With async scheduling (EngineArgs.async_scheduling, on with CUDA) a step that may run ahead
+is launched instead, and its output taken in by the next call, after that call has scheduled
+and launched the step after it: the host's scheduling and output work for one step overlaps
+the device's run of the other.
+
+    call k:    schedule N+1 | launch N+1 | collect N -> update N -> outputs N
+    device:    ... step N runs ...    | step N+1 runs ...
+
 The engine holds no tensors and imports no torch: the model side (device, weights, KV cache,
 decode graphs) sits behind the executor (tokenmill/executor), which it reaches only through
 SchedulerOutput / RunnerOutput, plain data.
@@ -26,7 +34,7 @@ from tokenmill.config import (
     WorkerInfo,
     parse_memory,
 )
-from tokenmill.core import RunnerOutput, Scheduler
+from tokenmill.core import RunnerOutput, Scheduler, SchedulerOutput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.modelfile import human_bytes, resident_bytes
@@ -78,6 +86,8 @@ class LLMEngine:
             self.tokenizer, model_config.vocab_size, self.eos_token_ids
         )
         self._ids = itertools.count()
+        self.async_scheduling = worker.async_scheduling
+        self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
         # NOTE: for tests only (tests/reliability/test_faults.py), never set by the engine or
         # the server: called with each sequence id whose step update is about to be processed;
         # what it raises fails that request alone, as a bug in its output processing would.
@@ -224,16 +234,39 @@ class LLMEngine:
         """Requests waiting or running, or finished ones the worker has not heard of: one more
         (empty) step tells it, so what it keeps per request (a draft model's KV blocks among
         it) leaves with the request."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_to_send
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_finished_to_send
+            or self._launched is not None
+        )
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs of the step it ran, or with async scheduling of the step
+        launched by the call before (its own step then runs on while this returns)."""
         sched_out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if self.async_scheduling and sched_out.can_run_ahead and not sched_out.is_empty:
+            self.executor.launch(sched_out)
+            if self._launched is not None:
+                outputs = self._finish_step(self._launched, self.executor.collect())
+            self._launched = sched_out
+            return outputs
+        if self._launched is not None:  # the step before first: its tokens come before ours
+            outputs = self._finish_step(self._launched, self.executor.collect())
+            self._launched = None
         if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
             runner_out = RunnerOutput(sampled_token_ids={})
         else:
             runner_out = self.executor.execute(sched_out)
+        return outputs + self._finish_step(sched_out, runner_out)
+
+    def _finish_step(
+        self, sched_out: SchedulerOutput, runner_out: RunnerOutput
+    ) -> list[RequestOutput]:
+        """A step's tokens into the scheduler (stops, finished requests' blocks freed) and out
+        as RequestOutputs."""
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         for seq_id in self.output_processor.process(updates, self.fault_hook):
             self.scheduler.finish_request(seq_id, FinishReason.STOP)

@@ -11,6 +11,8 @@ gathering rank 0's output) or one that also drives a draft model fit beside it u
     info                   <---  WorkerInfo (rank 0)
     initialize(cache)      --->  allocate KV caches       --->  ModelRunner (+ decode graphs)
     execute(sched_out)     --->  run the step             --->  RunnerOutput
+    launch(sched_out)      --->  queue the step           --->  (async scheduling:
+    collect()              <---  its RunnerOutput         <---   WorkerInfo.async_scheduling)
     shutdown()             --->  release
 """
 
@@ -37,6 +39,16 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run one step: forward pass, logits, sampling."""
+
+    def launch(self, sched_out: SchedulerOutput) -> None:
+        """Start a step and return before its output is ready; ``collect`` returns it, steps in
+        launch order. Only where ``info.async_scheduling`` says so: the engine schedules the
+        next step in between."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest launched step (waits for it)."""
+        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
 
     @abstractmethod
     def router_stats(self) -> dict[int, tuple[int, ...]] | None:

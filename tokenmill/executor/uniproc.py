@@ -22,6 +22,12 @@ class UniProcExecutor(Executor):
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         return self._worker.execute(sched_out)
 
+    def launch(self, sched_out: SchedulerOutput) -> None:
+        self._worker.launch(sched_out)
+
+    def collect(self) -> RunnerOutput:
+        return self._worker.collect()
+
     def router_stats(self) -> dict[int, tuple[int, ...]] | None:
         return self._worker.router_stats()
 

@@ -35,6 +35,7 @@ import torch
 from tokenmill.attention import decode_forward_batch
 from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
+from tokenmill.worker.input_batch import PendingIds
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class CudaDecodeGraphs:
         self._pad(0, m)
         self._copy_in(m)
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], made by the first run
+        # When the last step's inputs have left the host staging buffer (CUDA).
+        self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def captured_sizes(self) -> list[int]:
@@ -120,18 +123,20 @@ class CudaDecodeGraphs:
         slots: list[list[int]],
         block_tables: list[list[tuple[int, list[int]]]],
         seq_lens: list[int],
+        pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step, a view of the shared output buffer: read it
-        before the next step. Per group: each row's slot, and its block table entries (first
-        entry, ids)."""
+        (queue the reads) before the next step. Per group: each row's slot, and its block table
+        entries (first entry, ids); ``pending``: ids that are the launched step's picks."""
         n = len(ids)
         b = self.padded_size(n)
         host_ids, host_positions, host_seq_lens, host_slots, host_table = (
             v.numpy() for v in self._host_views
         )
-        # NOTE: the host staging buffer is rewritten here while the previous step's copy could
-        # be in flight only if that step's results were never read; the sampler reads them (its
-        # one transfer waits for the device), so every copy has landed by the next step.
+        # The previous step's copy out of the staging buffer may still be queued behind the
+        # step before it (async scheduling launches a step before the last one is collected).
+        if self._copied is not None:
+            self._copied.synchronize()
         host_ids[:n] = ids
         host_positions[:n] = positions
         host_seq_lens[:n] = seq_lens
@@ -142,6 +147,8 @@ class CudaDecodeGraphs:
                 host_table[g, i, first : first + len(blocks)] = blocks
         self._pad(n, b)
         self._copy_in(b)
+        if pending is not None:
+            pending.apply(self.ids)
         self.replay(b)
         assert self.logits is not None
         return self.logits[:n]
@@ -220,6 +227,8 @@ class CudaDecodeGraphs:
             dst[:b].copy_(src[:b], non_blocking=True)
         for dst, src in zip((self.slots, self.block_table), self._host_views[3:]):
             dst[:, :b].copy_(src[:, :b], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
 
 def _views(flat: torch.Tensor, m: int, w: int, g: int) -> tuple[torch.Tensor, ...]:

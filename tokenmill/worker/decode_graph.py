@@ -34,6 +34,7 @@ from tokenmill.kernels.graph import Graph, Scratch
 from tokenmill.kernels.recording import recording
 from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
+from tokenmill.worker.input_batch import PendingIds
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +134,17 @@ class DecodeGraphs:
         slots: list[list[int]],
         block_tables: list[list[tuple[int, list[int]]]],
         seq_lens: list[int],
+        pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step: replayed, or run eagerly while capturing.
-        Per group: each row's slot, and its block table entries (first entry, ids). The tensor
-        is the graph's output buffer: read it before the next step."""
+        Per group: each row's slot, and its block table entries (first entry, ids); ``pending``:
+        ids that are the launched step's picks. The tensor is the graph's output buffer: read
+        it before the next step."""
         b = len(ids)
         # NOTE: through numpy views: a torch copy per buffer costs more than the writes.
         self.ids.numpy()[:b] = ids
+        if pending is not None:
+            pending.apply(self.ids)
         self.positions.numpy()[:b] = positions
         self.seq_lens.numpy()[:b] = seq_lens
         for g, (group_slots, rows) in enumerate(zip(slots, block_tables)):

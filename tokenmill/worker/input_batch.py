@@ -33,7 +33,9 @@ from tokenmill.structured import GrammarMatcher
 class RequestState:
     """What the worker keeps of a request between steps."""
 
-    token_ids: list[int]  # prompt + outputs known to the worker
+    # Prompt + outputs known to the worker. The last may be a placeholder (``pending_token``)
+    # for a token a launched step picked whose id is still on the device (async scheduling).
+    token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[list[int]]  # per group of layers (kv_layout.py), its block table
@@ -46,6 +48,43 @@ class RequestState:
     def slot(self, position: int, block_size: int, group: int = 0) -> int:
         """Where the K/V of the token at ``position`` goes in a group's tensors."""
         return self.block_ids[group][position // block_size] * block_size + position % block_size
+
+
+def pending_token(row: int) -> int:
+    """The placeholder of a token that is pick ``row`` of the launched step (negative: never a
+    real id)."""
+    return -1 - row
+
+
+def pending_rows(first_row: int, tokens: list[int]) -> list[tuple[int, int]]:
+    """(row, pick) of each placeholder among ``tokens``, a step's input ids from its row
+    ``first_row`` on: only a request's last token can be one."""
+    if tokens and tokens[-1] < 0:
+        return [(first_row + len(tokens) - 1, -1 - tokens[-1])]
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class PendingIds:
+    """A step's input ids that are picks of the step launched before it, still on the device
+    (async scheduling): row ``rows[i]`` of the step takes pick ``picks[i]``."""
+
+    rows: list[int]
+    picks: list[int]
+    sampled: torch.Tensor  # [the launched step's picks] long, on the device
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the picks into a step's input ids on the device (no wait for the host)."""
+        dst = _index(self.rows, input_ids.device)
+        src = _index(self.picks, input_ids.device)
+        input_ids.index_copy_(0, dst, self.sampled.index_select(0, src))
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +130,8 @@ class StepInputs:
     reqs: list[ScheduledRequest]  # in batch order
     logits_indices: torch.Tensor  # [num_logits] long: rows whose hidden states give logits
     prompt_logprob_rows: list[PromptLogprobRows]
+    # (row, pick) of input ids that are placeholders for the launched step's picks.
+    pending: list[tuple[int, int]]
 
     @property
     def sampling_reqs(self) -> list[ScheduledRequest]:
@@ -124,11 +165,14 @@ def build_step_inputs(
     reqs: list[ScheduledRequest] = []
     logits_indices: list[int] = []
     prompt_rows: list[PromptLogprobRows] = []
+    pending: list[tuple[int, int]] = []
     for rid in order:
         state, start, n = requests[rid], num_computed[rid], num_scheduled_tokens[rid]
         drafts = draft_token_ids.get(rid, [])
         row = len(ids)
-        ids.extend(state.token_ids[start : start + n - len(drafts)])
+        known = state.token_ids[start : start + n - len(drafts)]
+        pending += pending_rows(row, known)
+        ids.extend(known)
         ids.extend(drafts)
         positions.extend(range(start, start + n))
         last_known = len(state.token_ids) - 1  # its row predicts the first new token
@@ -156,6 +200,7 @@ def build_step_inputs(
         reqs=reqs,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         prompt_logprob_rows=prompt_rows,
+        pending=pending,
     )
 
 

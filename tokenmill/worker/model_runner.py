@@ -12,12 +12,23 @@ A step (``execute``):
 A step of single-token decodes replays a recorded decode graph instead of 2. and 3.: on CPU a
 recording of the C kernels' calls (worker/decode_graph.py), on CUDA a CUDA graph of its padded
 batch size (worker/cuda_graph.py).
+
+Async scheduling splits a step in two: ``launch`` queues its work on the device, picks
+included, and returns; ``collect`` waits for the picks and returns the step's output. The
+engine schedules and launches step N+1 between step N's two halves. Step N+1's rows that run
+step N's picks read them on the device: until step N is collected, each such token is a
+placeholder in its request's ``token_ids`` (``pending_token``: which pick it is), and the
+step's input ids take the pick where the placeholder stands (``PendingIds``). The device runs
+the steps in order, so a launched step's buffers (logits, graph inputs, KV blocks freed and
+handed out again) are never overwritten before it has read them.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,10 +49,12 @@ from tokenmill.structured.bitmask import allocate_bitmask, fill_row
 from tokenmill.worker.cuda_graph import CUDA_GRAPH_MAX_BATCH, CudaDecodeGraphs
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
+    PendingIds,
     PromptLogprobRows,
     RequestState,
     StepInputs,
     build_step_inputs,
+    pending_token,
     prompt_logprob_rows,
 )
 from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -54,6 +67,17 @@ DECODE_GRAPH_MAX_BATCH = 128
 
 
 KVCaches = list[tuple[torch.Tensor, ...]]
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose picks are still on the device: one a sampled request, in row order."""
+
+    sampled: torch.Tensor  # [rows] long, on the device
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), complete once ``copied``
+    copied: torch.cuda.Event | None  # None on CPU, where the copy is done on return
+    # Each row's request, its state then and the index of its placeholder in state.token_ids.
+    rows: list[tuple[str, RequestState, int]]
 
 
 def max_logits_rows(max_num_seqs: int, num_draft_tokens: int, max_num_batched_tokens: int) -> int:
@@ -141,6 +165,8 @@ class ModelRunner:
         self._logits_buffer: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graphs: CudaDecodeGraphs | None = None
+        # Launched steps not yet collected, oldest first (at most two: async scheduling).
+        self._launched: deque[LaunchedStep] = deque()
         max_blocks_per_seq = -(-max_model_len // cache.block_size)
         # A graph row per query: each decode's next token and its drafts.
         num_drafts = proposer.num_tokens if proposer is not None else 0
@@ -171,6 +197,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        assert not self._launched, "collect the launched steps before a step runs whole"
         self.update_states(sched)
         out = RunnerOutput(sampled_token_ids={})
         if sched.is_empty:
@@ -190,6 +217,60 @@ class ModelRunner:
         sampling = [(r.req_id, r.draft_token_ids) for r in step.sampling_reqs]
         return self._sample(sampling, logits, out)
 
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> None:
+        """Queue a step on the device, its picks included, and return without waiting for them
+        (``collect`` does). Its requests are ones the scheduler lets run ahead
+        (``sched.can_run_ahead``: no drafts, log-probs, penalties or grammar), so the picks are
+        all the step returns. Its input ids may be picks of the step launched before it."""
+        assert sched.can_run_ahead
+        self.update_states(sched)
+        logits, req_ids = self._step_logits(sched)
+        if logits is None:
+            sampled = torch.empty(0, dtype=torch.long, device=self.device)
+        else:
+            rows = [row for rid in req_ids for row in self._sampling_rows(rid, [])]
+            sampled = self.sampler.pick(logits, rows)
+        copied = None
+        if sampled.device.type == "cpu":
+            host = sampled
+        else:
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        launched = LaunchedStep(sampled, host, copied, [])
+        for row, rid in enumerate(req_ids):
+            state = self.requests[rid]
+            launched.rows.append((rid, state, len(state.token_ids)))
+            state.token_ids.append(pending_token(row))
+        self._launched.append(launched)
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest launched step: waits for its picks, which replace their
+        placeholders (in requests still here: a finished or preempted one has left)."""
+        launched = self._launched.popleft()
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        out = RunnerOutput(sampled_token_ids={})
+        for (rid, state, index), token_id in zip(launched.rows, launched.host.tolist()):
+            out.sampled_token_ids[rid] = [token_id]
+            if self.requests.get(rid) is state:
+                state.token_ids[index] = token_id
+        return out
+
+    def _step_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+        """The logits rows of a step without drafts or prompt log-probs, and each row's
+        request: a graph replay when the step is all decodes, else eager (None: no row
+        samples, a step of prompt chunks)."""
+        graph_logits = self._decode_graph_step(sched)
+        if graph_logits is not None:
+            return graph_logits, list(sched.num_scheduled_tokens)
+        step = self.prepare_step(sched)
+        hidden = self.forward(step)
+        req_ids = [r.req_id for r in step.sampling_reqs]
+        return (self.compute_logits(hidden, step) if req_ids else None), req_ids
+
     def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         """The logits rows of a step that predict next tokens (a graph replay when the step is
         all decodes, else eager) and the request of each row, for a caller that samples itself
@@ -205,8 +286,9 @@ class ModelRunner:
     # ---- the eager step, in its parts ---------------------------------------------------
 
     def prepare_step(self, sched: SchedulerOutput) -> StepInputs:
-        """The step's flat batch (call after ``update_states``)."""
-        return build_step_inputs(
+        """The step's flat batch (call after ``update_states``), the launched step's picks in
+        its input ids."""
+        step = build_step_inputs(
             self.requests,
             sched.num_scheduled_tokens,
             sched.num_computed_tokens(),
@@ -216,6 +298,10 @@ class ModelRunner:
             self._gather_workspace,
             self.kv_layout.group_windows,
         )
+        pending = self._pending_ids(step.pending)
+        if pending is not None:
+            pending.apply(step.input_ids)
+        return step
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of every row; new K/V written to the cache."""
@@ -401,6 +487,7 @@ class ModelRunner:
         ids, positions, seq_lens = [], [], []
         slots: list[list[int]] = [[] for _ in windows]  # per group, per row
         tables: list[list[tuple[int, list[int]]]] = [[] for _ in windows]
+        pending: list[tuple[int, int]] = []  # (row, pick) of the launched step's picks
         for rid, n in scheduled.items():
             state, p = self.requests[rid], num_computed[rid]
             drafts = sched.draft_token_ids.get(rid, [])
@@ -408,6 +495,8 @@ class ModelRunner:
                 return None  # a prompt chunk: no sample, or a query of several known tokens
             if prompt_logprob_rows(state, rid, 0, p, 1):
                 return None  # prompt log-probs owed
+            if state.token_ids[p] < 0:
+                pending.append((len(ids), -1 - state.token_ids[p]))
             for j, token_id in enumerate([state.token_ids[p], *drafts]):
                 ids.append(token_id)
                 positions.append(p + j)
@@ -419,7 +508,16 @@ class ModelRunner:
                     # from the window's first block on are written.
                     first = 0 if window is None else max(0, p + j - window + 1) // bs
                     tables[g].append((first, state.block_ids[g][first:end]))
-        return graphs.step(ids, positions, slots, tables, seq_lens)
+        return graphs.step(ids, positions, slots, tables, seq_lens, self._pending_ids(pending))
+
+    def _pending_ids(self, rows: list[tuple[int, int]]) -> PendingIds | None:
+        """Where a step's input ids take the picks of the step launched before it."""
+        if not rows:
+            return None
+        # Only the latest launched step can still have placeholders: the engine collects a
+        # step before it launches the one after the next.
+        sampled = self._launched[-1].sampled
+        return PendingIds([r for r, _ in rows], [pick for _, pick in rows], sampled)
 
     def _logits_out(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A [rows, vocab] view of the reused logits buffer (float32 models), valid until the

@@ -69,22 +69,31 @@ class Sampler:
         """``bitmask``: the allowed tokens of the constrained rows (a bitmask with a row per
         logits row, and which rows to apply it to), applied before anything else; logprobs
         stay those of the model's own distribution (vLLM's raw logprobs)."""
-        logits = logits.float()  # [num_rows, vocab]
         logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_logprobs = None
-        if logprob_idx:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if bitmask is not None:  # before anything else: every pick sees only allowed tokens
-            self.kernels.apply_token_bitmask_(logits, *bitmask)
-        logits = self._apply_penalties_and_bans(logits, rows)
-        token_ids = self._pick(logits, rows)  # [num_rows] long, on the device
-        if raw_logprobs is None:
-            return token_ids.tolist(), [None] * len(rows)
+        if not logprob_idx:
+            return self.pick(logits, rows, bitmask).tolist(), [None] * len(rows)
+        logits = logits.float()  # [num_rows, vocab]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        token_ids = self.pick(logits, rows, bitmask)
         ks = [rows[i].params.logprobs or 0 for i in logprob_idx]
         packed = _logprob_tensors(raw_logprobs, token_ids, _to_device(logprob_idx, logits), ks)
         # One transfer: the token ids and every log-prob value, as float64 (exact for both).
         values = torch.cat([token_ids.double(), packed]).tolist()
         return _unpack(values, len(rows), logprob_idx, ks)
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """One token a row [num_rows] long, left on the logits' device (no transfer, no wait);
+        the logits may be changed in place."""
+        logits = logits.float()
+        if bitmask is not None:  # before anything else: every pick sees only allowed tokens
+            self.kernels.apply_token_bitmask_(logits, *bitmask)
+        logits = self._apply_penalties_and_bans(logits, rows)
+        return self._pick(logits, rows)
 
     @staticmethod
     def _apply_penalties_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

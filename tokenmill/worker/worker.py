@@ -143,6 +143,7 @@ class Worker:
             kv_bytes_per_block=per_block,
             num_kv_blocks=self.memory_plan.num_kv_blocks,
             kv_layout=self.kv_layout,
+            async_scheduling=_async_scheduling(args, self.device),
         )
         self.runner: ModelRunner | None = None
 
@@ -192,9 +193,19 @@ class Worker:
         return {layer: tuple(c.tolist()) for layer, c in self._expert_counts.items()}
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        return self._runner.execute(sched_out)
+
+    def launch(self, sched_out: SchedulerOutput) -> None:
+        self._runner.launch(sched_out)
+
+    def collect(self) -> RunnerOutput:
+        return self._runner.collect()
+
+    @property
+    def _runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError("Worker.initialize must run before the first step")
-        return self.runner.execute(sched_out)
+        return self.runner
 
     def _load(self, config: ModelConfig, max_model_len: int, quantization: str | None) -> CausalLM:
         args = self.args
@@ -421,3 +432,16 @@ def _max_model_len(args: EngineArgs, config: ModelConfig) -> int:
             f"({config.max_position_embeddings})"
         )
     return max_model_len
+
+
+def _async_scheduling(args: EngineArgs, device: torch.device) -> bool:
+    """EngineArgs.async_scheduling resolved (its checks refuse the combinations it cannot run
+    with when it is set): unset, on with CUDA and one in-process worker, without drafts."""
+    if args.async_scheduling is not None:
+        return args.async_scheduling
+    return (
+        device.type == "cuda"
+        and args.speculative_method is None
+        and args.tensor_parallel_size == 1
+        and args.distributed_executor == "mp"
+    )
