@@ -185,6 +185,21 @@ VARIANTS = {
     # prefill) does not reserve; at 0.9 its capture ran out of memory on an H200.
     "torch": {"kernel_backend": "torch", "gpu_memory_utilization": 0.6},
     "float32": {"dtype": "float32"},
+    # Steps one at a time: what async scheduling (on by default on CUDA) buys, and whether it
+    # samples the same tokens.
+    "sync": {"async_scheduling": False},
+}
+
+# Sampling settings run on the device (the main engine and the "sync" variant): seeded random
+# picks (which async scheduling must not change) and ones that need each step's tokens on the
+# host (penalties, log-probs), which run one step at a time.
+SAMPLING = {
+    "seeded": SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=24),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=24),
+    "penalties": SamplingParams(
+        temperature=0.7, seed=3, repetition_penalty=1.2, frequency_penalty=0.5, max_tokens=24
+    ),
+    "logprobs": SamplingParams(temperature=0.0, logprobs=3, max_tokens=24),
 }
 
 
@@ -246,6 +261,21 @@ def _run(engine: LLMEngine, prompt: str | list[int], params: SamplingParams):
 
 def _generate(engine: LLMEngine, prompt: str, params: SamplingParams) -> list[int]:
     return _run(engine, prompt, params).outputs[0].token_ids
+
+
+def sampling_tokens(engine: LLMEngine) -> dict[str, list[list[int]]]:
+    """Each SAMPLING setting's tokens for every prompt, a batch per setting (a batch with
+    penalties or log-probs runs one step at a time even with async scheduling)."""
+    tokens: dict[str, list[list[int]]] = {}
+    for name, params in SAMPLING.items():
+        ids = [engine.add_request(prompt, params) for prompt in PROMPTS]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        tokens[name] = [done[i] for i in ids]
+    return tokens
 
 
 def decode_step_time(
@@ -401,6 +431,8 @@ def run(ns: argparse.Namespace) -> dict:
 
         return check
 
+    result["engine"]["async_scheduling"] = engine.async_scheduling
+    part("sampling", lambda: sampling_tokens(engine))
     if not ns.skip_greedy:
         # bf16 weights and activations round where the CPU's float32 does not: a near-tie may
         # flip, so 90% of the teacher-forced positions must agree (float32 below: 97%).
@@ -462,12 +494,26 @@ def run(ns: argparse.Namespace) -> dict:
         engine = engines.pop()
         if variant == "float32":
             part("float32_greedy", greedy(0.97))
+        elif variant == "sync":
+            part("sync_sampling_same", lambda e=engine: same_sampling(result["sampling"], e))
+            part("sync_decode_batch1", decode_b1)
+            part("sync_decode_step_batch1", step_at(1))
+            part("sync_decode_step_at_batch", step_at(sizes.step_batch))
+            part("sync_throughput_256", concurrent(sizes.concurrencies[-1]))
         else:
             part(f"{variant}_decode_step_batch1", step_at(1))
             part(f"{variant}_decode_step_at_batch", step_at(sizes.step_batch))
         engine.shutdown()
         _release(device)
     return result
+
+
+def same_sampling(tokens: object, engine: LLMEngine) -> dict:
+    """Whether this engine samples the same tokens as the main one did (``tokens``)."""
+    if not isinstance(tokens, dict) or "error" in tokens:
+        return {"error": "the main engine's sampling part failed"}
+    mine = sampling_tokens(engine)
+    return {name: mine[name] == tokens[name] for name in SAMPLING}
 
 
 def _release(device: torch.device) -> None:

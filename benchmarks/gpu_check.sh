@@ -60,7 +60,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
         tests/attention/test_triton_backend.py tests/attention/test_triton_e2e.py \
         tests/kernels/test_triton_kernel_backend.py tests/worker/test_cuda_graph.py \
-        tests/worker/test_memory.py tests/e2e/test_cuda_path.py || status=1
+        tests/worker/test_memory.py tests/e2e/test_cuda_path.py \
+        tests/engine/test_async_scheduling.py || status=1
 fi
 timeout "${CHECK_TIMEOUT:-300}" "$PY" benchmarks/gpu_check.py "${SMOKE[@]}" "${PROFILE[@]}" \
     --out "$OUT/gpu_check.json" "$@" || status=1
