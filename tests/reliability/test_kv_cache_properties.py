@@ -188,7 +188,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(set(held)) == len(held)  # no block in two tables of a request
             for block_id in held:
                 holders[block_id] = holders.get(block_id, 0) + 1
-        free_ids = set(pool._free)
+        free_ids = set(pool.free_block_ids())
+        assert len(free_ids) == pool.num_free_blocks  # no block twice in the free queue
         assert 0 not in free_ids and 0 not in holders
         assert free_ids.isdisjoint(holders)  # no block both free and held
         assert len(free_ids) + len(holders) == pool.num_usable_blocks

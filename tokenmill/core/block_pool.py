@@ -4,6 +4,13 @@ A block is free when no request holds it (``ref_cnt == 0``). Free blocks wait in
 a free block that still carries a hash stays findable in the prefix cache until it is handed out
 again, at which point its hash is dropped (eviction). Requests release their blocks tail first,
 so the end of a chain is evicted before its start and a later request still finds the prefix.
+
+The free queue, in the order blocks are handed out::
+
+    | freed without a hash, newest first | never handed out, by id | freed with a hash, LRU |
+
+Blocks are made when first handed out: a GPU's cache has millions (2.7M for gemma-3-270m on
+an H200), which as objects up front took 4.2 s and ~600 MB of host memory at start-up.
 """
 
 from __future__ import annotations
@@ -45,8 +52,10 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least 2 blocks; got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        # The blocks handed out so far (block i is blocks[i]); the rest are free and fresh.
+        self.blocks = [Block(0)]
+        self._reuse: list[int] = []  # freed without a hash: the last is handed out first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # freed with a hash, oldest first
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
 
@@ -56,7 +65,16 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._reuse) + self._num_fresh + len(self._lru)
+
+    @property
+    def _num_fresh(self) -> int:
+        return self.num_blocks - len(self.blocks)
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in the order they would be handed out (for tests: O(blocks))."""
+        fresh = range(len(self.blocks), self.num_blocks)
+        return [*reversed(self._reuse), *fresh, *self._lru]
 
     @property
     def usage(self) -> float:
@@ -71,13 +89,20 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> list[Block]:
         """Take ``num_blocks`` blocks from the LRU end of the free queue (evicting their hashes)."""
-        if num_blocks > len(self._free):
-            raise ValueError(f"asked for {num_blocks} blocks, only {len(self._free)} are free")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(
+                f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free"
+            )
         out = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            self._evict(block)
+            if self._reuse:
+                block = self.blocks[self._reuse.pop()]
+            elif self._num_fresh:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.blocks[self._lru.popitem(last=False)[0]]
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -86,7 +111,7 @@ class BlockPool:
         """Take a reference on cached blocks found by a prefix hit."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                del self._lru[block.block_id]  # a hit: it has a hash
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -96,11 +121,10 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    # Uncached blocks are worthless once free: reuse them before cached ones.
-                    self._free[block.block_id] = None
-                    self._free.move_to_end(block.block_id, last=False)
+                    # Uncached blocks are worthless once free: reuse them before any other.
+                    self._reuse.append(block.block_id)
                 else:
-                    self._free[block.block_id] = None
+                    self._lru[block.block_id] = None
 
     def cache_block(self, block: Block, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
         """Register a full block under its hash (first writer wins on duplicates)."""
