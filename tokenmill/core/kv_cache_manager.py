@@ -61,6 +61,12 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[list[Block]]] = {}  # per request, per group
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self._window_groups = [g for g, w in enumerate(group_windows) if w is not None]
+        # Each window size and its groups.
+        self._windows = [
+            (w, [g for g in self._window_groups if group_windows[g] == w])
+            for w in dict.fromkeys(group_windows[g] for g in self._window_groups)
+        ]
         # Prefix-cache counters, in tokens (what /metrics reports).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -160,11 +166,40 @@ class KVCacheManager:
         ``hit`` is the prefix hit of a request that holds no blocks yet. Returns the ids of each
         group's new table entries (the hit's, null ones included, then fresh blocks).
         """
-        tables = self._req_blocks.setdefault(req.req_id, [[] for _ in self.group_windows])
-        hit = hit or PrefixHit(0, [[] for _ in self.group_windows])
+        tables = self._req_blocks.get(req.req_id)
+        if hit is None and tables is not None:  # a running request: most steps, one token
+            num_computed = req.num_computed_tokens
+            for window, groups in self._windows:
+                # Groups of one window release in lockstep (their null prefixes are equal):
+                # the first says whether a block fell out of the window since the last step.
+                first_needed = max(0, num_computed - window + 1) // self.block_size
+                table = tables[groups[0]]
+                if 0 < first_needed <= len(table) and table[first_needed - 1].block_id:
+                    for g in groups:
+                        self._release_before_window(g, tables[g], num_computed)
+            num_tokens = num_computed + num_new_tokens
+            if len(tables[0]) * self.block_size >= num_tokens:  # tables all cover as much
+                self._cache_full_blocks(req, num_tokens, cache_salt)
+                return [[] for _ in tables]
+            return self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
+        if tables is None:
+            tables = self._req_blocks[req.req_id] = [[] for _ in self.group_windows]
+        hit = hit or self._no_hit()
         num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
-        for g, table in enumerate(tables):
-            self._release_before_window(g, table, num_computed)
+        for g in self._window_groups:
+            self._release_before_window(g, tables[g], num_computed)
+        return self._allocate(req, tables, num_new_tokens, hit, cache_salt)
+
+    def _allocate(
+        self,
+        req: Request,
+        tables: list[list[Block]],
+        num_new_tokens: int,
+        hit: PrefixHit,
+        cache_salt: str | None,
+    ) -> list[list[int]] | None:
+        """allocate_slots once the window groups' blocks behind the window are released."""
+        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_alloc = [
             max(num_needed - len(table) - len(hit.blocks[g]), 0) for g, table in enumerate(tables)
@@ -184,6 +219,9 @@ class KVCacheManager:
             new_ids.append([b.block_id for b in new])
         self._cache_full_blocks(req, num_computed + num_new_tokens, cache_salt)
         return new_ids
+
+    def _no_hit(self) -> PrefixHit:
+        return PrefixHit(0, [[] for _ in self.group_windows])
 
     def free(self, req: Request) -> None:
         """Release all the request's blocks (each table tail first: see block_pool)."""
@@ -229,11 +267,11 @@ class KVCacheManager:
         block another request registered first stays unregistered: first writer wins)."""
         if not self.enable_caching:
             return
-        tokens = req.all_token_ids
-        num_full = min(num_tokens, len(tokens)) // self.block_size
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
         start = self._num_hashed.get(req.req_id, 0)
         if num_full <= start:
-            return
+            return  # before all_token_ids, which copies the request's tokens
+        tokens = req.all_token_ids
         hashes = self._hashes(req, tokens, num_full, cache_salt)
         for g, table in enumerate(self._req_blocks[req.req_id]):
             for i in range(start, num_full):
