@@ -90,9 +90,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[Block]:
         """Take ``num_blocks`` blocks from the LRU end of the free queue (evicting their hashes)."""
         if num_blocks > self.num_free_blocks:
-            raise ValueError(
-                f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free"
-            )
+            raise ValueError(f"asked for {num_blocks} blocks, only {self.num_free_blocks} are free")
         out = []
         for _ in range(num_blocks):
             if self._reuse:
