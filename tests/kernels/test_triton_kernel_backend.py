@@ -61,6 +61,7 @@ def calls(monkeypatch) -> dict[str, int]:
     for module, name in [
         (tb.norm, "rmsnorm"),
         (tb.rotary, "rope_neox_"),
+        (tb.rotary, "qk_norm_rope_"),
         (tb.activation, "act_and_mul"),
         (tb.quant_matmul, "packed_matmul"),
     ]:
@@ -157,6 +158,40 @@ def test_rotary_at_scattered_positions_with_gqa(
     torch.testing.assert_close(ours_q, want_q, **TOL[dtype])
     torch.testing.assert_close(ours_k, want_k, **TOL[dtype])
     assert calls == {"rope_neox_": 2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])  # Qwen 3's weight, Gemma 3's (1 + w)
+@pytest.mark.parametrize("head_dim", [24, 256])  # half 12: not a power of two; Gemma 3's
+def test_qk_norm_rotary_is_one_kernel_with_the_twins_result(
+    triton_device, triton_backend, ref, calls, dtype, offset, head_dim
+) -> None:
+    """QK-norm and RoPE of q's and k's heads, views of one q/k/v output, in one launch: what
+    the torch twin's rmsnorm of each then rotary gives."""
+    g = torch.Generator().manual_seed(3)
+    n, num_heads, num_kv_heads = 7, 4, 2
+    positions = torch.tensor([0, 5, 63, 17, 2, 40, 9], device=triton_device)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim)
+    freqs = torch.outer(torch.arange(64.0), inv_freq)
+    cos, sin = freqs.cos().to(triton_device), freqs.sin().to(triton_device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (3 * torch.randn(n, width, generator=g)).to(dtype).to(triton_device)
+    q = qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(n, num_kv_heads, head_dim)
+    q_w, k_w = (torch.randn(head_dim, generator=g).to(dtype).to(triton_device) for _ in "qk")
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    want_q, want_k = ref.qk_norm_rotary(
+        positions, q.clone(), k.clone(), q_w, k_w, offset, 1e-6, cos, sin
+    )
+    ours_q, ours_k = triton_backend.qk_norm_rotary(
+        positions, q, k, q_w, k_w, offset, 1e-6, cos, sin
+    )
+    assert ours_q.data_ptr() == q.data_ptr() and ours_k.data_ptr() == k.data_ptr()  # in place
+    torch.testing.assert_close(ours_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(ours_k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)  # v untouched
+    assert calls == {"qk_norm_rope_": 1}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

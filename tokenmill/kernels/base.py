@@ -43,6 +43,24 @@ class KernelBackend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate-half ("neox") RoPE of q and k at ``positions``."""
 
+    def qk_norm_rotary(
+        self,
+        positions: torch.Tensor,  # [num_tokens] long
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        q_weight: torch.Tensor,  # [head_dim]
+        k_weight: torch.Tensor,
+        weight_offset: float,
+        eps: float,
+        cos: torch.Tensor,  # [max_position, head_dim / 2] float32
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """QK-norm then RoPE: ``rotary`` of each head's ``rmsnorm`` (q's weight for q's heads,
+        k's for k's); a backend may fuse it (q and k are fresh projections, free to change)."""
+        q = self.rmsnorm(q, q_weight, weight_offset, eps)
+        k = self.rmsnorm(k, k_weight, weight_offset, eps)
+        return self.rotary(positions, q, k, cos, sin)
+
     @abstractmethod
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         """act(gate) * up for gate_up [..., 2d] = [gate | up]; ``act`` one of

@@ -37,7 +37,8 @@ def _runs(*tensors: torch.Tensor) -> bool:
 
 
 class TritonKernelBackend(TorchKernelBackend):
-    """Triton for rmsnorm, rotary, act_and_mul and packed_matmul ("q8" / "q4" weights).
+    """Triton for rmsnorm, rotary (with QK-norm: one fused kernel), act_and_mul and
+    packed_matmul ("q8" / "q4" weights).
 
     Inherited from the torch twin, on purpose: ``add``, ``embedding`` and ``argmax`` are one
     torch call each, already a single fused CUDA kernel; ``apply_token_bitmask_`` is a gather
@@ -74,6 +75,33 @@ class TritonKernelBackend(TorchKernelBackend):
             return super().rotary(positions, q, k, cos, sin)
         # In place: q and k are fresh projections (or views of one) no one else holds.
         return rotary.rope_neox_(q, positions, cos, sin), rotary.rope_neox_(k, positions, cos, sin)
+
+    def qk_norm_rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        weight_offset: float,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = (
+            _runs(positions, q, k, q_weight, k_weight, cos, sin)
+            and q.dim() == k.dim() == 3
+            and q.dtype == k.dtype
+            and q.stride(-1) == k.stride(-1) == 1
+            and q.shape[-1] == k.shape[-1] == q_weight.numel() == k_weight.numel()
+        )
+        if not fused:
+            return super().qk_norm_rotary(
+                positions, q, k, q_weight, k_weight, weight_offset, eps, cos, sin
+            )
+        return rotary.qk_norm_rope_(
+            positions, q, k, q_weight, k_weight, weight_offset, eps, cos, sin
+        )
 
     def act_and_mul(self, gate_up: torch.Tensor, act: str) -> torch.Tensor:
         if not _runs(gate_up) or act not in activation.ACTIVATION_CODES:

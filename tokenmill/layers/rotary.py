@@ -14,6 +14,7 @@ from torch import nn
 from tokenmill.config import RopeScaling
 from tokenmill.kernels.base import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
+from tokenmill.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -60,3 +61,19 @@ class RotaryEmbedding(nn.Module):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; q and
         # k may be rotated in place (fresh projections, or views of one, no one else holds).
         return self.kernels.rotary(positions, q, k, self.cos, self.sin)
+
+    def with_qk_norm(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of q and k after their per-head QK-norm (``RMSNorm`` modules of head_dim):
+        one backend op, which may fuse them."""
+        assert q_norm.weight_offset == k_norm.weight_offset and q_norm.eps == k_norm.eps
+        return self.kernels.qk_norm_rotary(
+            positions, q, k, q_norm.weight, k_norm.weight, q_norm.weight_offset, q_norm.eps,
+            self.cos, self.sin,
+        )  # fmt: skip

@@ -101,9 +101,10 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm and not self.qk_norm_full:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.has_qk_norm and not self.qk_norm_full:  # per head: norm and rotate, one op
+            q, k = self.rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, fwd)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
