@@ -115,10 +115,14 @@ def packed_matmul(
     w: PackedWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    *,
+    block_n: int = 64,
+    block_k: int = 64,
 ) -> torch.Tensor:
     """x Wᵀ + b in float32 [rows, out], into ``out`` where it is a float32 [rows, out] tensor
     with dense rows on x's device. x is read in its dtype: float32 exactly, bf16 / fp16 against
-    W rounded to that dtype."""
+    W rounded to that dtype. ``block_n`` / ``block_k``: a program's tile of W (powers of two,
+    16 or more; benchmarks/gpu_quant_matmul.py times them)."""
     m, k = x.shape
     n = w.shape[0]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -138,7 +142,6 @@ def packed_matmul(
     order = _element_index(k, x.device)
     offsets = w.offsets
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # tl.dot takes tiles of 16 or more
-    block_n, block_k = 64, 64
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _packed_matmul_kernel[grid](
         x,
