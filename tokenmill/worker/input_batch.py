@@ -45,10 +45,6 @@ class RequestState:
     next_prompt_logprob_idx: int = 1
     grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
 
-    def slot(self, position: int, block_size: int, group: int = 0) -> int:
-        """Where the K/V of the token at ``position`` goes in a group's tensors."""
-        return self.block_ids[group][position // block_size] * block_size + position % block_size
-
 
 def pending_token(row: int) -> int:
     """The placeholder of a token that is pick ``row`` of the launched step (negative: never a
