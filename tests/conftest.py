@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -161,3 +162,23 @@ def assert_all_blocks_free(engine) -> None:
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def run_to_end(engine, items: list) -> list:
+    """Adds every (prompt, SamplingParams) of ``items``, steps until none is left; the final
+    RequestOutputs in input order. Each request finishes once, and no block stays held."""
+    ids = [engine.add_request(prompt, params) for prompt, params in items]
+    done: dict = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id not in done
+            if out.finished:
+                done[out.request_id] = out
+    assert_all_blocks_free(engine)
+    return [done[rid] for rid in ids]
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of 5-40 tokens (<s> then byte tokens of the tiny models' tokenizer)."""
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(4, 40))] for _ in range(n)]

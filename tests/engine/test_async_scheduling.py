@@ -8,14 +8,11 @@ two orders may batch a step's rows differently, which bf16 rounds differently.""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
 from tokenmill.engine import LLMEngine
-from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import worker
 from tokenmill.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -50,23 +47,6 @@ def launches(monkeypatch) -> list[int]:
     return seen
 
 
-def run(engine: LLMEngine, items: list[tuple[list[int], SamplingParams]]) -> list:
-    ids = [engine.add_request(prompt, params) for prompt, params in items]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id not in done
-            if out.finished:
-                done[out.request_id] = out
-    assert_all_blocks_free(engine)
-    return [done[rid] for rid in ids]
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
-
-
 def mixed_params(n: int) -> list[SamplingParams]:
     """Greedy and seeded requests with every kind of stop the scheduler and output side know."""
     kinds = [
@@ -94,16 +74,16 @@ def test_async_steps_give_the_tokens_of_steps_one_at_a_time(
     kwargs = {"enforce_eager": True} if path == "eager" else {}
     if path == "cuda_graphs":  # the CUDA-graph path's buffers and padding, run eagerly on CPU
         monkeypatch.setattr(worker, "cuda_graphs_supported", lambda device: True)
-    items = list(zip(prompts(14, seed=0), mixed_params(14)))
-    ref = tokens(run(make_engine(tiny_model_dir, False, **kwargs), items))
+    items = list(zip(random_prompts(14, seed=0), mixed_params(14)))
+    ref = tokens(run_to_end(make_engine(tiny_model_dir, False, **kwargs), items))
     assert not launches
     engine = make_engine(tiny_model_dir, True, **kwargs)
     assert engine.async_scheduling
-    assert tokens(run(engine, items)) == ref
+    assert tokens(run_to_end(engine, items)) == ref
     assert max(launches) > 1 and len(launches) > 20
     # A lone request runs ahead every step, its decodes each with the pick of the step before.
     launches.clear()
-    (alone,) = run(engine, items[:1])
+    (alone,) = run_to_end(engine, items[:1])
     assert alone.outputs[0].token_ids == ref[0][0]
     assert launches == [1] * 12
 
@@ -116,10 +96,10 @@ def test_requests_that_need_their_tokens_on_the_host_run_whole_beside_async_ones
         SamplingParams(temperature=1.0, seed=4, max_tokens=8, presence_penalty=1.5),
         SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1, ignore_eos=True),
     ]
-    items = list(zip(prompts(9, seed=1), mixed_params(6) + host_side))
-    ref = run(make_engine(tiny_model_dir, False), items)
+    items = list(zip(random_prompts(9, seed=1), mixed_params(6) + host_side))
+    ref = run_to_end(make_engine(tiny_model_dir, False), items)
     engine = make_engine(tiny_model_dir, True)
-    outs = run(engine, items)
+    outs = run_to_end(engine, items)
     assert tokens(outs) == tokens(ref)
     for out, r in zip(outs[6:], ref[6:]):
         assert out.outputs[0].logprobs == r.outputs[0].logprobs
@@ -128,12 +108,12 @@ def test_requests_that_need_their_tokens_on_the_host_run_whole_beside_async_ones
 
 
 def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches):
-    items = list(zip(prompts(6, seed=5), [
+    items = list(zip(random_prompts(6, seed=5), [
         SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16, ignore_eos=True)
         for i in range(6)
     ]))  # fmt: skip
     plain = make_engine(tiny_model_dir, False)
-    ref = run(plain, items)
+    ref = run_to_end(plain, items)
     config = plain.config.model_config
     # 16 usable blocks of 8 = 128 tokens for 6 requests of up to ~56 tokens: forces preemption.
     tight = make_engine(
@@ -143,7 +123,7 @@ def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches
         kv_cache_memory=kv_bytes_per_block(config, 8, torch.float32) * 17,
         max_num_batched_tokens=20,
     )
-    outs = run(tight, items)
+    outs = run_to_end(tight, items)
     assert tight.scheduler.num_preemptions > 0
     assert launches
     assert tokens(outs) == tokens(ref)
@@ -152,8 +132,8 @@ def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches
 def test_abort_while_a_step_is_launched(tiny_model_dir, launches):
     engine = make_engine(tiny_model_dir, True)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    ps = prompts(3, seed=2)
-    (ref,) = run(make_engine(tiny_model_dir, False), [(ps[1], params)])
+    ps = random_prompts(3, seed=2)
+    (ref,) = run_to_end(make_engine(tiny_model_dir, False), [(ps[1], params)])
     ids = [engine.add_request(p, params) for p in ps]
     for _ in range(5):
         engine.step()

@@ -3,14 +3,11 @@ stop tokens, abort, and bad input (ValueError naming the field; the engine keeps
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
 from tokenmill.engine import LLMEngine
-from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 128
@@ -32,24 +29,6 @@ def engine(tiny_model_dir) -> LLMEngine:
     )
 
 
-def run(engine: LLMEngine, items: list[tuple[str | list[int], SamplingParams]]) -> list:
-    """Adds every (prompt, params), steps to the end; outputs in input order."""
-    ids = [engine.add_request(prompt, params) for prompt, params in items]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.request_id not in done
-            if out.finished:
-                done[out.request_id] = out
-    assert_all_blocks_free(engine)
-    return [done[rid] for rid in ids]
-
-
-def random_prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 259) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
-
-
 def seeded_params(**changes) -> SamplingParams:
     fields = dict(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True) | changes
     return SamplingParams(**fields)
@@ -58,32 +37,32 @@ def seeded_params(**changes) -> SamplingParams:
 def test_greedy_output_is_the_same_alone_and_in_a_batch(engine):
     prompts = random_prompts(16, seed=0)
     prompts[5] += list(range(60, 90))  # long enough to leave full blocks in the prefix cache
-    (alone,) = run(engine, [(prompts[5], GREEDY)])
+    (alone,) = run_to_end(engine, [(prompts[5], GREEDY)])
     assert len(alone.outputs[0].token_ids) == 12
     assert engine.reset_prefix_cache()  # the batch computes the prompt again, chunked
-    batch = run(engine, [(p, GREEDY) for p in prompts])
+    batch = run_to_end(engine, [(p, GREEDY) for p in prompts])
     assert batch[5].outputs[0].token_ids == alone.outputs[0].token_ids
     assert batch[5].outputs[0].text == alone.outputs[0].text
     assert len({tuple(o.outputs[0].token_ids) for o in batch}) > 8  # the prompts do matter
     # And once more on top of the prefix cache.
-    (cached,) = run(engine, [(prompts[5], GREEDY)])
+    (cached,) = run_to_end(engine, [(prompts[5], GREEDY)])
     assert cached.metrics.num_cached_tokens == 16 * ((len(prompts[5]) - 1) // 16)
     assert cached.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_seeded_sampling_is_the_same_alone_in_a_batch_and_across_runs(engine):
     prompts = random_prompts(6, seed=1)
-    (alone,) = run(engine, [(prompts[0], SEEDED)])
+    (alone,) = run_to_end(engine, [(prompts[0], SEEDED)])
     tokens = alone.outputs[0].token_ids
     assert len(tokens) == 12
-    (again,) = run(engine, [(prompts[0], SEEDED)])
+    (again,) = run_to_end(engine, [(prompts[0], SEEDED)])
     assert again.outputs[0].token_ids == tokens
     others = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 3
     others += [seeded_params(seed=7), GREEDY]
-    batch = run(engine, [(prompts[0], SEEDED)] + list(zip(prompts[1:], others)))
+    batch = run_to_end(engine, [(prompts[0], SEEDED)] + list(zip(prompts[1:], others)))
     assert batch[0].outputs[0].token_ids == tokens
     # A different seed gives a different sample (the model is not that sure of itself).
-    (other_seed,) = run(engine, [(prompts[0], seeded_params(seed=43))])
+    (other_seed,) = run_to_end(engine, [(prompts[0], seeded_params(seed=43))])
     assert other_seed.outputs[0].token_ids != tokens
 
 
@@ -92,7 +71,7 @@ def test_seeded_sampling_survives_chunking_and_preemption(engine, tiny_model_dir
 
     prompts = random_prompts(6, seed=5)
     params = [seeded_params(seed=100 + i, max_tokens=16) for i in range(6)]
-    refs = run(engine, list(zip(prompts, params)))
+    refs = run_to_end(engine, list(zip(prompts, params)))
     config = engine.config.model_config
     # 16 usable blocks of 8 = 128 tokens for 6 requests of up to ~56 tokens: forces preemption.
     tight = LLMEngine.from_args(
@@ -103,7 +82,7 @@ def test_seeded_sampling_survives_chunking_and_preemption(engine, tiny_model_dir
         max_num_batched_tokens=20,
         num_threads=1,
     )
-    outs = run(tight, list(zip(prompts, params)))
+    outs = run_to_end(tight, list(zip(prompts, params)))
     assert tight.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) == tight.scheduler.num_preemptions
     for out, ref in zip(outs, refs):
@@ -112,15 +91,15 @@ def test_seeded_sampling_survives_chunking_and_preemption(engine, tiny_model_dir
 
 def test_n2_with_seed_gives_two_completions(engine):
     prompt = random_prompts(1, seed=2)[0]
-    (out,) = run(engine, [(prompt, seeded_params(n=2))])
+    (out,) = run_to_end(engine, [(prompt, seeded_params(n=2))])
     assert [c.index for c in out.outputs] == [0, 1]
     assert all(len(c.token_ids) == 12 for c in out.outputs)
     assert all(c.finish_reason == "length" for c in out.outputs)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
     # Completion i samples with seed + i, like a request of its own.
-    (single,) = run(engine, [(prompt, seeded_params(seed=43))])
+    (single,) = run_to_end(engine, [(prompt, seeded_params(seed=43))])
     assert out.outputs[1].token_ids == single.outputs[0].token_ids
-    (again,) = run(engine, [(prompt, seeded_params(n=2))])
+    (again,) = run_to_end(engine, [(prompt, seeded_params(n=2))])
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
     assert out.metrics.num_generation_tokens == 24
 
@@ -130,7 +109,7 @@ def find_two_token_stop(engine) -> tuple[str, list[int], str, int]:
     occurring after the first token. Returns (prompt, tokens, stop, index of its first token)."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for prompt in ["The quick brown fox", "hello world", "abc", "0123", "Once upon a time"]:
-        (out,) = run(engine, [(prompt, params)])
+        (out,) = run_to_end(engine, [(prompt, params)])
         tokens = out.outputs[0].token_ids
         pieces = [engine.tokenizer.decode([t]) for t in tokens]
         for k in range(1, len(tokens) - 1):
@@ -148,7 +127,7 @@ def test_stop_string_across_tokens_is_cut_from_the_text(engine):
     prompt, tokens, stop, k = find_two_token_stop(engine)
     expected_prefix = engine.tokenizer.decode(tokens[:k])
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])
-    (out,) = run(engine, [(prompt, params)])
+    (out,) = run_to_end(engine, [(prompt, params)])
     c = out.outputs[0]
     assert c.text == expected_prefix
     assert stop not in c.text
@@ -163,7 +142,7 @@ def test_stop_string_across_tokens_is_cut_from_the_text(engine):
         stop=["never-there", stop],
         include_stop_str_in_output=True,
     )
-    (out,) = run(engine, [(prompt, keep)])
+    (out,) = run_to_end(engine, [(prompt, keep)])
     assert out.outputs[0].text == expected_prefix + stop
     assert out.outputs[0].stop_reason == stop
 
@@ -188,38 +167,40 @@ def test_text_is_the_decoded_tokens_at_max_tokens(engine):
     # come out (as U+FFFD) once the request ends.
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for prompt in ["hello world", "The quick brown fox", "abc"]:
-        (out,) = run(engine, [(prompt, params)])
+        (out,) = run_to_end(engine, [(prompt, params)])
         c = out.outputs[0]
         assert c.text == engine.tokenizer.decode(c.token_ids)
 
 
 def test_stop_token_ids(engine):
     prompt = random_prompts(1, seed=3)[0]
-    (ref,) = run(engine, [(prompt, GREEDY)])
+    (ref,) = run_to_end(engine, [(prompt, GREEDY)])
     tokens = ref.outputs[0].token_ids
     k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tokens[k]])
-    (out,) = run(engine, [(prompt, params)])
+    (out,) = run_to_end(engine, [(prompt, params)])
     assert out.outputs[0].token_ids == tokens[: k + 1]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == tokens[k]
 
 
 def test_max_tokens_gives_finish_reason_length(engine):
-    (out,) = run(engine, [("hi", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))])
+    (out,) = run_to_end(
+        engine, [("hi", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))]
+    )
     assert out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 3
     assert out.outputs[0].stop_reason is None
     # max_tokens=None fills the context.
     prompt = [1] + [50] * 119
-    (out,) = run(engine, [(prompt, SamplingParams(max_tokens=None, ignore_eos=True))])
+    (out,) = run_to_end(engine, [(prompt, SamplingParams(max_tokens=None, ignore_eos=True))])
     assert len(out.outputs[0].token_ids) == MAX_MODEL_LEN - len(prompt)
     assert out.outputs[0].finish_reason == "length"
 
 
 def test_abort_mid_generation_frees_blocks_and_others_finish(engine):
     prompts = random_prompts(3, seed=4)
-    refs = run(engine, [(p, GREEDY) for p in prompts])
+    refs = run_to_end(engine, [(p, GREEDY) for p in prompts])
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(p, params if i == 1 else GREEDY) for i, p in enumerate(prompts)]
     for _ in range(4):
@@ -265,7 +246,7 @@ def test_request_ids(engine):
     assert rid == "mine"
     with pytest.raises(ValueError, match="request id 'mine'"):
         engine.add_request("abc", GREEDY, request_id="mine")
-    run(engine, [])
+    run_to_end(engine, [])
     assert_all_blocks_free(engine)
 
 
@@ -328,7 +309,7 @@ def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, make_bad,
         make_bad(engine)
     assert not engine.has_unfinished_requests()
     assert engine.output_processor.states == {}
-    (out,) = run(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
+    (out,) = run_to_end(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
     assert out.finished and len(out.outputs[0].token_ids) >= 1
     assert_all_blocks_free(engine)
 
@@ -344,7 +325,7 @@ def test_unknown_model_and_non_gguf_file(engine, tmp_path):
         LLMEngine.from_args(model=str(tmp_path))
     with pytest.raises(ValueError, match="unknown engine arguments: bogus"):
         LLMEngine.from_args(model=str(tmp_path), bogus=1)
-    (out,) = run(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
+    (out,) = run_to_end(engine, [("ok", SamplingParams(temperature=0.0, max_tokens=3))])
     assert out.finished
 
 

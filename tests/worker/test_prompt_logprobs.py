@@ -12,12 +12,12 @@ import random
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from conftest import run_to_end
 
 from tokenmill.config import resolve_model
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
-from tokenmill.outputs import PositionLogprobs, RequestOutput
+from tokenmill.outputs import PositionLogprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import sampler as sampler_mod
 from tokenmill.worker.model_runner import kv_bytes_per_block
@@ -61,17 +61,6 @@ def check_against_hf(path, prompt: list[int], entries: list[PositionLogprobs | N
             assert alt.logprob == pytest.approx(row[alt.token_id].item(), abs=ATOL)
 
 
-def run(engine: LLMEngine, items: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
-    ids = [engine.add_request(prompt, params) for prompt, params in items]
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert_all_blocks_free(engine)
-    return [done[rid] for rid in ids]
-
-
 def random_prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [1] + [rng.randrange(3, 259) for _ in range(length - 1)]
@@ -96,7 +85,7 @@ def params(prompt_logprobs: int | None, max_tokens: int = 4, **changes) -> Sampl
 def test_whole_prompt_matches_transformers(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     prompt = random_prompt(40, seed=1)  # longer than gemma3's 24-token sliding window
-    (out,) = run(make_engine(path), [(prompt, params(3, logprobs=2))])
+    (out,) = run_to_end(make_engine(path), [(prompt, params(3, logprobs=2))])
     check_against_hf(path, prompt, out.prompt_logprobs, k=3)
     # The sampled tokens' logprobs are untouched: greedy, so the pick is rank 1.
     completion = out.outputs[0]
@@ -112,12 +101,12 @@ def test_chunked_prefill_inside_a_batch(tiny_model_dir, arch):
     # token (laid out like a decode); then it comes in 16-token chunks.
     short, long_a, long_b, other = (random_prompt(n, seed=n) for n in (15, 50, 33, 20))
     items = [(short, params(None)), (long_a, params(2)), (long_b, params(0)), (other, params(None))]
-    outs = run(engine, items)
+    outs = run_to_end(engine, items)
     check_against_hf(path, long_a, outs[1].prompt_logprobs, k=2)
     check_against_hf(path, long_b, outs[2].prompt_logprobs, k=0)
     assert outs[0].prompt_logprobs is None and outs[3].prompt_logprobs is None
     # Asking for prompt log-probs changes no output: the same prompts without them.
-    plain = run(engine, [(p, params(None)) for p, _ in items])
+    plain = run_to_end(engine, [(p, params(None)) for p, _ in items])
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
@@ -156,7 +145,7 @@ def test_preempted_requests_send_each_position_once(tiny_model_dir):
     engine.executor.worker.runner.execute = record
     rng = random.Random(2)
     prompts = [random_prompt(rng.randrange(20, 58), seed=100 + i) for i in range(6)]
-    outs = run(engine, [(p, params(1, max_tokens=16)) for p in prompts])
+    outs = run_to_end(engine, [(p, params(1, max_tokens=16)) for p in prompts])
     assert any(preempted_mid_prompt) and not all(preempted_mid_prompt)
     for prompt, out in zip(prompts, outs):
         assert sent[out.request_id] == list(range(1, len(prompt)))
@@ -167,9 +156,9 @@ def test_prefix_cache_hits_are_skipped_for_prompt_logprobs(tiny_model_dir):
     path = tiny_model_dir("llama")
     engine = make_engine(path, block_size=8, enable_prefix_caching=True)
     prompt = random_prompt(40, seed=3)
-    (first,) = run(engine, [(prompt, params(0))])
-    (second,) = run(engine, [(prompt, params(0))])
-    (plain,) = run(engine, [(prompt, params(None))])
+    (first,) = run_to_end(engine, [(prompt, params(0))])
+    (second,) = run_to_end(engine, [(prompt, params(0))])
+    (plain,) = run_to_end(engine, [(prompt, params(None))])
     assert plain.metrics.num_cached_tokens == 32  # the cache holds the prompt's 4 full blocks
     assert second.metrics.num_cached_tokens == 0  # yet the repeat computed its whole prompt
     check_against_hf(path, prompt, second.prompt_logprobs, k=0)
@@ -182,14 +171,14 @@ def test_n_siblings_share_one_prompt_list(tiny_model_dir):
     prompt = random_prompt(30, seed=4)
     engine = make_engine(path, max_num_batched_tokens=16)
     sampled = SamplingParams(n=3, seed=5, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
-    (out,) = run(engine, [(prompt, sampled)])
+    (out,) = run_to_end(engine, [(prompt, sampled)])
     assert len(out.outputs) == 3
     check_against_hf(path, prompt, out.prompt_logprobs, k=1)
 
 
 def test_off_by_default_and_one_token_prompt(tiny_model_dir):
     engine = make_engine(tiny_model_dir("llama"))
-    off, one = run(engine, [(random_prompt(10, seed=6), params(None)), ([1], params(5))])
+    off, one = run_to_end(engine, [(random_prompt(10, seed=6), params(None)), ([1], params(5))])
     assert off.prompt_logprobs is None
     assert one.prompt_logprobs == [None]
 

@@ -61,12 +61,9 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[list[Block]]] = {}  # per request, per group
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
-        self._window_groups = [g for g, w in enumerate(group_windows) if w is not None]
         # Each window size and its groups.
-        self._windows = [
-            (w, [g for g in self._window_groups if group_windows[g] == w])
-            for w in dict.fromkeys(group_windows[g] for g in self._window_groups)
-        ]
+        sizes = dict.fromkeys(w for w in group_windows if w is not None)
+        self._windows = [(w, [g for g, x in enumerate(group_windows) if x == w]) for w in sizes]
         # Prefix-cache counters, in tokens (what /metrics reports).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -167,28 +164,17 @@ class KVCacheManager:
         group's new table entries (the hit's, null ones included, then fresh blocks).
         """
         tables = self._req_blocks.get(req.req_id)
-        if hit is None and tables is not None:  # a running request: most steps, one token
-            num_computed = req.num_computed_tokens
-            for window, groups in self._windows:
-                # Groups of one window release in lockstep (their null prefixes are equal):
-                # the first says whether a block fell out of the window since the last step.
-                first_needed = max(0, num_computed - window + 1) // self.block_size
-                table = tables[groups[0]]
-                if 0 < first_needed <= len(table) and table[first_needed - 1].block_id:
-                    for g in groups:
-                        self._release_before_window(g, tables[g], num_computed)
-            num_tokens = num_computed + num_new_tokens
-            if len(tables[0]) * self.block_size >= num_tokens:  # tables all cover as much
-                self._cache_full_blocks(req, num_tokens, cache_salt)
-                return [[] for _ in tables]
-            return self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
-        if tables is None:
+        if tables is None:  # a new or resumed request: its hit's blocks, then fresh ones
             tables = self._req_blocks[req.req_id] = [[] for _ in self.group_windows]
-        hit = hit or self._no_hit()
-        num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
-        for g in self._window_groups:
-            self._release_before_window(g, tables[g], num_computed)
-        return self._allocate(req, tables, num_new_tokens, hit, cache_salt)
+            return self._allocate(req, tables, num_new_tokens, hit or self._no_hit(), cache_salt)
+        # A running request (most calls: one token a step, rarely a new block).
+        assert hit is None, "a prefix hit is for a request that holds no blocks yet"
+        self._release_behind_windows(tables, req.num_computed_tokens)
+        num_tokens = req.num_computed_tokens + num_new_tokens
+        if len(tables[0]) * self.block_size >= num_tokens:  # tables all cover as much
+            self._cache_full_blocks(req, num_tokens, cache_salt)
+            return [[] for _ in tables]
+        return self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
 
     def _allocate(
         self,
@@ -198,7 +184,7 @@ class KVCacheManager:
         hit: PrefixHit,
         cache_salt: str | None,
     ) -> list[list[int]] | None:
-        """allocate_slots once the window groups' blocks behind the window are released."""
+        """allocate_slots' allocation, after a running request's window release."""
         num_computed = req.num_computed_tokens + hit.num_blocks * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_alloc = [
@@ -238,6 +224,17 @@ class KVCacheManager:
         if window is None:
             return 0
         return max(0, num_computed_blocks * self.block_size - window + 1) // self.block_size
+
+    def _release_behind_windows(self, tables: list[list[Block]], num_computed: int) -> None:
+        """Release what fell behind each window group's window since the last step."""
+        for window, groups in self._windows:
+            # Groups of one window release in lockstep (their null prefixes are equal): the
+            # first says whether a block fell out of the window since the last step.
+            first_needed = max(0, num_computed - window + 1) // self.block_size
+            table = tables[groups[0]]
+            if 0 < first_needed <= len(table) and table[first_needed - 1].block_id:
+                for g in groups:
+                    self._release_before_window(g, tables[g], num_computed)
 
     def _release_before_window(self, group: int, table: list[Block], num_computed: int) -> None:
         """Release the blocks of a window group that no query from position ``num_computed`` on

@@ -19,6 +19,7 @@ gathering rank 0's output) or one that also drives a draft model fit beside it u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from tokenmill.config import CacheConfig, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
@@ -41,14 +42,22 @@ class Executor(ABC):
         """Run one step: forward pass, logits, sampling."""
 
     def launch(self, sched_out: SchedulerOutput) -> None:
-        """Start a step and return before its output is ready; ``collect`` returns it, steps in
-        launch order. Only where ``info.async_scheduling`` says so: the engine schedules the
-        next step in between."""
-        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+        """Start a step; ``collect`` returns its output, steps in launch order. With
+        ``info.async_scheduling`` the call returns before the step is done and the engine
+        schedules the next one meanwhile. This default (executors whose ranks run elsewhere)
+        runs the step whole, here."""
+        self._outputs().append(self.execute(sched_out))
 
     def collect(self) -> RunnerOutput:
         """The output of the oldest launched step (waits for it)."""
-        raise NotImplementedError(f"{type(self).__name__} runs steps one at a time")
+        return self._outputs().popleft()
+
+    def _outputs(self) -> deque[RunnerOutput]:
+        """The default launch's finished outputs, oldest first (made on first use: executors
+        need not call this base class's constructor)."""
+        if not hasattr(self, "_launched_outputs"):
+            self._launched_outputs: deque[RunnerOutput] = deque()
+        return self._launched_outputs
 
     @abstractmethod
     def router_stats(self) -> dict[int, tuple[int, ...]] | None:

@@ -27,6 +27,7 @@ import torch
 from tokenmill.attention import AttentionMetadata, PrefillSeq
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarMatcher
+from tokenmill.worker.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -71,16 +72,9 @@ class PendingIds:
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """Write the picks into a step's input ids on the device (no wait for the host)."""
-        dst = _index(self.rows, input_ids.device)
-        src = _index(self.picks, input_ids.device)
+        dst = to_device(self.rows, input_ids, torch.long)
+        src = to_device(self.picks, input_ids, torch.long)
         input_ids.index_copy_(0, dst, self.sampled.index_select(0, src))
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from tokenmill.worker.input_batch import (
     RequestState,
     StepInputs,
     build_step_inputs,
+    pending_rows,
     pending_token,
     prompt_logprob_rows,
 )
@@ -225,7 +226,7 @@ class ModelRunner:
         all the step returns. Its input ids may be picks of the step launched before it."""
         assert sched.can_run_ahead
         self.update_states(sched)
-        logits, req_ids = self._step_logits(sched)
+        logits, req_ids = self._logits(sched)
         if logits is None:
             sampled = torch.empty(0, dtype=torch.long, device=self.device)
         else:
@@ -259,10 +260,17 @@ class ModelRunner:
                 state.token_ids[index] = token_id
         return out
 
-    def _step_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
-        """The logits rows of a step without drafts or prompt log-probs, and each row's
-        request: a graph replay when the step is all decodes, else eager (None: no row
-        samples, a step of prompt chunks)."""
+    def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """The logits rows of a step that predict next tokens (a graph replay when the step is
+        all decodes, else eager) and the request of each row, for a caller that samples itself
+        (a draft model's proposer, which keeps ``requests`` up to date itself). One row per
+        request: steps without drafts, in which every request reaches its last known token."""
+        logits, req_ids = self._logits(sched)
+        assert logits is not None, "every request of the step predicts a token"
+        return logits, req_ids
+
+    def _logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+        """``logits``, where a step of prompt chunks alone predicts nothing (None)."""
         graph_logits = self._decode_graph_step(sched)
         if graph_logits is not None:
             return graph_logits, list(sched.num_scheduled_tokens)
@@ -270,18 +278,6 @@ class ModelRunner:
         hidden = self.forward(step)
         req_ids = [r.req_id for r in step.sampling_reqs]
         return (self.compute_logits(hidden, step) if req_ids else None), req_ids
-
-    def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """The logits rows of a step that predict next tokens (a graph replay when the step is
-        all decodes, else eager) and the request of each row, for a caller that samples itself
-        (a draft model's proposer, which keeps ``requests`` up to date itself). One row per
-        request: steps without drafts."""
-        graph_logits = self._decode_graph_step(sched)
-        if graph_logits is not None:
-            return graph_logits, list(sched.num_scheduled_tokens)
-        step = self.prepare_step(sched)
-        logits = self.compute_logits(self.forward(step), step)
-        return logits, [r.req_id for r in step.sampling_reqs]
 
     # ---- the eager step, in its parts ---------------------------------------------------
 
@@ -498,8 +494,7 @@ class ModelRunner:
                 return None  # a prompt chunk: no sample, or a query of several known tokens
             if prompt_logprob_rows(state, rid, 0, p, 1):
                 return None  # prompt log-probs owed
-            if state.token_ids[p] < 0:
-                pending.append((len(ids), -1 - state.token_ids[p]))
+            pending += pending_rows(len(ids), state.token_ids[p : p + 1])
             for pos, token_id in enumerate([state.token_ids[p], *drafts], p):
                 ids.append(token_id)
                 positions.append(pos)

@@ -25,6 +25,7 @@ from tokenmill.kernels import KernelBackend
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.outputs import TokenLogprob
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.transfer import host_to_device, to_device
 
 
 @dataclass(slots=True)
@@ -76,7 +77,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = self.pick(logits, rows, bitmask)
         ks = [rows[i].params.logprobs or 0 for i in logprob_idx]
-        packed = _logprob_tensors(raw_logprobs, token_ids, _to_device(logprob_idx, logits), ks)
+        packed = _logprob_tensors(raw_logprobs, token_ids, to_device(logprob_idx, logits), ks)
         # One transfer: the token ids and every log-prob value, as float64 (exact for both).
         values = torch.cat([token_ids.double(), packed]).tolist()
         return _unpack(values, len(rows), logprob_idx, ks)
@@ -106,7 +107,7 @@ class Sampler:
             if len(row.output_token_ids) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
                 if banned:
-                    logits[i, _to_device(banned, logits)] = float("-inf")
+                    logits[i, to_device(banned, logits)] = float("-inf")
         return logits
 
     def distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -133,13 +134,13 @@ class Sampler:
         random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not random_idx:
             return greedy
-        idx = _to_device(random_idx, logits)
+        idx = to_device(random_idx, logits)
         random_rows = [rows[i] for i in random_idx]
         probs = self._probs(logits.index_select(0, idx), [r.params for r in random_rows])
         picked = self.draw(probs, random_rows)
         verify = [j for j, r in enumerate(random_rows) if r.draft_probs is not None]
         if verify:
-            at = _to_device(verify, logits)
+            at = to_device(verify, logits)
             verified = self._verify(probs.index_select(0, at), [random_rows[j] for j in verify])
             picked = picked.index_copy(0, at, verified)
         out = greedy.clone()
@@ -148,7 +149,7 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = _to_device([p.temperature for p in params], logits)
+        temps = to_device([p.temperature for p in params], logits)
         return torch.softmax(_top_k_top_p_min_p(logits / temps[:, None], params), dim=-1)
 
     def _verify(self, p: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -159,7 +160,7 @@ class Sampler:
         order, row by row), kept or not: a draw only on rejection would need the verdict on
         the host first."""
         q = torch.stack([r.draft_probs for r in rows]).to(p)  # type: ignore[misc]
-        d = _to_device([r.draft_token_id for r in rows], p, torch.long)[:, None]
+        d = to_device([r.draft_token_id for r in rows], p, torch.long)[:, None]
         u = torch.stack(  # [rows, 2]: acceptance, residual
             [
                 torch.stack([torch.rand((), generator=g, device=p.device) for _ in range(2)])
@@ -182,30 +183,14 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(picked < probs.shape[-1], picked, probs.argmax(dim=-1))
 
 
-def _to_device(
-    values: list[int] | list[float] | list[bool],
-    like: torch.Tensor,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """A host list as a tensor on ``like``'s device: built on the host, copied without a
-    wait (pinned on CUDA)."""
-    return _host_to_device(torch.tensor(values, dtype=dtype), like)
-
-
-def _host_to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if like.device.type == "cpu":
-        return host
-    return host.pin_memory().to(like.device, non_blocking=True)
-
-
 def _apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:
     """Add each bias to its token's logit in place (ids past the vocabulary are skipped)."""
     vocab = logits.shape[0]
     items = [(t, b) for t, b in logit_bias.items() if t < vocab]
     if not items:
         return
-    ids = _to_device([t for t, _ in items], logits, torch.long)
-    biases = _to_device([b for _, b in items], logits, logits.dtype)
+    ids = to_device([t for t, _ in items], logits, torch.long)
+    biases = to_device([b for _, b in items], logits, logits.dtype)
     logits[ids] += biases
 
 
@@ -215,7 +200,7 @@ def _penalize(
     vocab = logits.shape[0]
     if p.repetition_penalty != 1.0:
         # HF/vLLM semantics: every token seen in prompt or output is made less likely.
-        seen = _to_device(
+        seen = to_device(
             [t for t in sorted(set(prompt_ids) | set(output_ids)) if t < vocab], logits, torch.long
         )
         vals = logits[seen]
@@ -225,7 +210,7 @@ def _penalize(
     if output_ids and (p.presence_penalty or p.frequency_penalty):
         # OpenAI semantics: only generated tokens count.
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
-        counts = _host_to_device(counts[:vocab].to(logits.dtype), logits)
+        counts = host_to_device(counts[:vocab].to(logits.dtype), logits)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -236,15 +221,15 @@ def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if any(k < vocab for k in top_k):
         k_max = min(max(top_k), vocab)
         top_vals = logits.topk(k_max, dim=-1).values  # [rows, k_max]
-        k_idx = _to_device([min(k, vocab) - 1 for k in top_k], logits)
+        k_idx = to_device([min(k, vocab) - 1 for k in top_k], logits)
         kth = top_vals.gather(1, k_idx.clamp(max=k_max - 1)[:, None])
-        keep_all = _to_device([k >= vocab for k in top_k], logits)[:, None]
+        keep_all = to_device([k >= vocab for k in top_k], logits)[:, None]
         logits = logits.masked_fill(~keep_all & (logits < kth), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_p = _to_device([p.top_p for p in params], logits)
+        top_p = to_device([p.top_p for p in params], logits)
         logits = logits.masked_fill(_top_p_drop(logits, top_p), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
-        min_p = _to_device([p.min_p for p in params], logits)
+        min_p = to_device([p.min_p for p in params], logits)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -342,7 +327,7 @@ def compute_prompt_logprobs(
     the sampled tokens' logprobs and vLLM's prompt_logprobs.
     """
     assert hidden.shape[0] == len(target_ids)  # hidden: [num_targets, hidden_size]
-    targets = _to_device(target_ids, hidden, torch.long)
+    targets = to_device(target_ids, hidden, torch.long)
     sampled: list[TokenLogprob] = []
     top: list[list[TokenLogprob]] = []
     for lo in range(0, len(target_ids), PROMPT_LOGPROBS_ROWS):
