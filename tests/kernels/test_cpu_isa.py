@@ -74,10 +74,11 @@ def _int4(group: int, n: int, k: int) -> PackedWeight:
 LAYOUTS = {
     "Q8_0 q8 f16 G32": lambda: _gguf(8, 40, 640),
     "Q4_0 q4 f16 G32 offsets": lambda: _gguf(2, 40, 192),
-    "Q5_0 u8 z16 f16 G32": lambda: _gguf(6, 40, 640),
+    "Q5_0 q5 z16 f16 G32": lambda: _gguf(6, 40, 640),
+    "Q5_0 q5 z16 f16 G32 K192": lambda: _gguf(6, 40, 192),
     "Q4_K q4 G32 offsets": lambda: _gguf(12, 40, 768),
     "Q4_K q4 G32 offsets K4608": lambda: _gguf(12, 40, 4608),
-    "Q5_K u8 z0 G32 offsets": lambda: _gguf(13, 40, 768),
+    "Q5_K q5 z0 G32 offsets": lambda: _gguf(13, 40, 768),
     "Q6_K u8 z32 G16": lambda: _gguf(14, 40, 768),
     "Q2_K q2 G16": lambda: _gguf(10, 40, 768),
     "Q2_K q2 G16 K4608": lambda: _gguf(10, 40, 4608),

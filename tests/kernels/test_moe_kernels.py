@@ -28,7 +28,7 @@ LAYOUTS = {
     "int8": (128, 64),
     "int4": (128, 64),  # "q4" codes with offsets
     "Q8_0": (128, 64),  # "q8" with float16 scales
-    "Q5_0": (128, 64),  # "u8" bytes, zero point 16, float16 scales
+    "Q5_0": (128, 64),  # "q5" planes, zero point 16, float16 scales
     "Q4_K": (256, 256),  # "q4" with offsets
     "Q6_K": (256, 256),  # "u8" bytes in 16-element groups
 }

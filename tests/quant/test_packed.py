@@ -20,6 +20,7 @@ from tokenmill.quant.packed import (
     PackedWeight,
     activation_levels,
     concat_rows,
+    lane_blocks,
     lane_order,
     pack_codes,
     pack_gguf,
@@ -61,15 +62,16 @@ def test_repacking_is_exact(name: str) -> None:
     w = pack_gguf(raw.reshape(-1), t, (24, 512))
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
-    # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5- and 6-bit ones an
-    # unsigned byte, Q8_0 int8; Q2_K and Q3_K their super-blocks, as many bytes as the file's.
+    # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5-bit ones 4 bits and
+    # a bit plane, 6-bit ones an unsigned byte, Q8_0 int8; Q2_K and Q3_K their super-blocks.
     kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
-    kinds |= {"Q2_K": "q2", "Q3_K": "q3"}
+    kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5"}
     assert w.kind == kinds.get(name, "u8")
-    if w.kind in ("q2", "q3"):
-        assert w.nbytes == raw.numel()  # 84 (110) bytes a 256: 2.625 (3.4375) bits a weight
+    if w.kind in ("q2", "q3") or name == "Q5_0":
+        assert w.nbytes == raw.numel()  # as many bytes as the file's: Q5_0 22 a 32
     else:
-        assert w.codes.numel() == (24 * 256 if w.kind in ("q4", "n4") else 24 * 512)
+        per_row = {"q4": 256, "n4": 256, "q5": 256 + 2 * 32}.get(w.kind, 512)
+        assert w.codes.numel() == 24 * per_row
     # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants and
     # IQ4_XS (products of the super-block scale and a sub-block's); Q2_K / Q3_K keep the
     # file's float16 d (and dmin) and form the products as they compute.
@@ -149,6 +151,26 @@ def test_stored_codes_round_trip(k: int, kind: str) -> None:
         assert order[4:8].tolist() == [32, 33, 34, 35]
 
 
+@pytest.mark.parametrize("k", [64, 192, 640, 768])
+def test_five_bit_codes_round_trip_through_their_planes(k: int) -> None:
+    """ "q5" codes (0..31 with the zero point) keep their low 4 bits as "q4" does and their
+    fifth bits in one 32-byte plane a block (vector u's in bit u): 0.625 bytes a code, whatever
+    the row's tail blocks (4 and 2 chunks)."""
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(-16, 16, (5, k), generator=g)
+    stored = pack_codes(codes, "q5", zero=16)
+    blocks = len(lane_blocks(k))
+    assert stored.shape == (5, k // 2 + 32 * blocks)
+    assert torch.equal(unpack_codes(stored, "q5", k, zero=16), codes.to(torch.int16))
+    # The first block's plane: byte j's bit u is the fifth bit of vector u's byte j.
+    lanes = (codes + 16)[:, lane_order(k)]
+    t = lane_blocks(k)[0][1]
+    for u in range(t):
+        assert torch.equal((stored[:, :32] >> u) & 1, ((lanes[:, 32 * u : 32 * u + 32] >> 4) & 1))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_codes(torch.zeros(5, 96, dtype=torch.int64), "q5", zero=16)
+
+
 @needs_kernel
 @pytest.mark.parametrize("act_int8", [True, False])
 @pytest.mark.parametrize(
@@ -221,13 +243,16 @@ def test_unsigned_byte_codes_with_16_element_groups(k: int) -> None:
         torch.testing.assert_close(y8, reference_matmul(x[:m], w, None, True), rtol=0, atol=atol)
 
 
-def test_byte_codes_of_both_kinds_join_as_signed() -> None:
-    """Q5_0 q/k ("u8") beside a Q8_0 v ("q8") fuse into one "q8" weight of the same values."""
-    u8 = pack_gguf(_random_blocks(6, 8, 256, seed=1).reshape(-1), 6, (8, 256))
-    q8 = pack_gguf(_random_blocks(8, 4, 256, seed=2).reshape(-1), 8, (4, 256))
-    joined = concat_rows([u8, q8])
+@pytest.mark.parametrize("cols", [256, 96])
+def test_unsigned_codes_beside_int8_ones_join_as_signed(cols: int) -> None:
+    """Q5_0 q/k ("q5"; "u8" in rows not of 64s) beside a Q8_0 v ("q8") fuse into one "q8"
+    weight of the same values."""
+    q5 = pack_gguf(_random_blocks(6, 8, cols, seed=1).reshape(-1), 6, (8, cols))
+    assert q5.kind == ("q5" if cols % 64 == 0 else "u8")
+    q8 = pack_gguf(_random_blocks(8, 4, cols, seed=2).reshape(-1), 8, (4, cols))
+    joined = concat_rows([q5, q8])
     assert joined is not None and joined.kind == "q8"
-    assert torch.equal(joined.dequantize(), torch.cat([u8.dequantize(), q8.dequantize()]))
+    assert torch.equal(joined.dequantize(), torch.cat([q5.dequantize(), q8.dequantize()]))
 
 
 def test_activation_quantization_rounds_to_nearest() -> None:

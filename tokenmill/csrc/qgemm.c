@@ -7,7 +7,8 @@
  * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit
  * 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit 3: 4-bit indices, stored as
  * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); bits 4 and 5: GGUF
- * Q2_K / Q3_K super-blocks ("q2", "q3", below); else int8 codes ("q8"); bit 1: float16 scales.
+ * Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z, 0..31, in a nibble and
+ * a bit plane ("q5", below, z as "u8"'s); else int8 codes ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -21,6 +22,10 @@
  *   "q4", "n4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the
  *   high. "n4" indices become int8 codes with one pshufb against the table (iq4_codes), and
  *   are then multiplied exactly as "q8" codes are, sign flips, unsigned code + 128 and all.
+ *   "q5" (GGUF Q5_0, Q5_1, Q5_K: 0.625 bytes a code where "u8" took 1): a block is a 32-byte
+ *   plane holding each code's fifth bit (vector u's in bit u), then its low 4 bits as "q4"
+ *   keeps them (q5_block, q5_high). Unsigned and small as "u8"'s codes, they take its dot
+ *   products; at batch 1, 1.6x fewer bytes read.
  * maddubs multiplies unsigned by signed bytes. "q4" and "u8" bytes are unsigned already and
  * small enough (<= 63: 2 · 2 · 63 · 127 < 2^15) that two maddubs sums add in int16 before one
  * madd: 0.85 cycles a pair of 32-byte vectors. "q8" codes take a sign flip per product pair
@@ -182,6 +187,13 @@ static int64_t num_blocks(int64_t nc) {
     return n;
 }
 
+/* "q5": where the block starting at chunk c0 is: every block before a row's tail holds 8 chunks
+ * (32 + 128 bytes); a block at c0 mod 8 = 4 follows a tail block of 4 chunks (32 + 64). */
+static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 : 0); }
+
+/* "q5" KIND 8, "q2" 6, "q3" 7: codes built from bit planes in registers. */
+#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7)
+
 /* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
 TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0, int u) {
     if (kind == 0) return _mm256_loadu_si256((const __m256i *)(row + c0 * 32 + u * 32));
@@ -198,10 +210,24 @@ TM_TARGET TM_INLINE __m256i iq4_codes(__m256i idx) {
     return _mm256_shuffle_epi8(_mm256_setr_epi8(TM_IQ4_KVALUES, TM_IQ4_KVALUES), idx);
 }
 
+/* "q5": the fifth bits of code vector u (bit u of each plane byte) in place, as 16. A 16-bit
+ * shift by at most 4 keeps bit 4 of each byte within its byte. */
+TM_TARGET TM_INLINE __m256i q5_high(__m256i plane, int u) {
+    const __m256i h = u <= 4 ? _mm256_slli_epi16(plane, 4 - u) : _mm256_srli_epi16(plane, u - 4);
+    return _mm256_and_si256(h, _mm256_set1_epi8(0x10));
+}
+
 /* Code vector u as bytes for tile_int8 / widen_codes' KIND (0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned, 4 "n4", 5 "n4" run unsigned): "n4" indices looked up, signed like "q8". */
+ * unsigned, 4 "n4", 5 "n4" run unsigned, 8 "q5"): "n4" indices looked up, signed like "q8". */
 TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0, int u) {
     if (kind == 4 || kind == 5) return iq4_codes(code_vector(1, row, c0, u));
+    if (kind == 8) {
+        const uint8_t *src = row + q5_block(c0);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32 + (u >> 1) * 32));
+        if (u & 1) b = _mm256_srli_epi16(b, 4);
+        b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+        return _mm256_or_si256(b, q5_high(_mm256_loadu_si256((const __m256i *)src), u));
+    }
     return code_vector(kind == 1, row, c0, u);
 }
 
@@ -211,7 +237,8 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
 
 /* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
-    if (kind >= 6) return K / 256 * KQ_BYTES(kind);
+    if (IS_KQ(kind)) return K / 256 * KQ_BYTES(kind);
+    if (kind == 8) return K / 2 + 32 * num_blocks(K / 32);
     return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
 }
 
@@ -220,10 +247,16 @@ static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
     return kind == 6 ? K / 128 : kind == 7 ? K / 256 : K / G;
 }
 
-/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2" or 7 "q3" (the weight's
- * layout). */
+/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3" or 8 "q5" (the
+ * weight's layout). */
 static inline int layout_kind(int kind) {
-    return kind & 1 ? 1 : kind & 4 ? 2 : kind & 8 ? 4 : kind & 16 ? 6 : kind & 32 ? 7 : 0;
+    return kind & 1    ? 1
+           : kind & 4  ? 2
+           : kind & 8  ? 4
+           : kind & 16 ? 6
+           : kind & 32 ? 7
+           : kind & 64 ? 8
+                       : 0;
 }
 
 /* Code vector u (0..7) of a "q2" / "q3" super-block from its planes p0, p1 (and hb: "q3"'s
@@ -430,13 +463,16 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 }
 
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3"; G16 for 16-element groups (the
- * k-quants: float32 scales, "q2" and "q3" their own; never "q4" or "n4"); F16 for float16 scales
+ * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5"; G16 for 16-element
+ * groups (the k-quants: float32 scales, "q2" and "q3" their own; never "q4", "n4" or "q5"); F16
+ * for float16 scales
  * ("q2", "q3": always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
         if ((kind) == 6) EXPAND(6, 1, 1)                                                      \
         else if ((kind) == 7) EXPAND(7, 1, 1)                                                 \
+        else if ((kind) == 8 && (f16)) EXPAND(8, 0, 1)                                        \
+        else if ((kind) == 8) EXPAND(8, 0, 0)                                                 \
         else if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                        \
         else if ((kind) == 1) EXPAND(1, 0, 0)                                                 \
         else if ((kind) == 2 && (G) == 16) EXPAND(2, 1, 0)                                    \
@@ -499,7 +535,7 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(kind); /* "q2", "q3": the super-block */
         __m256 sc[2], of[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
-        if (kind >= 6) {
+        if (IS_KQ(kind)) {
             p0 = _mm256_loadu_si256((const __m256i *)src);
             p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
             if (kind == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
@@ -598,7 +634,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
         }
     else
         for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
-    if (KIND >= 6) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
+    if (IS_KQ(KIND)) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND);
         if (RA == 1) {
             _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
@@ -619,6 +655,26 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
                 if (u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
                 else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
+            }
+        }
+    } else if (KIND == 8) { /* "q5": "q4"'s nibble pairs, each code's fifth bit from the plane */
+        const uint8_t *src = row + q5_block(c0);
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        const __m256i plane = _mm256_loadu_si256((const __m256i *)src);
+        if (RA == 1)
+            for (int j = 0; j < 32 + 16 * t; j += 64)
+                _mm_prefetch((const char *)(src + j + TM_PREFETCH), _MM_HINT_T0);
+        #pragma GCC unroll 4
+        for (int v = 0; v < t / 2; v++) {
+            prefetch_x(xpf, xb + 2 * v * RA * 32, 2 * RA * 32);
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(src + 32 + v * 32));
+            const __m256i w0 = _mm256_or_si256(_mm256_and_si256(bytes, low), q5_high(plane, 2 * v));
+            const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
+                                               q5_high(plane, 2 * v + 1));
+            for (int i = 0; i < RA; i++) {
+                const int8_t *xv = xb + (2 * v * RA + i) * 32;
+                ia[i] = dot2(ISA, ia[i], w0, _mm256_loadu_si256((const __m256i *)xv), w1,
+                             _mm256_loadu_si256((const __m256i *)(xv + RA * 32)));
             }
         }
     } else if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
@@ -686,7 +742,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
     }
     if (G16) {
         __m256 sa, sb, ma, mb;
-        if (KIND >= 6) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
+        if (IS_KQ(KIND)) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
         else lane_scales16((const float *)s, c0, t, &sa, &sb);
         for (int i = 0; i < RA; i++) {
             __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
@@ -713,8 +769,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
  * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
- * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4). "q2":
- * the float sums of x_i over its groups, 16 a block as the lanes' halves, at xg + i · K / 16.
+ * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4), 8 "q5"
+ * (z as "u8"'s). "q2": the float sums of x_i over its groups, 16 a block as the lanes' halves,
+ * at xg + i · K / 16.
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
  * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
@@ -761,11 +818,11 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
     __m256 acc[RA_MAX];
     for (int i = 0; i < RA; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
-        const int t = KIND >= 6 ? 8 : block_chunks(nc, c0);
+        const int t = IS_KQ(KIND) ? 8 : block_chunks(nc, c0);
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND); /* "q2", "q3": the super-block */
         __m256 sc[2], sk[2][4], mn[2];
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
-        if (KIND >= 6) {
+        if (IS_KQ(KIND)) {
             p0 = _mm256_loadu_si256((const __m256i *)src);
             p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
             if (KIND == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
@@ -777,8 +834,8 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
             const __m256i codes =
-                KIND >= 6 ? kq_vector(KIND, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
-            widen_codes(KIND, KIND == 2 || KIND == 7 ? z : 0, codes, wi);
+                IS_KQ(KIND) ? kq_vector(KIND, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
+            widen_codes(KIND, KIND == 2 || KIND == 7 || KIND == 8 ? z : 0, codes, wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -838,7 +895,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
         const float *gt = xg ? xg + m * (K / 16) : NULL;                                      \
         float *o = out + (m - m0) * ostride;                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                   \
-            const uint8_t *row = w + n * wrow;                                                \
+            const uint8_t *row = w + (n - wn0) * wrow;                                        \
             const void *s = row_scales(scales, n, ng, F16);                                   \
             if (ra == 8 && !(G16)) TM_TILE(KIND, G16, F16, 8);                                \
             else if (ra == 4) TM_TILE(KIND, G16, F16, 4);                                     \
@@ -852,10 +909,28 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
         int64_t n0, int64_t n1, int64_t m0, int64_t m1, const int8_t *xq, const float *xd8,   \
         const int32_t *xz, const float *xg, int64_t nblk, float *out, int64_t ostride
 
+/* A "q5" row's codes as "u8" bytes (code vector u of the block at c0 at out + 32 · (c0 + u)). */
+TM_TARGET TM_INLINE void q5_to_bytes(const uint8_t *row, int64_t K, uint8_t *out) {
+    const int64_t nc = K / 32;
+    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0))
+        for (int u = 0; u < block_chunks(nc, c0); u++)
+            _mm256_storeu_si256((__m256i *)(out + (c0 + u) * 32), kind_vector(8, row, c0, u));
+}
+
 TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int64_t ng = row_scale_count(kind, K, G), wrow = row_bytes(kind, K);
+    const int64_t ng = row_scale_count(kind, K, G);
+    int64_t wrow = row_bytes(kind, K), wn0 = 0; /* row n at w + (n - wn0) · wrow */
+    /* "q5" against more than a tile of activation rows: each weight row's codes are unpacked
+     * once, as "u8" bytes, rather than once a tile (which cost 1.15x at 512 rows); the same
+     * integer sums, so the same bits. A batch-1 step, bound by the bytes it reads, keeps q5's. */
+    uint8_t *bytes = kind == 8 && m1 - m0 > 8 ? malloc((size_t)((n1 - n0) * K)) : NULL;
+    if (bytes) {
+        for (int64_t n = n0; n < n1; n++) q5_to_bytes(w + n * wrow, K, bytes + (n - n0) * K);
+        w = bytes, wrow = K, wn0 = n0, kind = 2;
+    }
     TM_BY_LAYOUT(TM_TILES, kind, f16, G);
+    free(bytes);
 }
 #undef TM_TILES
 #undef TM_TILE
@@ -1340,7 +1415,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     const int int8_codes = kind == 0 || kind == 4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
-    const int zx = unsig ? 128 : kind == 2 || kind == 7 ? z : 0; /* the zero point the sums remove */
+    const int zx = unsig ? 128 : kind == 2 || kind == 7 || kind == 8 ? z : 0; /* the sums' zero point */
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32}
+_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
@@ -187,15 +187,15 @@ def supports(w: PackedWeight) -> bool:
         and k % 64 == 0
         and group_ok
         and scales_ok
-        and not (w.kind in ("q4", "n4") and w.group == 16)
+        and not (w.kind in ("q4", "n4", "q5") and w.group == 16)
         and w.codes.device.type == "cpu"
     )
 
 
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
-    bits 8-15, as "q3"'s), bit 3 for "n4" indices (4-bit, into IQ4's table), bits 4 and 5 for
-    "q2" and "q3" super-blocks, bit 1 for float16 scales."""
+    bits 8-15, as "q3"'s and "q5"'s), bit 3 for "n4" indices (4-bit, into IQ4's table), bits 4
+    and 5 for "q2" and "q3" super-blocks, bit 6 for "q5" codes, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 

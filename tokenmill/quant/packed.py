@@ -7,8 +7,13 @@ their own scales (no extra error; kept float16 where the file's are: Q8_0, Q5_0,
 IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quantized into it.
 ``kind`` says how codes are stored:
   "q8": int8 codes [N, K] (GGUF Q8_0; int8);
-  "u8": bytes code + ``zero``, 0..63 [N, K] (GGUF Q5_0: zero 16, Q6_K: 32, Q5_K: 0): the
-        kernel multiplies them unsigned, cheaper than signed codes (csrc/qgemm.c);
+  "u8": bytes code + ``zero``, 0..63 [N, K] (GGUF Q6_K: zero 32): the kernel multiplies them
+        unsigned, cheaper than signed codes (csrc/qgemm.c);
+  "q5": 5-bit codes + ``zero``, 0..31 (GGUF Q5_0: zero 16, Q5_1 and Q5_K: 0), in rows of a
+        multiple of 64 elements, as few bytes as the file's: per block of t code vectors
+        (below), a 32-byte plane of their fifth bits (vector u in bit u), then their low 4
+        bits as "q4" keeps them: 0.625 bytes a code where "u8" took 1, which batch-1 decode,
+        bound by the bytes it reads, turns into speed;
   "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
         (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
@@ -23,7 +28,8 @@ csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chu
 that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" and "n4" then pack each pair
 of 32-code vectors into 32 bytes (the first in the low nibbles). Rows of other lengths keep
 element order ("q4", "n4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
-Q4_0) and are computed by the torch reference only. ``codes_int`` gives codes in element order
+Q4_0) and are computed by the torch reference only ("q5" rows are always lane ordered: other
+lengths stay "u8"). ``codes_int`` gives codes in element order
 ("n4": the table's codes, not the indices). "q2" and "q3" rows, whole super-blocks, always fill
 blocks of 8 chunks, one a super-block: its 8 code vectors' low 2-bit pairs go in two 32-byte
 planes (vectors 0..3, the first halves of the 8 chunks, then 4..7; vector 4p + s in bits 2s of
@@ -53,15 +59,15 @@ from tokenmill.quant.gguf_blocks import (
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS)
-    # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), or uint8 [N, K / 256 ·
-    # super-block bytes] ("q2", "q3": K_QUANT_KINDS)
+    kind: str  # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS)
+    # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), uint8 [N, K // 2 + 32 ·
+    # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] ("q2", "q3": K_QUANT_KINDS)
     codes: torch.Tensor
     scales: torch.Tensor  # float32 or float16 [N, K // G] ("q2", "q3": float16 per super-block)
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
-    zero: int = 0  # "u8": stored byte = code + zero
+    zero: int = 0  # "u8", "q5": stored code = code + zero
 
     @property
     def nbytes(self) -> int:
@@ -147,9 +153,10 @@ def pack_half(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
 
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
     """One weight whose rows are those of ``weights`` in order (q/k/v or gate/up computed in one
-    pass over x), or None when their layouts differ. Byte codes of both kinds ("u8" parts beside
-    a "q8" one, as Q5_0 q/k beside a Q8_0 v) are joined as "q8"."""
-    if {w.kind for w in weights} == {"q8", "u8"}:
+    pass over x), or None when their layouts differ. Unsigned codes beside a "q8" part ("q5"
+    or "u8", as Q5_0 q/k beside a Q8_0 v) are joined as "q8"."""
+    kinds = {w.kind for w in weights}
+    if "q8" in kinds and kinds <= {"q8", "u8", "q5"}:
         weights = [as_signed(w) for w in weights]
     first = weights[0]
     layout = (first.kind, first.zero, first.group, first.shape[1], first.scales.dtype)
@@ -173,11 +180,22 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
 
 
 def as_signed(w: PackedWeight) -> PackedWeight:
-    """A "u8" weight as "q8" (int8 codes): the same values."""
-    if w.kind != "u8":
+    """A "u8" or "q5" weight as "q8" (int8 codes): the same values."""
+    if w.kind not in ("u8", "q5"):
         return w
     codes = pack_codes(w.codes_int(), "q8")
     return PackedWeight("q8", codes, w.scales, w.offsets, w.group, w.shape)
+
+
+def lane_blocks(k: int) -> list[tuple[int, int]]:
+    """(first chunk, chunks) of each block of a K-element row (K a multiple of 64): blocks of
+    8 chunks of 32, then 4, then 2 at the tail."""
+    nc, c0, blocks = k // 32, 0, []
+    while c0 < nc:
+        t = 8 if nc - c0 >= 8 else 4 if nc - c0 >= 4 else 2
+        blocks.append((c0, t))
+        c0 += t
+    return blocks
 
 
 @lru_cache(maxsize=64)
@@ -187,14 +205,12 @@ def lane_order(k: int) -> torch.Tensor | None:
     l's 4 codes are elements 4·(u·8/t + l/t) .. +3 of the block's chunk l mod t."""
     if k % 64:
         return None
-    nc, c0, parts = k // 32, 0, []
-    while c0 < nc:
-        t = 8 if nc - c0 >= 8 else 4 if nc - c0 >= 4 else 2
+    parts = []
+    for c0, t in lane_blocks(k):
         u = torch.arange(t).view(t, 1, 1)
         lane = torch.arange(8).view(1, 8, 1)
         byte = torch.arange(4).view(1, 1, 4)
         parts.append(((c0 + lane % t) * 32 + (u * (8 // t) + lane // t) * 4 + byte).reshape(-1))
-        c0 += t
     return torch.cat(parts)
 
 
@@ -206,8 +222,9 @@ def _element_order(k: int, device: torch.device) -> torch.Tensor | None:
 
 def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
     """Integer codes [N, K] in element order -> stored codes ("q8": int8 [N, K]; "u8": code +
-    zero as uint8 [N, K]; "q4": codes 0..15 as uint8 [N, K/2]; "n4": codes of IQ4_KVALUES,
-    stored as their indices as "q4")."""
+    zero as uint8 [N, K]; "q5": code + zero, 0..31, in planes [N, K/2 + 32 · blocks]; "q4":
+    codes 0..15 as uint8 [N, K/2]; "n4": codes of IQ4_KVALUES, stored as their indices as
+    "q4")."""
     n, k = codes.shape
     if kind == "n4":
         codes = _iq4_indices(codes)
@@ -218,6 +235,10 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
         return codes.to(torch.int8)
     if kind == "u8":
         return (codes.to(torch.int16) + zero).to(torch.uint8)
+    if kind == "q5":
+        if order is None:
+            raise ValueError(f'"q5" rows must be a multiple of 64 elements long, not {k}')
+        return _pack_q5((codes.to(torch.int16) + zero).to(torch.uint8))
     c = codes.to(torch.uint8)
     # lane order: 32 bytes hold a pair of 32-code vectors; element order: 16 bytes a chunk
     half = 32 if order is not None else 16
@@ -230,7 +251,9 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
     n = stored.shape[0]
     if kind in K_QUANT_KINDS:
         return unpack_k_quant(stored, kind, k)[0] - zero
-    if kind not in ("q4", "n4"):
+    if kind == "q5":
+        codes = _unpack_q5(stored, k) - zero
+    elif kind not in ("q4", "n4"):
         codes = stored.to(torch.int16) - zero
     else:
         half = 32 if k % 64 == 0 else 16
@@ -241,6 +264,35 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
             codes = iq4_values(codes)
     inverse = _element_order(k, stored.device)
     return codes if inverse is None else codes[:, inverse]
+
+
+def _pack_q5(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..31 [N, K] in lane order -> "q5" bytes: each block's plane of fifth bits, then
+    its low nibbles in pairs of vectors (as "q4")."""
+    n, k = codes.shape
+    parts = []
+    for c0, t in lane_blocks(k):
+        vectors = codes[:, c0 * 32 : (c0 + t) * 32].reshape(n, t, 32)
+        plane = torch.zeros(n, 32, dtype=torch.uint8, device=codes.device)
+        for u in range(t):
+            plane |= ((vectors[:, u] >> 4) & 1) << u
+        low = (vectors & 0x0F).reshape(n, t // 2, 2, 32)
+        parts += [plane, (low[:, :, 0] | low[:, :, 1] << 4).reshape(n, 16 * t)]
+    return torch.cat(parts, dim=1)
+
+
+def _unpack_q5(stored: torch.Tensor, k: int) -> torch.Tensor:
+    """``_pack_q5`` undone: int16 codes 0..31 [N, K] in lane order."""
+    n, at, parts = stored.shape[0], 0, []
+    for _, t in lane_blocks(k):
+        plane = stored[:, at : at + 32].unsqueeze(1)  # [n, 1, 32]
+        nibbles = stored[:, at + 32 : at + 32 + 16 * t].reshape(n, t // 2, 1, 32)
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
+        low = ((nibbles >> shifts) & 0x0F).reshape(n, t, 32)
+        bits = torch.arange(t, dtype=torch.uint8, device=stored.device).view(1, t, 1)
+        parts.append((low | ((plane >> bits) & 1) << 4).reshape(n, 32 * t))
+        at += 32 + 16 * t
+    return torch.cat(parts, dim=1).to(torch.int16)
 
 
 def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
@@ -319,9 +371,10 @@ IQ4_TYPES = (20, 23)
 # float16, exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too). The
 # k-quants' and IQ4_XS's scales are products (super-block scale times a small integer): float32.
 FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8, 20)
-# ggml types whose codes fit 6 bits: stored as bytes code + zero ("u8"): Q5_0 (-16..15),
-# Q5_1 and Q5_K (0..31), Q6_K (-32..31).
+# ggml types whose codes fit 6 bits, stored as code + zero: Q5_0 (-16..15), Q5_1 and Q5_K
+# (0..31), Q6_K (-32..31); "u8" bytes, or "q5" (FIVE_BIT_TYPES, rows of a multiple of 64).
 BYTE_ZERO = {6: 16, 7: 0, 13: 0, 14: 32}
+FIVE_BIT_TYPES = (6, 7, 13)
 
 
 def from_block_codes(
@@ -332,10 +385,12 @@ def from_block_codes(
     f16_scales: bool = False,
     zero: int | None = None,
     table: bool = False,
+    five_bit: bool = False,
 ) -> PackedWeight:
-    """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order); byte
-    codes as "u8" with ``zero`` where given (6-bit codes), else "q8"; with ``table`` (IQ4) the
-    codes, values of IQ4_KVALUES, as "n4"."""
+    """Repack unpacked GGUF blocks of a [rows, cols] tensor (blocks in row-major order); codes
+    with ``zero`` (6-bit codes) as "u8", or as "q5" with ``five_bit`` (5-bit codes, rows of a
+    multiple of 64); other byte codes as "q8"; with ``table`` (IQ4) the codes, values of
+    IQ4_KVALUES, as "n4"."""
     codes = bc.codes.reshape(rows, cols)
     scales = bc.scales.reshape(rows, -1).contiguous()
     offsets = None if bc.offsets is None else bc.offsets.reshape(rows, -1).contiguous()
@@ -345,8 +400,9 @@ def from_block_codes(
     if not four_bit:
         scales = scales.half() if f16_scales else scales
         if zero is not None:
-            stored = pack_codes(codes, "u8", zero)
-            return PackedWeight("u8", stored, scales, offsets, bc.group, (rows, cols), zero)
+            kind = "q5" if five_bit else "u8"
+            stored = pack_codes(codes, kind, zero)
+            return PackedWeight(kind, stored, scales, offsets, bc.group, (rows, cols), zero)
         return PackedWeight("q8", pack_codes(codes, "q8"), scales, offsets, bc.group, (rows, cols))
     if offsets is None:
         # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
@@ -366,13 +422,16 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
     four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
     zero, table = BYTE_ZERO.get(ggml_type), ggml_type in IQ4_TYPES
+    five_bit = ggml_type in FIVE_BIT_TYPES and cols % 64 == 0
     out: PackedWeight | None = None
     for start, part in zip(range(0, rows, chunk), blocks.split(chunk)):
         if ggml_type in K_QUANT_TYPES:
             p = _from_k_quant_blocks(part.reshape(-1, nbytes), ggml_type, len(part), cols)
         else:
             bc = unpack(part.reshape(-1, nbytes))
-            p = from_block_codes(bc, len(part), cols, four_bit, f16_scales, zero, table)
+            p = from_block_codes(
+                bc, len(part), cols, four_bit, f16_scales, zero, table, five_bit
+            )
         if out is None:  # filled in place: a list of parts and a cat held the tensor twice
             out = PackedWeight(
                 p.kind,
