@@ -176,13 +176,14 @@ def test_five_bit_codes_round_trip_through_their_planes(k: int) -> None:
 @pytest.mark.parametrize(
     ("ggml_type", "k"), [(8, 640), (6, 640), (12, 768), (14, 512), (10, 512), (11, 512)]
 )
-@pytest.mark.parametrize("batch", [13, 37])
+@pytest.mark.parametrize("batch", [13, 37, 77])
 def test_a_rows_result_does_not_depend_on_its_batch(
     act_int8: bool, ggml_type: int, k: int, batch: int
 ) -> None:
-    """Rows computed alone or among 13 (tiles of 8, 4 and 1 rows; G = 16: 4, 4, 4, 1) or 37
-    (on AMX, tiles of 16 rows: kernels.isa() == "amx") are bit-equal: greedy decoding gives
-    one answer whatever else is batched with a request."""
+    """Rows computed alone or among 13 (tiles of 8, 4 and 1 rows; G = 16: 4, 4, 4, 1), 37 (on
+    AMX, tiles of 16 rows: kernels.isa() == "amx") or 77 (more than a work tile's 64 rows:
+    "q5" weights then run unpacked to "u8" bytes) are bit-equal: greedy decoding gives one
+    answer whatever else is batched with a request."""
     w = pack_gguf(_random_blocks(ggml_type, 40, k, seed=5).reshape(-1), ggml_type, (40, k))
     x = torch.randn(batch, k)
     together = kernels.qgemm(x, w, None, act_int8)

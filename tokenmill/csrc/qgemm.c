@@ -921,9 +921,10 @@ TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
     const int gshift = G == 16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int64_t ng = row_scale_count(kind, K, G);
     int64_t wrow = row_bytes(kind, K), wn0 = 0; /* row n at w + (n - wn0) · wrow */
-    /* "q5" against more than a tile of activation rows: each weight row's codes are unpacked
-     * once, as "u8" bytes, rather than once a tile (which cost 1.15x at 512 rows); the same
-     * integer sums, so the same bits. A batch-1 step, bound by the bytes it reads, keeps q5's. */
+    /* "q5" against more than a tile of activation rows (a batch of decode rows; larger ones
+     * qgemm_rows unpacks whole): the block's weight rows are unpacked once, as "u8" bytes, rather
+     * than once a tile of 8 rows (1.15x at 512 rows); the same integer sums, so the same bits.
+     * Batch-1 steps, bound by the bytes they read, keep the planes. */
     uint8_t *bytes = kind == 8 && m1 - m0 > 8 ? malloc((size_t)((n1 - n0) * K)) : NULL;
     if (bytes) {
         for (int64_t n = n0; n < n1; n++) q5_to_bytes(w + n * wrow, K, bytes + (n - n0) * K);
@@ -1401,6 +1402,16 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
                                 int64_t G, const float *bias, float *y, int act_int8) {
     const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
     kind = layout_kind(kind);
+    /* "q5" against more activation rows than a tile of work takes: the whole weight is unpacked
+     * to "u8" bytes once (in parallel), rather than once for each tile of MCHUNK rows
+     * (block_int8); the same integer sums, so the same bits. */
+    uint8_t *bytes = kind == 8 && act_int8 && M > MCHUNK ? malloc((size_t)(N * K)) : NULL;
+    if (bytes) {
+        const int64_t wrow = row_bytes(8, K);
+#pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++) q5_to_bytes(w + n * wrow, K, bytes + n * K);
+        w = bytes, kind = 2;
+    }
     /* act_int8 = 2: "q8" codes run as unsigned bytes code + 128 (KIND 3, zero point 128, as
      * "u8"): maddubs then needs no sign flip per product pair (an isolated loop: 1.32 cycles a
      * pair of vectors, 2.05 with the flip), and one sum of two products, at most 2 · 255 · 64 <
@@ -1536,8 +1547,10 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     free(xp);
     free(xs);
     free(xg);
+    free(bytes);
     return failed ? -1 : 0;
 fail:
+    free(bytes);
     free(xq);
     free(xd8);
     free(xz);
