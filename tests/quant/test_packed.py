@@ -169,6 +169,8 @@ def test_five_bit_codes_round_trip_through_their_planes(k: int) -> None:
         assert torch.equal((stored[:, :32] >> u) & 1, ((lanes[:, 32 * u : 32 * u + 32] >> 4) & 1))
     with pytest.raises(ValueError, match="multiple of 64"):
         pack_codes(torch.zeros(5, 96, dtype=torch.int64), "q5", zero=16)
+    with pytest.raises(ValueError, match="0..31"):  # a sixth bit would be lost
+        pack_codes(codes + 16, "q5", zero=16)
 
 
 @needs_kernel

@@ -238,7 +238,10 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
     if kind == "q5":
         if order is None:
             raise ValueError(f'"q5" rows must be a multiple of 64 elements long, not {k}')
-        return _pack_q5((codes.to(torch.int16) + zero).to(torch.uint8))
+        stored = codes.to(torch.int16) + zero
+        if stored.numel() and not 0 <= int(stored.min()) <= int(stored.max()) <= 31:
+            raise ValueError(f'"q5" codes + zero must lie in 0..31 (zero {zero})')
+        return _pack_q5(stored.to(torch.uint8))
     c = codes.to(torch.uint8)
     # lane order: 32 bytes hold a pair of 32-code vectors; element order: 16 bytes a chunk
     half = 32 if order is not None else 16
@@ -429,9 +432,7 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
             p = _from_k_quant_blocks(part.reshape(-1, nbytes), ggml_type, len(part), cols)
         else:
             bc = unpack(part.reshape(-1, nbytes))
-            p = from_block_codes(
-                bc, len(part), cols, four_bit, f16_scales, zero, table, five_bit
-            )
+            p = from_block_codes(bc, len(part), cols, four_bit, f16_scales, zero, table, five_bit)
         if out is None:  # filled in place: a list of parts and a cat held the tensor twice
             out = PackedWeight(
                 p.kind,
