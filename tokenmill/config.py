@@ -718,6 +718,7 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_number_types()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
@@ -817,6 +818,20 @@ class EngineArgs:
             )
         if self.extra:
             raise ValueError(f"unknown engine arguments: {', '.join(sorted(self.extra))}")
+
+    def _check_number_types(self) -> None:
+        """ValueError for an integer, float or flag field given another type (LLM(max_model_len=
+        "4096") would otherwise fail later as a TypeError, or a flag given "no" count as set)."""
+        kinds = {"int": (int,), "int | None": (int,), "float": (int, float), "bool": (bool,)}
+        for f in fields(self):
+            value, allowed = getattr(self, f.name), kinds.get(str(f.type))
+            if allowed is None or value is None and f.type == "int | None":
+                continue
+            if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+                what = {"int": "an integer", "float": "a number", "bool": "True or False"}
+                raise ValueError(
+                    f"{f.name} must be {what[str(f.type).split(' ')[0]]}; got {value!r}"
+                )
 
     @classmethod
     def field_names(cls) -> list[str]:
