@@ -25,7 +25,7 @@
  *   "q5" (GGUF Q5_0, Q5_1, Q5_K: 0.625 bytes a code where "u8" took 1): a block is a 32-byte
  *   plane holding each code's fifth bit (vector u's in bit u), then its low 4 bits as "q4"
  *   keeps them (q5_block, q5_high). Unsigned and small as "u8"'s codes, they take its dot
- *   products; at batch 1, 1.6x fewer bytes read.
+ *   products; at batch 1, 1.5x fewer bytes read (scales included).
  * maddubs multiplies unsigned by signed bytes. "q4" and "u8" bytes are unsigned already and
  * small enough (<= 63: 2 · 2 · 63 · 127 < 2^15) that two maddubs sums add in int16 before one
  * madd: 0.85 cycles a pair of 32-byte vectors. "q8" codes take a sign flip per product pair
@@ -191,7 +191,7 @@ static int64_t num_blocks(int64_t nc) {
  * (32 + 128 bytes); a block at c0 mod 8 = 4 follows a tail block of 4 chunks (32 + 64). */
 static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 : 0); }
 
-/* "q5" KIND 8, "q2" 6, "q3" 7: codes built from bit planes in registers. */
+/* KIND 6 "q2", 7 "q3": the k-quants' super-blocks, planes and sub-block scales together. */
 #define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7)
 
 /* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
@@ -465,8 +465,7 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
  * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5"; G16 for 16-element
  * groups (the k-quants: float32 scales, "q2" and "q3" their own; never "q4", "n4" or "q5"); F16
- * for float16 scales
- * ("q2", "q3": always, d and dmin). */
+ * for float16 scales ("q2", "q3": always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
         if ((kind) == 6) EXPAND(6, 1, 1)                                                      \
