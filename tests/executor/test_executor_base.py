@@ -13,13 +13,15 @@ class CountingExecutor(Executor):
 
     def __init__(self) -> None:
         self.executed: list[int] = []
+        self.cache_config: CacheConfig | None = None
+        self.closed = False
 
     @property
     def info(self) -> WorkerInfo:
-        raise NotImplementedError  # not needed here
+        raise AssertionError("launch / collect must not need the worker's info")
 
     def initialize(self, cache_config: CacheConfig) -> None:
-        pass
+        self.cache_config = cache_config
 
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         self.executed.append(len(self.executed))
@@ -29,7 +31,7 @@ class CountingExecutor(Executor):
         return None
 
     def shutdown(self) -> None:
-        pass
+        self.closed = True
 
 
 def step(n: int) -> SchedulerOutput:
@@ -45,3 +47,5 @@ def test_default_launch_runs_the_step_and_collect_returns_outputs_in_order():
     assert executor.collect().sampled_token_ids == {"r": [1]}
     executor.launch(step(1))
     assert executor.collect().sampled_token_ids == {"r": [2]}
+    executor.shutdown()
+    assert executor.closed
