@@ -640,6 +640,15 @@ class EngineConfig:
     quantization: str | None = None
 
 
+# EngineArgs' number and flag annotations -> (the types they take, how an error names them).
+_NUMBER_FIELDS = {
+    "int": ((int,), "an integer"),
+    "int | None": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "True or False"),
+}
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything a user can set when starting an engine; CLI flags are made from these fields."""
@@ -822,16 +831,14 @@ class EngineArgs:
     def _check_number_types(self) -> None:
         """ValueError for an integer, float or flag field given another type (LLM(max_model_len=
         "4096") would otherwise fail later as a TypeError, or a flag given "no" count as set)."""
-        kinds = {"int": (int,), "int | None": (int,), "float": (int, float), "bool": (bool,)}
         for f in fields(self):
-            value, allowed = getattr(self, f.name), kinds.get(str(f.type))
-            if allowed is None or value is None and f.type == "int | None":
+            kind, value = _NUMBER_FIELDS.get(str(f.type)), getattr(self, f.name)
+            if kind is None or (value is None and f.type == "int | None"):
                 continue
-            if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
-                what = {"int": "an integer", "float": "a number", "bool": "True or False"}
-                raise ValueError(
-                    f"{f.name} must be {what[str(f.type).split(' ')[0]]}; got {value!r}"
-                )
+            allowed, what = kind
+            # bool is an int subclass: True is no integer here
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                raise ValueError(f"{f.name} must be {what}; got {value!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -287,10 +287,10 @@ def _pack_q5(codes: torch.Tensor) -> torch.Tensor:
 def _unpack_q5(stored: torch.Tensor, k: int) -> torch.Tensor:
     """``_pack_q5`` undone: int16 codes 0..31 [N, K] in lane order."""
     n, at, parts = stored.shape[0], 0, []
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
     for _, t in lane_blocks(k):
         plane = stored[:, at : at + 32].unsqueeze(1)  # [n, 1, 32]
         nibbles = stored[:, at + 32 : at + 32 + 16 * t].reshape(n, t // 2, 1, 32)
-        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
         low = ((nibbles >> shifts) & 0x0F).reshape(n, t, 32)
         bits = torch.arange(t, dtype=torch.uint8, device=stored.device).view(1, t, 1)
         parts.append((low | ((plane >> bits) & 1) << 4).reshape(n, 32 * t))
