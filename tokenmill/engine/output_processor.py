@@ -50,6 +50,9 @@ class RequestState:
     seqs: list[SeqState]
     # With params.prompt_logprobs: [None, then one entry per prompt position computed so far].
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # While streaming, a text's last ``stop_hold`` characters are held back: they might still
+    # turn out to start a stop string.
+    stop_hold: int = 0
 
     @property
     def finished(self) -> bool:
@@ -68,7 +71,8 @@ class OutputProcessor:
         self, request_id: str, prompt: str | None, seqs: list[Request], params: SamplingParams
     ) -> None:
         prompt_ids = seqs[0].prompt_token_ids
-        state = RequestState(request_id, prompt, prompt_ids, params, [])
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        state = RequestState(request_id, prompt, prompt_ids, params, [], stop_hold=hold)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         for i, req in enumerate(seqs):
@@ -226,8 +230,7 @@ class OutputProcessor:
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         params = state.params
-        # While streaming, hold back a tail that might still turn out to start a stop string.
-        hold = max((len(s) for s in params.stop), default=1) - 1
+        hold = state.stop_hold
         completions = []
         for seq in state.seqs:
             done = seq.finish_reason is not None
@@ -266,6 +269,19 @@ class OutputProcessor:
 
 
 def _metrics(state: RequestState) -> RequestMetrics:
+    if len(state.seqs) == 1:  # the common case, every step of every request: no lists
+        seq = state.seqs[0]
+        req = seq.request
+        return RequestMetrics(
+            req.arrival_time,
+            req.first_scheduled_time,
+            req.first_token_time,
+            req.finished_time,
+            len(state.prompt_token_ids),
+            len(seq.detokenizer.token_ids),
+            req.num_cached_tokens,
+            req.num_preemptions,
+        )
     reqs = [s.request for s in state.seqs]
     first_tokens = [r.first_token_time for r in reqs if r.first_token_time is not None]
     scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
