@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from tokenmill.attention import decode_forward_batch
@@ -98,6 +99,7 @@ class CudaDecodeGraphs:
         views = _views(self._device_inputs, m, w, g)
         self.ids, self.positions, self.seq_lens, self.slots, self.block_table = views
         self._host_views = _views(self._host_inputs, m, w, g)
+        self._table_cols = w  # block-table columns past which every entry is zero
         self._pad(0, m)
         self._copy_in(m)
         self.logits: torch.Tensor | None = None  # [max_batch, vocab], made by the first run
@@ -119,17 +121,18 @@ class CudaDecodeGraphs:
     def step(
         self,
         ids: list[int],
-        positions: list[int],
-        slots: list[list[int]],
-        block_tables: list[list[tuple[int, list[int]]]],
-        seq_lens: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
         pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """Logits [rows, vocab] of one decode step, a view of the shared output buffer: read it
-        (queue the reads) before the next step. Per group: each row's slot, and its block table
-        entries (first entry, ids); ``pending``: ids that are the launched step's picks."""
+        (queue the reads) before the next step. Each row's position, its slot in each group
+        [groups, rows] and its block tables [groups, rows, cols] (cols: as far as the furthest
+        row reaches); ``pending``: ids that are the launched step's picks."""
         n = len(ids)
         b = self.padded_size(n)
+        cols = block_tables.shape[2]
         host_ids, host_positions, host_seq_lens, host_slots, host_table = (
             v.numpy() for v in self._host_views
         )
@@ -139,12 +142,13 @@ class CudaDecodeGraphs:
             self._copied.synchronize()
         host_ids[:n] = ids
         host_positions[:n] = positions
-        host_seq_lens[:n] = seq_lens
-        host_table[:, :b] = 0
-        for g, (group_slots, rows) in enumerate(zip(slots, block_tables)):
-            host_slots[g, :n] = group_slots
-            for i, (first, blocks) in enumerate(rows):
-                host_table[g, i, first : first + len(blocks)] = blocks
+        host_seq_lens[:n] = positions + 1
+        host_slots[:, :n] = slots
+        # Entries past every row's are zero (block 0): only those a step wrote can be other.
+        if self._table_cols > cols:
+            host_table[:, :, cols : self._table_cols] = 0
+        self._table_cols = cols
+        host_table[:, :n, :cols] = block_tables
         self._pad(n, b)
         self._copy_in(b)
         if pending is not None:
@@ -217,7 +221,7 @@ class CudaDecodeGraphs:
         positions[start:end] = 0
         seq_lens[start:end] = 1
         slots[:, start:end] = PAD_SLOT
-        table[:, start:end] = 0
+        table[:, start:end, : self._table_cols] = 0
 
     def _copy_in(self, b: int) -> None:
         """The first ``b`` rows of every host buffer onto the device (a no-op on CPU)."""

@@ -130,28 +130,25 @@ class DecodeGraphs:
     def step(
         self,
         ids: list[int],
-        positions: list[int],
-        slots: list[list[int]],
-        block_tables: list[list[tuple[int, list[int]]]],
-        seq_lens: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        block_tables: np.ndarray,
         pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """Logits [batch, vocab] of one decode step: replayed, or run eagerly while capturing.
-        Per group: each row's slot, and its block table entries (first entry, ids); ``pending``:
-        ids that are the launched step's picks. The tensor is the graph's output buffer: read
-        it before the next step."""
+        Each row's position, its slot in each group [groups, rows] and its block tables
+        [groups, rows, cols]; ``pending``: ids that are the launched step's picks. The tensor
+        is the graph's output buffer: read it before the next step."""
         b = len(ids)
         # NOTE: through numpy views: a torch copy per buffer costs more than the writes.
         self.ids.numpy()[:b] = ids
         if pending is not None:
             pending.apply(self.ids)
         self.positions.numpy()[:b] = positions
-        self.seq_lens.numpy()[:b] = seq_lens
-        for g, (group_slots, rows) in enumerate(zip(slots, block_tables)):
-            self.slots.numpy()[g, :b] = group_slots
-            table = self.block_table.numpy()[g]
-            for i, (first, blocks) in enumerate(rows):
-                table[i, first : first + len(blocks)] = blocks
+        self.seq_lens.numpy()[:b] = positions + 1
+        self.slots.numpy()[:, :b] = slots
+        # Entries past a row's columns keep older steps' ids: no kernel reads past its length.
+        self.block_table.numpy()[:, :b, : block_tables.shape[2]] = block_tables
         captured = self._captured.get(b)
         if captured is not None:
             captured.graph.replay()

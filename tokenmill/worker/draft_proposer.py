@@ -26,7 +26,7 @@ import torch
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.sched_output import CachedRequestData, SchedulerOutput
 from tokenmill.spec import Draft, DraftRequest, Proposer
-from tokenmill.worker.input_batch import RequestState
+from tokenmill.worker.input_batch import BlockTables, RequestState
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.sampler import SamplingRow
 
@@ -90,7 +90,7 @@ class DraftModelProposer(Proposer):
                 token_ids=[],
                 num_prompt_tokens=req.num_prompt_tokens,
                 sampling_params=req.sampling_params,
-                block_ids=[[]],  # the draft's cache has one group (Worker's hybrid_kv=False)
+                block_ids=BlockTables([[]]),  # one group (the draft's Worker: hybrid_kv=False)
                 generator=req.generator,
                 eos_token_ids=(),
             )
@@ -115,7 +115,7 @@ class DraftModelProposer(Proposer):
         if missing > 0:
             new = self.pool.allocate(missing)
             self._blocks[rid].extend(new)
-            state.block_ids[0].extend(b.block_id for b in new)
+            state.block_ids.extend(0, [b.block_id for b in new])
         return True
 
     def _release(self, req_id: str) -> None:

@@ -18,7 +18,7 @@ its last known token, that row and every draft row predict a next token: ``1 + K
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,55 @@ import torch
 from tokenmill.attention import AttentionMetadata, PrefillSeq
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarMatcher
+from tokenmill.worker.sampler import SamplingRow
 from tokenmill.worker.transfer import to_device
+
+
+class BlockTables:
+    """A request's block tables, one per group of layers (kv_layout.py): row g of one int64
+    array, grown by doubling, zero (the null block) past each table's end.
+
+    One array rather than a list per group: a decode step takes the tables of all its rows in a
+    few numpy calls (``stacked``), not a Python loop over rows and groups (1,536 of them at 256
+    requests of gemma-3's six groups).
+    """
+
+    __slots__ = ("_array", "_lengths")
+
+    def __init__(self, tables: Sequence[Sequence[int]]) -> None:
+        width = max([16, *(len(t) for t in tables)])
+        self._array = np.zeros((len(tables), width), dtype=np.int64)
+        self._lengths = [len(t) for t in tables]
+        for g, table in enumerate(tables):
+            self._array[g, : len(table)] = table
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._lengths)
+
+    def group(self, g: int) -> np.ndarray:
+        """Group g's table (a view: valid until the next ``extend``)."""
+        return self._array[g, : self._lengths[g]]
+
+    def extend(self, g: int, block_ids: Sequence[int]) -> None:
+        """Append blocks to group g's table."""
+        start = self._lengths[g]
+        end = start + len(block_ids)
+        if end > self._array.shape[1]:
+            self._grow(end)
+        self._array[g, start:end] = block_ids
+        self._lengths[g] = end
+
+    def columns(self, num: int) -> np.ndarray:
+        """Every group's first ``num`` entries [num_groups, num], zeros past a table's end."""
+        if num > self._array.shape[1]:
+            self._grow(num)
+        return self._array[:, :num]
+
+    def _grow(self, width: int) -> None:
+        array = np.zeros((self._array.shape[0], max(width, 2 * self._array.shape[1])), np.int64)
+        array[:, : self._array.shape[1]] = self._array
+        self._array = array
 
 
 @dataclass(slots=True)
@@ -39,12 +87,15 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[list[int]]  # per group of layers (kv_layout.py), its block table
+    block_ids: BlockTables  # per group of layers (kv_layout.py), its block table
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
     # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
     next_prompt_logprob_idx: int = 1
     grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
+    # Its sampling row when it reads no tokens (no penalties, no min_tokens, no drafts): the
+    # same every step, so made once (model_runner._sampling_rows).
+    plain_row: SamplingRow | None = None
 
 
 def pending_token(row: int) -> int:
@@ -208,9 +259,8 @@ def _attention_metadata(
     of its computed context."""
     slots: list[int] = []
     for r in reqs:
-        slots.extend(
-            _slots(requests[r.req_id].block_ids[group], r.num_computed, r.query_len, block_size)
-        )
+        blocks = requests[r.req_id].block_ids.group(group)
+        slots.extend(_slots(blocks, r.num_computed, r.query_len, block_size))
     decodes = [r for r in reqs if r.is_decode]
     # (request, position) of every decode row: a verify request's rows at consecutive positions.
     rows = [(r.req_id, r.num_computed + j) for r in decodes for j in range(r.query_len)]
@@ -220,12 +270,12 @@ def _attention_metadata(
         # Entries before the row's window stay the null block 0: no kernel reads them.
         first = 0 if window is None else max(0, p - window + 1) // block_size
         end = p // block_size + 1
-        table[i, first:end] = requests[rid].block_ids[group][first:end]
+        table[i, first:end] = requests[rid].block_ids.group(group)[first:end]
     seq_lens = torch.tensor([p + 1 for _, p in rows], dtype=torch.long)
     chunks = []
     for r in reqs[len(decodes) :]:
         seq_len = r.num_computed + r.query_len
-        blocks = requests[r.req_id].block_ids[group][: -(-seq_len // block_size)]
+        blocks = requests[r.req_id].block_ids.group(group)[: -(-seq_len // block_size)]
         block_ids = torch.tensor(blocks, dtype=torch.long, device=device)
         chunks.append(PrefillSeq(r.token_start, r.query_len, r.num_computed, block_ids))
     return AttentionMetadata(
@@ -239,13 +289,13 @@ def _attention_metadata(
     )
 
 
-def _slots(block_ids: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+def _slots(block_ids: np.ndarray, start: int, num_tokens: int, block_size: int) -> list[int]:
     """Cache slots of positions ``start .. start + num_tokens - 1`` of one block table."""
     if num_tokens <= 8:  # decode rows: plain Python beats numpy's per-call cost
-        return [block_ids[p // block_size] * block_size + p % block_size
+        return [int(block_ids[p // block_size]) * block_size + p % block_size
                 for p in range(start, start + num_tokens)]  # fmt: skip
     first = start // block_size
-    blocks = np.asarray(block_ids[first : (start + num_tokens - 1) // block_size + 1])
+    blocks = block_ids[first : (start + num_tokens - 1) // block_size + 1]
     positions = np.arange(start, start + num_tokens)
     return (blocks[positions // block_size - first] * block_size + positions % block_size).tolist()
 
