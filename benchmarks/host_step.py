@@ -1,11 +1,17 @@
-"""The engine's host work per decode step with many requests, without a model: what bounds a
-batch-256 step on a GPU, where the device's share is ~1.6 ms (issue 24).
+"""The engine's host work per decode step with many requests: what bounds a batch-256 step on a
+GPU, where the device's share is ~1.6 ms (issue 24).
 
-Two parts, each timed per step over --steps steps (the median from the 100th on):
+Three parts, each timed per step over --steps steps (the median from the 100th on):
 - the scheduler: ``schedule()`` then ``update_from_output()`` with one token per request, over
   gemma-3-270m's KV layout (kv_layout.py: a full-attention group and five window groups);
 - the output side: ``OutputProcessor.process()`` then ``collect()`` with the embedded
-  gemma-3-270m's tokenizer (incremental detokenizing, RequestOutputs).
+  gemma-3-270m's tokenizer (incremental detokenizing, RequestOutputs);
+- a whole engine step (``LLMEngine.step``), on the CUDA-graph runner's path run eagerly on
+  the CPU, with a tiny random gemma-3 (six layers: the same six KV groups, a 384-token
+  vocabulary) so the model costs little; its forward (the graph's replay) is timed apart and
+  taken off. What is left is everything a GPU step's host does: scheduling, the graph's
+  inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
+  outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
 
     .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400]
 """
@@ -13,19 +19,28 @@ Two parts, each timed per step over --steps steps (the median from the 100th on)
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
+
+import torch
 
 from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_model
 from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.core.sched_output import RequestUpdate
+from tokenmill.engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.kv_layout import KVLayout, plan_kv_layout
 from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
+from tokenmill.worker import worker
+from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 
 
 def scheduler_ms(layout: KVLayout, num_requests: int, steps: int) -> float:
@@ -68,6 +83,73 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int) -> float:
     return statistics.median(times[100:]) * 1e3
 
 
+def tiny_gemma3(path: Path) -> str:
+    """A Hugging Face directory: gemma-3's architecture at toy size, random weights."""
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,  # five sliding-window layers, one global: six KV groups
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path, config.vocab_size)
+    return str(path)
+
+
+def engine_host_ms(num_requests: int, steps: int) -> tuple[float, float]:
+    """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``."""
+    # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
+    worker.cuda_graphs_supported = lambda device: True
+    forward_s: list[float] = []
+    replay = CudaDecodeGraphs.replay
+
+    def timed_replay(graphs: CudaDecodeGraphs, b: int) -> None:
+        start = time.perf_counter()
+        replay(graphs, b)
+        forward_s.append(time.perf_counter() - start)
+
+    CudaDecodeGraphs.replay = timed_replay  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = LLMEngine.from_args(
+            model=tiny_gemma3(Path(tmp)),
+            dtype="float32",
+            kernel_backend="torch",
+            max_model_len=1024,
+            max_num_seqs=num_requests,
+            max_num_batched_tokens=8192,
+        )
+    gc.freeze()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    rng = random.Random(0)
+    for _ in range(num_requests):
+        engine.add_request([1] + [rng.randrange(3, 259) for _ in range(100)], params)
+    while engine.stats().num_waiting:
+        engine.step()
+    host, whole = [], []
+    for _ in range(steps):
+        forward_s.clear()
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        whole.append(elapsed)
+        host.append(elapsed - sum(forward_s))
+    engine.shutdown()
+    CudaDecodeGraphs.replay = replay  # type: ignore[method-assign]
+    return statistics.median(host[100:]) * 1e3, statistics.median(whole[100:]) * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256)
@@ -82,6 +164,8 @@ def main() -> None:
     print(
         f"  output processing (process + collect): {outputs_ms(config, ns.requests, ns.steps):.2f}"
     )
+    host, whole = engine_host_ms(ns.requests, ns.steps)
+    print(f"  engine step, host share (tiny gemma-3, CUDA-graph path): {host:.2f} of {whole:.2f}")
 
 
 if __name__ == "__main__":
