@@ -35,6 +35,10 @@ from tokenmill.sampling_params import SamplingParams
         (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*63\); got 1844"),
         (dict(seed=-(2**63) - 1), "seed must be"),
         (dict(seed=1.5), "seed must be"),
+        (
+            dict(output_kind="streaming"),
+            r"output_kind must be one of \[.cumulative., .delta., .final_only.\]; got .streaming.",
+        ),
         (dict(stop=[""]), "stop must be a list of non-empty strings"),
         (dict(stop=["ok", 3]), "stop must be"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of token ids >= 0"),

@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class RequestOutputKind(StrEnum):
+    """What a request's RequestOutputs carry, step after step (vLLM's RequestOutputKind).
+
+    - ``cumulative``: each output holds the whole text and token ids so far, and the new part
+      in ``text_delta`` / ``token_ids_delta``;
+    - ``delta``: each output holds only what is new since the last one (text, token ids and
+      log-probs), which saves copying a long output every step;
+    - ``final_only``: one output, when the request finishes, with everything: the offline
+      ``LLM`` API's choice, as no one reads the steps in between.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +88,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # False: never propose draft tokens for this request (when the engine speculates).
     speculative: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured/).
     structured_outputs: StructuredOutputs | None = None
 
@@ -88,6 +106,9 @@ class SamplingParams:
             self.logit_bias,
             "a map from token ids to biases",
         )
+        kinds = [k.value for k in RequestOutputKind]
+        _check(self.output_kind in kinds, "output_kind", self.output_kind, f"one of {kinds}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})

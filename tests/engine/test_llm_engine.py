@@ -3,6 +3,8 @@ stop tokens, abort, and bad input (ValueError naming the field; the engine keeps
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_all_blocks_free, random_prompts, run_to_end
@@ -160,6 +162,36 @@ def test_stop_string_in_streamed_deltas(engine):
                 assert stop not in out.outputs[0].text
     assert "".join(deltas) == engine.tokenizer.decode(tokens[:k])
     assert_all_blocks_free(engine)
+
+
+def _outputs_of(engine, params: SamplingParams) -> list:
+    """Every RequestOutput of one request with ``params``, step by step."""
+    engine.add_request([1, 30, 31, 32], params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert_all_blocks_free(engine)
+    return outs
+
+
+def test_output_kinds_carry_the_same_completion(engine):
+    """cumulative: everything so far at each step; delta: only what is new, which joins up to
+    the same; final_only: one output, the cumulative one at the end. Both sequences of an n=2
+    request, with their log-probs."""
+    params = seeded_params(n=2, logprobs=1, max_tokens=10)
+    cumulative = _outputs_of(engine, params)
+    delta = _outputs_of(engine, dataclasses.replace(params, output_kind="delta"))
+    (final,) = _outputs_of(engine, dataclasses.replace(params, output_kind="final_only"))
+    assert final.finished and len(delta) == len(cumulative) > 2
+    for i, want in enumerate(cumulative[-1].outputs):
+        got = final.outputs[i]
+        assert (got.text, got.token_ids, got.logprobs) == (want.text, want.token_ids, want.logprobs)
+        assert got.finish_reason == want.finish_reason == "length"
+        parts = [out.outputs[i] for out in delta]
+        assert "".join(p.text for p in parts) == want.text
+        assert [t for p in parts for t in p.token_ids] == want.token_ids
+        assert [lp for p in parts for lp in p.logprobs] == want.logprobs
+        assert [p.text for p in parts] == [out.outputs[i].text_delta for out in cumulative]
 
 
 def test_text_is_the_decoded_tokens_at_max_tokens(engine):

@@ -53,6 +53,19 @@ def test_one_params_for_all_or_one_per_prompt(llm):
     assert all(len(o.outputs[0].token_ids) == 6 for o in shared)
     with pytest.raises(ValueError, match="got 2 sampling_params for 3 prompts"):
         llm.generate(prompts, [GREEDY] * 2, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams; got dict"):
+        llm.generate(prompts, [GREEDY, {"max_tokens": 4}, GREEDY], use_tqdm=False)
+    assert_untouched(llm)
+
+
+def test_generate_keeps_the_callers_params_and_returns_whole_outputs(llm):
+    """generate asks the engine for final outputs only, on copies of the caller's params."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    (out,) = llm.generate("whole", params, use_tqdm=False)
+    assert params.output_kind == "cumulative"
+    completion = out.outputs[0]
+    assert out.finished and len(completion.token_ids) == len(completion.logprobs) == 6
+    assert completion.text == llm.tokenizer.decode(completion.token_ids)
     assert_untouched(llm)
 
 

@@ -8,6 +8,7 @@ and write the same ``--result-json`` schema (bench/report.py).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import statistics
@@ -177,13 +178,17 @@ def _spec(ns: argparse.Namespace, num_prompts: int, seed: int) -> DatasetSpec:
 def _params(output_len: int):
     from tokenmill.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # Delta outputs: each step's new tokens are all a timed run reads (their count, and when).
+    return SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="delta"
+    )
 
 
 def run_timed(engine, dataset: Dataset, clock_zero: float) -> list[RequestResult]:
     """Queue every request now and step to the end, timing each step that gave a request
     tokens (one chunk a step), as a streaming client would see it."""
     results: dict[str, RequestResult] = {}
+    num_tokens: dict[str, int] = collections.Counter()
     for req in dataset.requests:
         start = time.perf_counter() - clock_zero
         rid = engine.add_request(req.prompt, _params(req.output_len))
@@ -201,12 +206,13 @@ def run_timed(engine, dataset: Dataset, clock_zero: float) -> list[RequestResult
             r = results[out.request_id]
             if out.outputs[0].token_ids_delta:
                 r.chunk_times.append(now - r.start_time)
+                num_tokens[out.request_id] += len(out.outputs[0].token_ids_delta)
             if out.finished:
                 r.success = bool(r.chunk_times)
                 r.error = (
                     "" if r.success else f"finished without output: {out.outputs[0].finish_reason}"
                 )
-                r.output_len = len(out.outputs[0].token_ids)
+                r.output_len = num_tokens[out.request_id]
                 r.prompt_len = len(out.prompt_token_ids)
     return list(results.values())
 

@@ -20,7 +20,7 @@ from tokenmill.outputs import (
     TokenLogprob,
 )
 from tokenmill.request import FinishReason, Request
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class RequestState:
     # While streaming, a text's last ``stop_hold`` characters are held back: they might still
     # turn out to start a stop string.
     stop_hold: int = 0
+    num_sent_prompt_logprobs: int = 0  # entries of prompt_logprobs sent (delta outputs)
 
     @property
     def finished(self) -> bool:
@@ -120,7 +121,8 @@ class OutputProcessor:
                 continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
-            changed[state.request_id] = state
+            if state.params.output_kind != RequestOutputKind.FINAL_ONLY or state.finished:
+                changed[state.request_id] = state
         return stopped_seqs
 
     def pop_failed(self) -> dict[str, str]:
@@ -230,22 +232,29 @@ class OutputProcessor:
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         params = state.params
+        delta = params.output_kind == RequestOutputKind.DELTA
         hold = state.stop_hold
         completions = []
         for seq in state.seqs:
             done = seq.finish_reason is not None
             sendable = len(seq.text) if done else max(seq.num_sent_chars, len(seq.text) - hold)
             token_ids = seq.detokenizer.token_ids
+            text_delta = seq.text[seq.num_sent_chars : sendable]
+            ids_delta = token_ids[seq.num_sent_tokens :]
+            logprobs = None
+            if params.logprobs is not None:
+                # One entry a token: a delta's are those of its tokens.
+                logprobs = seq.logprobs[seq.num_sent_tokens :] if delta else list(seq.logprobs)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=seq.text if done else seq.text[:sendable],
-                    token_ids=list(token_ids),
+                    text=text_delta if delta else seq.text[:sendable],
+                    token_ids=ids_delta if delta else list(token_ids),
                     finish_reason=str(seq.finish_reason) if done else None,
                     stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                    text_delta=seq.text[seq.num_sent_chars : sendable],
-                    token_ids_delta=list(token_ids[seq.num_sent_tokens :]),
+                    logprobs=logprobs,
+                    text_delta=text_delta,
+                    token_ids_delta=ids_delta,
                 )
             )
             seq.num_sent_chars = sendable
@@ -262,10 +271,21 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=_metrics(state),
-            prompt_logprobs=(
-                list(state.prompt_logprobs) if state.prompt_logprobs is not None else None
-            ),
+            prompt_logprobs=self._prompt_logprobs_out(state, delta),
         )
+
+    @staticmethod
+    def _prompt_logprobs_out(
+        state: RequestState, delta: bool
+    ) -> list[PositionLogprobs | None] | None:
+        entries = state.prompt_logprobs
+        if entries is None:
+            return None
+        if not delta:
+            return list(entries)
+        new = entries[state.num_sent_prompt_logprobs :]
+        state.num_sent_prompt_logprobs = len(entries)
+        return new
 
 
 def _metrics(state: RequestState) -> RequestMetrics:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tokenmill.engine import LLMEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -43,7 +44,15 @@ class LLM:
                 )
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        prepared = [self.engine.prepare_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        for sp in params_list:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams; got {type(sp).__name__}")
+        # Only each request's final output is read: the engine builds no other (vLLM's LLM
+        # does the same), which saves a RequestOutput a request a step.
+        final_only = [
+            dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params_list
+        ]
+        prepared = [self.engine.prepare_request(p, sp) for p, sp in zip(prompt_list, final_only)]
         return self._run(prepared, use_tqdm)
 
     def chat(
