@@ -59,7 +59,8 @@ status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
         tests/attention/test_triton_backend.py tests/attention/test_triton_e2e.py \
-        tests/kernels/test_triton_kernel_backend.py tests/worker/test_cuda_graph.py \
+        tests/kernels/test_triton_kernel_backend.py tests/kernels/test_torch_int4.py \
+        tests/worker/test_cuda_graph.py \
         tests/worker/test_memory.py tests/e2e/test_cuda_path.py \
         tests/engine/test_async_scheduling.py || status=1
 fi

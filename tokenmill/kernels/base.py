@@ -90,6 +90,11 @@ class KernelBackend(ABC):
         used. ``act_int8``: x may be quantized to int8 per 32 elements (a backend without an
         integer kernel computes in float); ``q8_unsigned``: see quant/gguf.py's PackedState."""
 
+    def prepare_packed(self, w: PackedWeight) -> PackedWeight:
+        """A linear layer's packed weight as this backend's kernels want it, asked once at load
+        (``CausalLM.bind_kernels``): by default the weight itself."""
+        return w
+
     @abstractmethod
     def packed_embedding(
         self, w: PackedWeight, ids: torch.Tensor, scale: float | None

@@ -17,7 +17,7 @@ from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.layers.linear import FusedLinear, Linear, default_weight_loader
 from tokenmill.layers.parallel import Shard, all_gather_last, shard_size
 from tokenmill.moe import FusedMoE
-from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.packed import PackedWeight
 
 
@@ -47,6 +47,15 @@ class CausalLM(nn.Module):
                 module.backend = attention
             elif hasattr(module, "kernels"):
                 module.kernels = kernels
+            # Linear layers' packed weights in the layout the backend's kernels want.
+            states = []
+            if isinstance(module, Linear):
+                states = [module.quant_state]
+            elif isinstance(module, FusedLinear):
+                states = [group.state for group in module.groups]
+            for state in states:
+                if isinstance(state, PackedState):
+                    state.weight = kernels.prepare_packed(state.weight)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch

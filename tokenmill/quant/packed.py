@@ -56,10 +56,15 @@ from tokenmill.quant.gguf_blocks import (
     q3_k_scales,
 )
 
+# A "q4" weight converted for torch's int4 CUDA kernel at load (kernels/torch_int4.py): its
+# ``codes`` are torch's tiles, its ``scales`` the kernel's bfloat16 scales and zeros
+# [K / G, N, 2]. Only that kernel reads it.
+TORCH_INT4_KIND = "t4"
+
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS)
+    kind: str  # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS) | "t4"
     # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), uint8 [N, K // 2 + 32 ·
     # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] ("q2", "q3": K_QUANT_KINDS)
     codes: torch.Tensor
@@ -251,6 +256,8 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
 
 def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torch.Tensor:
     """``pack_codes`` (or ``pack_k_quant``) undone: int16 codes [N, K] in element order."""
+    if kind == TORCH_INT4_KIND:
+        raise ValueError("a weight in torch's int4 tiles (CUDA) has no portable codes")
     n = stored.shape[0]
     if kind in K_QUANT_KINDS:
         return unpack_k_quant(stored, kind, k)[0] - zero
