@@ -25,6 +25,7 @@ were released, and are not needed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
@@ -64,6 +65,9 @@ class KVCacheManager:
         # Each window size and its groups.
         sizes = dict.fromkeys(w for w in group_windows if w is not None)
         self._windows = [(w, [g for g, x in enumerate(group_windows) if x == w]) for w in sizes]
+        # What allocate_slots returns for a request that needs no new block, most calls: one
+        # shared immutable value rather than fresh lists each time.
+        self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in group_windows)
         # Prefix-cache counters, in tokens (what /metrics reports).
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -156,7 +160,7 @@ class KVCacheManager:
         num_new_tokens: int,
         hit: PrefixHit | None = None,
         cache_salt: str | None = None,
-    ) -> list[list[int]] | None:
+    ) -> Sequence[Sequence[int]] | None:
         """Make room for ``num_new_tokens`` more tokens; None if blocks run out (nothing is then
         allocated; blocks behind a window are released all the same: no query needs them).
 
@@ -173,7 +177,7 @@ class KVCacheManager:
         num_tokens = req.num_computed_tokens + num_new_tokens
         if len(tables[0]) * self.block_size >= num_tokens:  # tables all cover as much
             self._cache_full_blocks(req, num_tokens, cache_salt)
-            return [[] for _ in tables]
+            return self._no_new_blocks
         return self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
 
     def _allocate(

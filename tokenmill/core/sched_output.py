@@ -5,6 +5,7 @@ New requests (and ones resumed after preemption) are sent whole; running ones as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import TokenLogprob
@@ -18,7 +19,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far (outputs are non-empty after a preemption)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[list[int]]  # per group of layers (kv_layout.py), its block table
+    block_ids: Sequence[Sequence[int]]  # per group of layers (kv_layout.py), its block table
     num_computed_tokens: int  # before this step (prefix-cache hits count as computed)
     eos_token_ids: tuple[int, ...] = ()  # the model's and the tokenizer's: min_tokens bans them
     # A structured.CompiledGrammar: the worker makes the request's matcher from it (and, after
@@ -29,7 +30,7 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[list[int]]  # per group: entries to append to its block table
+    new_block_ids: Sequence[Sequence[int]]  # per group: entries to append to its block table
     num_computed_tokens: int  # before this step
 
 
