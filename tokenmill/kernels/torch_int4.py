@@ -11,9 +11,10 @@ and zero per group, [K / G, N, 2], with w = (q - 8) · scale + zero. tokenmill's
 w = scale · q - offset, so the same weight has zero = 8 · scale - offset. The kernel takes
 bfloat16 activations only: a float32 model's are rounded to bfloat16 on the way in.
 
-A weight converted at load (``convert``) is checked there against the "q4" weight it came from;
-one that disagrees (a torch whose layout is not the one above) keeps the Triton kernel, with a
-warning, so a wrong conversion can never compute a wrong answer.
+A weight converted at load (``convert``) is checked there against the "q4" weight it came from
+(random rows through both, on its first 256 output channels: the tiling is the same for every
+group of channels); one that disagrees (a torch whose layout is not the one above) keeps the
+Triton kernel, with a warning, rather than compute wrong answers.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ class BlockTables:
     array, grown by doubling, zero (the null block) past each table's end.
 
     One array rather than a list per group: a decode step takes the tables of all its rows in a
-    few numpy calls (``stacked``), not a Python loop over rows and groups (1,536 of them at 256
-    requests of gemma-3's six groups).
+    few numpy calls (``columns``, then one stack), not a Python loop over rows and groups (1,536
+    of them at 256 requests of gemma-3's six groups).
     """
 
     __slots__ = ("_array", "_lengths")

@@ -508,7 +508,8 @@ class ModelRunner:
             row_tables += [state.block_ids] * n
         # Every row's tables as far as the furthest row reaches, then its K/V's slot in each
         # group's: numpy over all rows at once. Entries before a row's window or past its
-        # position are read by no kernel (they stop at its length and start at its window).
+        # position count for no query: the kernels start at its window and stop at its length
+        # (torch's attention masks them).
         bs = self.block_size
         pos = np.array(positions)
         cols = int(pos.max()) // bs + 1
