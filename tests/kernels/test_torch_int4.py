@@ -63,10 +63,10 @@ def test_a_converted_weight_has_no_portable_codes() -> None:
 
 
 def test_load_asks_the_kernel_backend_for_each_linear_layers_packed_weight(
-    tiny_model_dir,
+    tiny_model_dir, caplog
 ) -> None:
     """CausalLM.bind_kernels hands every linear layer's packed weight (joined groups too) to
-    KernelBackend.prepare_packed and keeps what it returns."""
+    KernelBackend.prepare_packed, keeps what it returns, and logs how many it re-laid."""
     from tokenmill.config import resolve_model
     from tokenmill.models.loader import load_model, load_model_config
 
@@ -82,7 +82,10 @@ def test_load_asks_the_kernel_backend_for_each_linear_layers_packed_weight(
     )
     layer = model.model.layers[0]
     before = {name: s.weight.scales.clone() for name, s in _packed_states(layer)}
-    model.bind_kernels(Preparing(), layer.self_attn.attn.backend)
+    with caplog.at_level("INFO", logger="tokenmill.models.base"):
+        model.bind_kernels(Preparing(), layer.self_attn.attn.backend)
+    assert "torch kernels re-laid packed layers at load:" in caplog.text
+    assert "as 'q4'" in caplog.text
     after = dict(_packed_states(layer))
     assert before.keys() == after.keys() and len(after) >= 3
     for name, state in after.items():

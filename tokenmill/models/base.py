@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from tokenmill.layers.parallel import Shard, all_gather_last, shard_size
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.packed import PackedWeight
+
+logger = logging.getLogger(__name__)
 
 
 class CausalLM(nn.Module):
@@ -42,6 +45,7 @@ class CausalLM(nn.Module):
         Attention layer gets ``attention``, every module with a ``kernels`` attribute (norms,
         RoPE, gated activations, linears and embeddings for their packed matmuls, residual
         adds, this model) gets ``kernels``."""
+        relaid: dict[str, int] = {}  # packed weights the backend re-laid, by their new kind
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = attention
@@ -55,7 +59,13 @@ class CausalLM(nn.Module):
                 states = [group.state for group in module.groups]
             for state in states:
                 if isinstance(state, PackedState):
-                    state.weight = kernels.prepare_packed(state.weight)
+                    prepared = kernels.prepare_packed(state.weight)
+                    if prepared is not state.weight:
+                        relaid[prepared.kind] = relaid.get(prepared.kind, 0) + 1
+                    state.weight = prepared
+        if relaid:  # which kernels a load's packed layers run on, in its log
+            kinds = ", ".join(f"{n} as {kind!r}" for kind, n in relaid.items())
+            logger.info("%s kernels re-laid packed layers at load: %s", kernels.name, kinds)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch
