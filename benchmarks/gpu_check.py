@@ -83,16 +83,17 @@ SMOKE = Sizes(
 # ---- a model of gemma-3-270m's shapes ------------------------------------------------------
 
 
-def build_synthetic_gemma(path: Path) -> str:
+def build_synthetic_gemma(path: Path, **shape: object) -> str:
     """A Hugging Face directory with gemma-3-270m's configuration (18 layers, 640 wide, 4 query
     heads over 1 KV head of 256, a 262,144-token vocabulary, 5 sliding-window layers of 512 to
-    1 global), random bf16 weights and a byte-level tokenizer (ids 3-258)."""
+    1 global), random bf16 weights and a byte-level tokenizer (ids 3-258). ``shape``: config
+    fields to change (host_step.py's toy gemma-3)."""
     import transformers as tf
 
     if (path / "config.json").exists():
         return str(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tf.Gemma3TextConfig(
+    fields: dict = dict(
         vocab_size=262144,
         hidden_size=640,
         intermediate_size=2048,
@@ -108,6 +109,7 @@ def build_synthetic_gemma(path: Path) -> str:
         bos_token_id=1,
         eos_token_id=2,
     )
+    config = tf.Gemma3TextConfig(**(fields | shape))
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)

@@ -22,11 +22,13 @@ import argparse
 import gc
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_check import build_synthetic_gemma  # noqa: E402
 
 from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_model
 from tokenmill.core import RunnerOutput, Scheduler
@@ -38,7 +40,6 @@ from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
-from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 
@@ -83,31 +84,6 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int) -> float:
     return statistics.median(times[100:]) * 1e3
 
 
-def tiny_gemma3(path: Path) -> str:
-    """A Hugging Face directory: gemma-3's architecture at toy size, random weights."""
-    import transformers as tf
-
-    config = tf.Gemma3TextConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,  # five sliding-window layers, one global: six KV groups
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=24,
-        query_pre_attn_scalar=16,
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
-    write_byte_tokenizer(path, config.vocab_size)
-    return str(path)
-
-
 def engine_host_ms(num_requests: int, steps: int) -> tuple[float, float]:
     """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
@@ -123,7 +99,20 @@ def engine_host_ms(num_requests: int, steps: int) -> tuple[float, float]:
     CudaDecodeGraphs.replay = timed_replay  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         engine = LLMEngine.from_args(
-            model=tiny_gemma3(Path(tmp)),
+            # gemma-3 at toy size: six layers (five sliding-window, one global: six KV groups)
+            model=build_synthetic_gemma(
+                Path(tmp),
+                vocab_size=384,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=6,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=24,
+                query_pre_attn_scalar=16,
+                max_position_embeddings=4096,
+            ),
             dtype="float32",
             kernel_backend="torch",
             max_model_len=1024,
