@@ -51,16 +51,19 @@ def _gguf(ggml_type: int, n: int, k: int) -> PackedWeight:
 
 def _synthetic(kind: str, group: int, n: int, k: int, f16: bool = False) -> PackedWeight:
     """Random codes over the kind's whole range ("q8": -128..127, "q4": with offsets, "n4": the
-    table's 16) in groups no GGUF type has."""
+    table's 16, "u8": -32..31 stored + 32) in groups no GGUF type has (or, "u8", no GGUF type
+    is kept in any longer)."""
     g = torch.Generator().manual_seed(group + k)
-    low, high = (-128, 128) if kind == "q8" else (0, 16)
+    low, high = {"q8": (-128, 128), "u8": (-32, 32)}.get(kind, (0, 16))
     codes = torch.randint(low, high, (n, k), generator=g)
     if kind == "n4":
         codes = torch.tensor(IQ4_KVALUES)[codes]
     scales = torch.rand(n, k // group, generator=g) * 0.02
     offsets = torch.rand(n, k // group, generator=g) * 0.1 if kind == "q4" else None
     scales = scales.half() if f16 else scales
-    return PackedWeight(kind, pack_codes(codes, kind), scales, offsets, group, (n, k))
+    zero = 32 if kind == "u8" else 0  # Q6_K's codes as bytes
+    stored = pack_codes(codes, kind, zero)
+    return PackedWeight(kind, stored, scales, offsets, group, (n, k), zero)
 
 
 def _int4(group: int, n: int, k: int) -> PackedWeight:
@@ -76,10 +79,12 @@ LAYOUTS = {
     "Q4_0 q4 f16 G32 offsets": lambda: _gguf(2, 40, 192),
     "Q5_0 q5 z16 f16 G32": lambda: _gguf(6, 40, 640),
     "Q5_0 q5 z16 f16 G32 K192": lambda: _gguf(6, 40, 192),
-    "Q4_K q4 G32 offsets": lambda: _gguf(12, 40, 768),
-    "Q4_K q4 G32 offsets K4608": lambda: _gguf(12, 40, 4608),
+    "Q4_K q4k G32 mins": lambda: _gguf(12, 40, 768),
+    "Q4_K q4k G32 mins K4608": lambda: _gguf(12, 40, 4608),
     "Q5_K q5 z0 G32 offsets": lambda: _gguf(13, 40, 768),
-    "Q6_K u8 z32 G16": lambda: _gguf(14, 40, 768),
+    "Q6_K q6k z32 G16": lambda: _gguf(14, 40, 768),
+    "Q6_K q6k z32 G16 K4608": lambda: _gguf(14, 40, 4608),
+    "u8 z32 G16": lambda: _synthetic("u8", 16, 40, 640),
     "Q2_K q2 G16": lambda: _gguf(10, 40, 768),
     "Q2_K q2 G16 K4608": lambda: _gguf(10, 40, 4608),
     "Q3_K q3 z4 G16": lambda: _gguf(11, 40, 768),

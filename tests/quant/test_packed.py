@@ -63,19 +63,20 @@ def test_repacking_is_exact(name: str) -> None:
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5-bit ones 4 bits and
-    # a bit plane, 6-bit ones an unsigned byte, Q8_0 int8; Q2_K and Q3_K their super-blocks.
-    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q4_K": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
-    kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5"}
-    assert w.kind == kinds.get(name, "u8")
-    if w.kind in ("q2", "q3") or name == "Q5_0":
+    # a bit plane, Q8_0 int8; the k-quants but Q5_K their super-blocks, the file's bytes.
+    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
+    kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q4_K": "q4k", "Q6_K": "q6k"}
+    kinds |= {"Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5"}
+    assert w.kind == kinds[name]
+    if w.kind in K_QUANT_KINDS or name == "Q5_0":
         assert w.nbytes == raw.numel()  # as many bytes as the file's: Q5_0 22 a 32
     else:
         per_row = {"q4": 256, "n4": 256, "q5": 256 + 2 * 32}.get(w.kind, 512)
         assert w.codes.numel() == 24 * per_row
-    # Scales stay float16 where the file's are (half the bytes), float32 for the k-quants and
-    # IQ4_XS (products of the super-block scale and a sub-block's); Q2_K / Q3_K keep the
+    # Scales stay float16 where the file's are (half the bytes), float32 for Q5_K and IQ4_XS
+    # (products of the super-block scale and a sub-block's); the other k-quants keep the
     # file's float16 d (and dmin) and form the products as they compute.
-    f16 = name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K")
+    f16 = name not in ("Q5_K", "IQ4_XS")
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
@@ -118,20 +119,30 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
 
 
-@pytest.mark.parametrize("kind", ["q2", "q3"])
+# K-quant kind -> (codes' range, sub-block scale bytes a super-block)
+K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q6k": (64, 16)}
+
+
+@pytest.mark.parametrize("kind", sorted(K_QUANT_RANGES))
 def test_k_quant_codes_and_scale_bytes_round_trip(kind: str) -> None:
-    """ "q2" / "q3" codes (0..3 / 0..7) go into their planes in lane order and come back in
-    element order with the sub-block scale bytes, which stay as they were."""
+    """K-quant codes go into their super-blocks in lane order and come back in element order
+    with the sub-block scale bytes, which stay as they were."""
+    levels, sub_bytes = K_QUANT_RANGES[kind]
     g = torch.Generator().manual_seed(len(kind))
-    codes = torch.randint(0, 4 if kind == "q2" else 8, (5, 768), generator=g)
-    sub = torch.randint(0, 256, (5, 3, 16 if kind == "q2" else 12), generator=g).to(torch.uint8)
+    codes = torch.randint(0, levels, (5, 768), generator=g)
+    sub = torch.randint(0, 256, (5, 3, sub_bytes), generator=g).to(torch.uint8)
     stored = pack_k_quant(codes, sub, kind)
     assert stored.shape == (5, 3 * K_QUANT_KINDS[kind][0])
     back, back_sub = unpack_k_quant(stored, kind, 768)
     assert torch.equal(back, codes.to(torch.int16)) and torch.equal(back_sub, sub)
-    # Plane 0's byte j holds vectors 0..3 (lane j / 4 = chunk j / 4, elements 4u + j mod 4).
-    first = codes[0, [4 * u + 32 * (5 // 4) + 5 % 4 for u in range(4)]]
-    assert stored[0, 5].item() == sum(int(c & 3) << 2 * u for u, c in enumerate(first))
+    # Byte 5 of the first 32 holds lane 1 (chunk 1 of 8) of vectors 0..3, elements 4u + 1 of
+    # chunk 1: "q2" / "q3" their low 2-bit pairs; "q4k" / "q6k" vectors 0 and 1 in its nibbles.
+    first = codes[0, [32 + 4 * u + 1 for u in range(4)]]
+    if kind in ("q2", "q3"):
+        expected = sum(int(c & 3) << 2 * u for u, c in enumerate(first))
+    else:
+        expected = int(first[0] & 15) | int(first[1] & 15) << 4
+    assert stored[0, 5].item() == expected
 
 
 @pytest.mark.parametrize("k", [64, 192, 640, 96])

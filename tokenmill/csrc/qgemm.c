@@ -8,7 +8,8 @@
  * 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit 3: 4-bit indices, stored as
  * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); bits 4 and 5: GGUF
  * Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z, 0..31, in a nibble and
- * a bit plane ("q5", below, z as "u8"'s); else int8 codes ("q8"); bit 1: float16 scales.
+ * a bit plane ("q5", below, z as "u8"'s); bit 7, bit 16: GGUF Q4_K / Q6_K super-blocks ("q4k",
+ * "q6k", below); else int8 codes ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -41,14 +42,18 @@
  * ("amx": Intel Sapphire Rapids and later) batches of 16 rows and more run on the tile unit
  * (block_amx, below), with the same integer sums and float steps: the same bits again.
  * With G = 16 a chunk's first half is in code vectors u < t/2, its second half in the rest.
- * "q2", "q3" (G = 16, K a multiple of 256: every block is 8 chunks, one 256-element super-block)
- * keep the file's bytes a weight: a super-block is 2 planes of 32 bytes, code vector 4p + s in
- * bits 2s..2s+1 of plane p ("q3": a third plane, vector u's third bit in bit u; code + 4, a
- * zero point as "u8"'s), then the file's sub-block scale bytes (quant/packed.py: K_QUANT_KINDS),
- * with the row's float16 d (and "q2": dmin) per super-block in `scales`. The codes come out of
- * the planes in registers (kq_vector: a shift and a mask, "q3" two more), unsigned and small as
+ * The k-quants ("q2", "q3", "q4k", "q6k": K a multiple of 256, every block 8 chunks, one
+ * 256-element super-block) keep the file's bytes a weight: a super-block is its codes, then the
+ * file's sub-block scale bytes (quant/packed.py: K_QUANT_KINDS), with the row's float16 d (and
+ * "q2", "q4k": dmin) per super-block in `scales`. "q2", "q3" (G = 16): 2 planes of 32 bytes, code
+ * vector 4p + s in bits 2s..2s+1 of plane p ("q3": a third plane, vector u's third bit in bit u;
+ * code + 4, a zero point as "u8"'s). "q4k" (G = 32): the 8 code vectors as "q4" keeps them.
+ * "q6k" (G = 16): their low 4 bits so, then their top 2 bits in 2 planes as "q2"'s (code + 32).
+ * The codes come out in registers (kq_code: a shift and a mask or two), unsigned and small as
  * "u8"'s, and take its dot products; the sub-block scales (kq_scales) are formed as float32 d ·
- * scale, as ggml does, and "q2"'s mins, dmin · min, meet the float sums of x over their groups.
+ * scale, as ggml does, and the mins ("q2", "q4k"), dmin · min, meet the float sums of x over
+ * their groups (xg). At batch 1, which reads every weight byte once a token, Q4_K then reads
+ * 0.5625 bytes a weight where a float32 scale and offset a group took 0.75, Q6_K 0.82 for 1.25.
  *
  * Two ways to treat the activations, chosen per call:
  *   act_int8 = 1: each 32-element chunk of x is quantized to int8 with its own scale (as
@@ -191,8 +196,11 @@ static int64_t num_blocks(int64_t nc) {
  * (32 + 128 bytes); a block at c0 mod 8 = 4 follows a tail block of 4 chunks (32 + 64). */
 static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 : 0); }
 
-/* KIND 6 "q2", 7 "q3": the k-quants' super-blocks, planes and sub-block scales together. */
-#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7)
+/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k": the k-quants' super-blocks, codes and sub-block
+ * scales together. */
+#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10)
+/* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
+#define KQ_MINS(KIND) ((KIND) == 6 || (KIND) == 9)
 
 /* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
 TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0, int u) {
@@ -231,9 +239,11 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
     return code_vector(kind == 1, row, c0, u);
 }
 
-/* "q2" / "q3" (KIND 6, 7): bytes of a stored super-block; its sub-block scales start at byte 64
- * ("q2": 16 bytes, scale | min << 4) or 96 ("q3": Q3_K's 12 bytes of 6-bit scales). */
-#define KQ_BYTES(KIND) ((KIND) == 6 ? 80 : 108)
+/* The k-quants (IS_KQ): bytes of a stored super-block; its sub-block scales start at byte 64
+ * ("q2": 16 bytes, scale | min << 4), 96 ("q3": Q3_K's 12 bytes of 6-bit scales), 128 ("q4k":
+ * Q4_K's 12 bytes of 6-bit scales and mins) or 192 ("q6k": 16 int8 scales). */
+#define KQ_BYTES(KIND) ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : 208)
+#define KQ_SUB(KIND) ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 ? 128 : 192)
 
 /* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
@@ -242,21 +252,27 @@ static inline int64_t row_bytes(int kind, int64_t K) {
     return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
 }
 
-/* Scales a row has: one a group, or ("q2") d and dmin, ("q3") d, a super-block. */
+/* Scales a row has: one a group, or ("q2", "q4k") d and dmin, ("q3", "q6k") d, a super-block. */
 static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
-    return kind == 6 ? K / 128 : kind == 7 ? K / 256 : K / G;
+    return kind == 6 || kind == 9 ? K / 128 : kind == 7 || kind == 10 ? K / 256 : K / G;
 }
 
-/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3" or 8 "q5" (the
- * weight's layout). */
+/* Float sums of x a row has for the mins (KQ_MINS): "q2" one a 16-element group, "q4k" one a
+ * 32-element chunk. */
+static inline int64_t xg_len(int kind, int64_t K) { return kind == 9 ? K / 32 : K / 16; }
+
+/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3", 8 "q5", 9 "q4k"
+ * or 10 "q6k" (the weight's layout). */
 static inline int layout_kind(int kind) {
-    return kind & 1    ? 1
-           : kind & 4  ? 2
-           : kind & 8  ? 4
-           : kind & 16 ? 6
-           : kind & 32 ? 7
-           : kind & 64 ? 8
-                       : 0;
+    return kind & 1           ? 1
+           : kind & 4         ? 2
+           : kind & 8         ? 4
+           : kind & 16        ? 6
+           : kind & 32        ? 7
+           : kind & 64        ? 8
+           : kind & 128       ? 9
+           : kind & (1 << 16) ? 10
+                              : 0;
 }
 
 /* Code vector u (0..7) of a "q2" / "q3" super-block from its planes p0, p1 (and hb: "q3"'s
@@ -272,15 +288,62 @@ TM_TARGET TM_INLINE __m256i kq_vector(const int KIND, __m256i p0, __m256i p1, __
     return c;
 }
 
-/* A "q2" / "q3" super-block's (src) sub-block scales by lane, float32 d · scale as ggml forms
- * them: lane l's chunk holds groups 2l (*a) and 2l + 1 (*b). "q2" also gives its offsets,
- * dmin · min (*ma, *mb). d (and dmin) are the row's float16 scales s of super-block sb. */
+/* A k-quant super-block's (src) 2-bit planes p0, p1 ("q2", "q3" at 0; "q6k" at 128) and "q3"'s
+ * third bits hb (zero where it has none). */
+TM_TARGET TM_INLINE void kq_planes(const int KIND, const uint8_t *src, __m256i *p0, __m256i *p1,
+                                   __m256i *hb) {
+    const int at = KIND == 10 ? 128 : 0;
+    *p0 = *p1 = *hb = _mm256_setzero_si256();
+    if (KIND == 9) return;
+    *p0 = _mm256_loadu_si256((const __m256i *)(src + at));
+    *p1 = _mm256_loadu_si256((const __m256i *)(src + at + 32));
+    if (KIND == 7) *hb = _mm256_loadu_si256((const __m256i *)(src + 64));
+}
+
+/* Code vector u (0..7) of a k-quant super-block (src, its planes from kq_planes): "q2" 0..3,
+ * "q3" 0..7, "q4k" 0..15 (the nibbles of the 32 bytes at 32 · (u / 2)), "q6k" 0..63 (those
+ * nibbles, and its planes' 2 bits above them: a 16-bit shift of values <= 3 by 4 stays in
+ * their bytes). */
+TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i p0, __m256i p1,
+                                    __m256i hb, int u) {
+    if (KIND == 6 || KIND == 7) return kq_vector(KIND, p0, p1, hb, u);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(src + (u >> 1) * 32));
+    if (u & 1) b = _mm256_srli_epi16(b, 4);
+    b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+    if (KIND == 10) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
+    return b;
+}
+
+/* A k-quant super-block's (src) sub-block scales by lane, float32 d · scale as ggml forms
+ * them: G = 16 ("q2", "q3", "q6k"), lane l's chunk holds groups 2l (*a) and 2l + 1 (*b); G = 32
+ * ("q4k"), group l (*a = *b). "q2" and "q4k" also give their offsets, dmin · min (*ma, *mb). d
+ * (and dmin) are the row's float16 scales s of super-block sb. */
 TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const void *s, int64_t sb,
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const uint16_t *h = (const uint16_t *)s;
     __m128i v;
-    if (KIND == 6) {
+    if (KIND == 9) { /* 8 scales, then 8 mins, 6 bits each: j < 4 in bytes j, 4 + j; j >= 4 low
+                      * 4 bits in byte 8 + j - 4 (mins: its high nibble), top 2 in bits 6, 7 of
+                      * bytes j - 4, j (as ggml's get_scale_min_k4) */
+        uint32_t w[3];
+        memcpy(w, src + 128, 12);
+        const uint32_t six = 0x3F3F3F3F, low = 0x0F0F0F0F, top = 0x30303030;
+        const uint32_t sc[2] = {w[0] & six, (w[2] & low) | ((w[0] >> 2) & top)};
+        const uint32_t mn[2] = {w[1] & six, ((w[2] >> 4) & low) | ((w[1] >> 2) & top)};
+        uint64_t sc64, mn64;
+        memcpy(&sc64, sc, 8);
+        memcpy(&mn64, mn, 8);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(h[2 * sb]));
+        const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(h[2 * sb + 1]));
+        const __m128i vs = _mm_cvtsi64_si128((long long)sc64), vm = _mm_cvtsi64_si128((long long)mn64);
+        *a = *b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(vs)));
+        *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(vm)));
+        return;
+    }
+    if (KIND == 10) { /* 16 int8 scales */
+        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 192)), split);
+    } else if (KIND == 6) {
         const __m128i low = _mm_set1_epi8(0x0F);
         v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 64)), split);
         const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), low);
@@ -463,12 +526,14 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 }
 
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5"; G16 for 16-element
- * groups (the k-quants: float32 scales, "q2" and "q3" their own; never "q4", "n4" or "q5"); F16
- * for float16 scales ("q2", "q3": always, d and dmin). */
+ * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5", 9 "q4k", 10 "q6k"; G16
+ * for 16-element groups (float32 scales, or the k-quants' own; never "q4", "n4", "q5", "q4k");
+ * F16 for float16 scales (the k-quants: always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
-        if ((kind) == 6) EXPAND(6, 1, 1)                                                      \
+        if ((kind) == 9) EXPAND(9, 0, 1)                                                      \
+        else if ((kind) == 10) EXPAND(10, 1, 1)                                               \
+        else if ((kind) == 6) EXPAND(6, 1, 1)                                                 \
         else if ((kind) == 7) EXPAND(7, 1, 1)                                                 \
         else if ((kind) == 8 && (f16)) EXPAND(8, 0, 1)                                        \
         else if ((kind) == 8) EXPAND(8, 0, 0)                                                 \
@@ -528,18 +593,15 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
                                   const uint8_t *row, const void *s, const float *off, float *out) {
     const int64_t nc = K / 32;
     const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
-    const int has_off = off || kind == 6;
+    const int has_off = off || KQ_MINS(kind);
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0), per = 8 / t;
-        const uint8_t *src = row + c0 / 8 * KQ_BYTES(kind); /* "q2", "q3": the super-block */
+        const uint8_t *src = row + c0 / 8 * KQ_BYTES(kind); /* the k-quants: the super-block */
         __m256 sc[2], of[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
         if (IS_KQ(kind)) {
-            p0 = _mm256_loadu_si256((const __m256i *)src);
-            p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-            if (kind == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
-            if (kind == 6) kq_scales(6, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
-            else kq_scales(7, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
+            kq_planes(kind, src, &p0, &p1, &hb);
+            kq_scales(kind, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
         } else if (g16) {
             lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
             if (off) lane_scales16(off, c0, t, &of[0], &of[1]);
@@ -549,9 +611,8 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
         }
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
-            const __m256i codes = kind == 6   ? kq_vector(6, p0, p1, hb, u)
-                                  : kind == 7 ? kq_vector(7, p0, p1, hb, u)
-                                              : kind_vector(kind, row, c0, u);
+            const __m256i codes =
+                IS_KQ(kind) ? kq_code(kind, src, p0, p1, hb, u) : kind_vector(kind, row, c0, u);
             widen_codes(kind, z, codes, wi);
             const int h = g16 && u >= t / 2;
             for (int k = 0; k < 4; k++) {
@@ -633,26 +694,23 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
         }
     else
         for (int i = 0; i < RA; i++) ia[i] = ib[i] = _mm256_setzero_si256();
-    if (IS_KQ(KIND)) { /* a super-block: pairs of vectors unpacked from its planes (kq_vector) */
+    if (IS_KQ(KIND)) { /* a super-block: pairs of code vectors unpacked in registers (kq_code) */
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND);
-        if (RA == 1) {
-            _mm_prefetch((const char *)(src + TM_PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(src + 64 + TM_PREFETCH), _MM_HINT_T0);
-        }
+        if (RA == 1)
+            for (int j = 0; j < KQ_BYTES(KIND); j += 64)
+                _mm_prefetch((const char *)(src + j + TM_PREFETCH), _MM_HINT_T0);
         prefetch_x(xpf, xb, 8 * RA * 32);
-        const __m256i p0 = _mm256_loadu_si256((const __m256i *)src);
-        const __m256i p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-        const __m256i hb =
-            KIND == 7 ? _mm256_loadu_si256((const __m256i *)(src + 64)) : _mm256_setzero_si256();
+        __m256i p0, p1, hb;
+        kq_planes(KIND, src, &p0, &p1, &hb);
         #pragma GCC unroll 8
         for (int u = 0; u < 8; u += 2) {
-            const __m256i w0 = kq_vector(KIND, p0, p1, hb, u);
-            const __m256i w1 = kq_vector(KIND, p0, p1, hb, u + 1);
+            const __m256i w0 = kq_code(KIND, src, p0, p1, hb, u);
+            const __m256i w1 = kq_code(KIND, src, p0, p1, hb, u + 1);
             for (int i = 0; i < RA; i++) {
                 const int8_t *xv = xb + (u * RA + i) * 32;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                if (u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                if (G16 && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
                 else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
             }
         }
@@ -749,10 +807,19 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                                        _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
             facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
             if (KIND == 6) { /* the mins' share: dmin · min times the group's sum of x */
-                const float *g = xg + i * (K / 16) + b * 16;
+                const float *g = xg + i * xg_len(KIND, K) + b * 16;
                 facc[i] = _mm256_fnmadd_ps(ma, _mm256_loadu_ps(g), facc[i]);
                 facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
             }
+        }
+    } else if (KIND == 9) { /* "q4k": a scale and a min a chunk (lane), the mins as "q2"'s */
+        __m256 sw, sw2, mn, mn2;
+        kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sw, &sw2, &mn, &mn2);
+        for (int i = 0; i < RA; i++) {
+            __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), dd, facc[i]);
+            const float *g = xg + i * xg_len(KIND, K) + b * 8;
+            facc[i] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(g), facc[i]);
         }
     } else {
         __m256 sw = lane_scales(s, c0, t, F16, gshift);
@@ -769,8 +836,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
  * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
  * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4), 8 "q5"
- * (z as "u8"'s). "q2": the float sums of x_i over its groups, 16 a block as the lanes' halves,
- * at xg + i · K / 16.
+ * (z as "u8"'s), 9 "q4k", 10 "q6k" (z = 32). "q2", "q4k": the float sums of x_i for the mins at
+ * xg + i · xg_len: "q2" over its groups, 16 a block as the lanes' halves; "q4k" over its chunks,
+ * 8 a block.
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
  * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
@@ -818,13 +886,11 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
     for (int i = 0; i < RA; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = IS_KQ(KIND) ? 8 : block_chunks(nc, c0);
-        const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND); /* "q2", "q3": the super-block */
+        const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND); /* the k-quants: the super-block */
         __m256 sc[2], sk[2][4], mn[2];
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
         if (IS_KQ(KIND)) {
-            p0 = _mm256_loadu_si256((const __m256i *)src);
-            p1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-            if (KIND == 7) hb = _mm256_loadu_si256((const __m256i *)(src + 64));
+            kq_planes(KIND, src, &p0, &p1, &hb);
             kq_scales(KIND, src, s, c0 / 8, &sc[0], &sc[1], &mn[0], &mn[1]);
         } else if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
         else sc[0] = lane_scales(s, c0, t, F16, gshift);
@@ -833,8 +899,8 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
         for (int u = 0; u < t; u++) {
             __m256i wi[4];
             const __m256i codes =
-                IS_KQ(KIND) ? kq_vector(KIND, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
-            widen_codes(KIND, KIND == 2 || KIND == 7 || KIND == 8 ? z : 0, codes, wi);
+                IS_KQ(KIND) ? kq_code(KIND, src, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
+            widen_codes(KIND, KIND == 2 || KIND == 7 || KIND == 8 || KIND == 10 ? z : 0, codes, wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -844,9 +910,13 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
                                              acc[i]);
         }
         for (int i = 0; KIND == 6 && i < RA; i++) { /* the mins' share, as tile_int8's */
-            const float *g = xg + i * (K / 16) + c0 / 8 * 16;
+            const float *g = xg + i * xg_len(KIND, K) + c0 / 8 * 16;
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
             acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
+        }
+        for (int i = 0; KIND == 9 && i < RA; i++) {
+            const float *g = xg + i * xg_len(KIND, K) + c0;
+            acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
         }
     }
     for (int i = 0; i < RA; i++) out[i * ostride] = tm_hsum8(acc[i]);
@@ -865,7 +935,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *r = w + n * wrow;                                                  \
             const void *sn = row_scales(scales, n, ng, F16);                                  \
-            const float *xm = xp + m * K, *gm = xg ? xg + m * (K / 16) : NULL;                \
+            const float *xm = xp + m * K, *gm = xg ? xg + m * xg_len(kind, K) : NULL;         \
             float *o = out + (m - m0) * ostride + (n - n0);                                   \
             if (ra == 8) row_float(KIND, G16, F16, 8, gshift, z, K, r, sn, xm, gm, o, ostride); \
             else if (ra == 4)                                                                 \
@@ -891,7 +961,7 @@ TM_TARGET static void block_float(int kind, int f16, int z, int64_t G, int64_t K
         const int8_t *xt = xq + m * K;                                                        \
         const float *dt = xd8 + m * nblk * 8;                                                 \
         const int32_t *zt = xz ? xz + m * nblk * (G16 ? 16 : 8) : NULL;                       \
-        const float *gt = xg ? xg + m * (K / 16) : NULL;                                      \
+        const float *gt = xg ? xg + m * xg_len(kind, K) : NULL;                               \
         float *o = out + (m - m0) * ostride;                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                   \
             const uint8_t *row = w + (n - wn0) * wrow;                                        \
@@ -1425,7 +1495,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     const int int8_codes = kind == 0 || kind == 4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
-    const int zx = unsig ? 128 : kind == 2 || kind == 7 || kind == 8 ? z : 0; /* the sums' zero point */
+    const int zx = unsig ? 128 : kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z : 0; /* the sums' zero point */
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;
@@ -1477,10 +1547,14 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
         if (!xs) goto fail;
         for (int64_t m = 0; m < M; m++) group_sums(x + m * K, K, G, xs + m * ng);
     }
-    if (kind == 6) { /* "q2"'s mins meet float sums of x, as the offsets do */
-        xg = malloc(sizeof(float) * (size_t)(M * (K / 16)));
+    if (KQ_MINS(kind)) { /* "q2"'s and "q4k"'s mins meet float sums of x, as the offsets do */
+        const int64_t len = xg_len(kind, K);
+        xg = malloc(sizeof(float) * (size_t)(M * len));
         if (!xg) goto fail;
-        for (int64_t m = 0; m < M; m++) group_sums16_lanes(x + m * K, K, xg + m * (K / 16));
+        for (int64_t m = 0; m < M; m++) {
+            if (kind == 6) group_sums16_lanes(x + m * K, K, xg + m * len);
+            else group_sums(x + m * K, K, 32, xg + m * len); /* a block's 8 chunks, its lanes */
+        }
     }
     /* Work in tiles of up to MCHUNK activation rows by nb weight rows: enough to share among
      * the threads, small enough that each writes whole cache lines of y and few pages at a

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64}
+_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64, "q4k": 128}
+_KINDS["q6k"] = 1 << 16  # bits 8-15 hold the zero point
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
@@ -162,15 +163,15 @@ def isa() -> str | None:
 def supports(w: PackedWeight) -> bool:
     """Whether the kernel handles this weight's layout (else the torch reference runs); half
     weights (HALF_KINDS) have their own kernel, ``half_gemm``."""
-    from tokenmill.quant.packed import HALF_KINDS, K_QUANT_KINDS
+    from tokenmill.quant.packed import HALF_KINDS, K_QUANT_GROUP
 
     if w.kind in HALF_KINDS:
         return False
     n, k = w.shape
-    if w.kind in K_QUANT_KINDS:  # whole super-blocks, their float16 d (and dmin)
+    if w.kind in K_QUANT_GROUP:  # whole super-blocks, their float16 d (and dmin)
         return (
             k % 256 == 0
-            and w.group == 16
+            and w.group == K_QUANT_GROUP[w.kind]
             and w.scales.dtype == torch.float16
             and w.codes.device.type == "cpu"
         )
@@ -194,8 +195,9 @@ def supports(w: PackedWeight) -> bool:
 
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
-    bits 8-15, as "q3"'s and "q5"'s), bit 3 for "n4" indices (4-bit, into IQ4's table), bits 4
-    and 5 for "q2" and "q3" super-blocks, bit 6 for "q5" codes, bit 1 for float16 scales."""
+    bits 8-15, as "q3"'s, "q5"'s and "q6k"'s), bit 3 for "n4" indices (4-bit, into IQ4's
+    table), bits 4, 5, 7 and 16 for "q2", "q3", "q4k" and "q6k" super-blocks, bit 6 for "q5"
+    codes, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 

@@ -100,7 +100,7 @@ def codes_q8_0(blocks: torch.Tensor) -> BlockCodes:
     return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
-def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block."""
     s = scales.reshape(-1, 3, 4)
     d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
@@ -150,7 +150,7 @@ def codes_q3_k(blocks: torch.Tensor) -> BlockCodes:
 
 def codes_q4_k(blocks: torch.Tensor) -> BlockCodes:
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
+    sc, mn = k_scales(blocks[:, 4:16])
     q = _nibbles(blocks[:, 16:144], 32).to(torch.int16)
     return BlockCodes(q, d * sc, dmin * mn, 32)
 
@@ -158,7 +158,7 @@ def codes_q4_k(blocks: torch.Tensor) -> BlockCodes:
 def codes_q5_k(blocks: torch.Tensor) -> BlockCodes:
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-    sc, mn = _k_scales(blocks[:, 4:16])
+    sc, mn = k_scales(blocks[:, 4:16])
     qh = blocks[:, 16:48].reshape(n, 1, 1, 32)
     high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [n, 1, 8, 32]
     low = _nibbles(blocks[:, 48:176], 32)

@@ -17,12 +17,14 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
   "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
         (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
-  "q2", "q3": GGUF Q2_K / Q3_K kept as their 256-element super-blocks, as few bytes as the
-        file's (K_QUANT_KINDS): 2-bit codes 0..3 ("q3": and a third bit, code + ``zero`` 4)
-        and the file's own sub-block scale bytes in ``codes``, the float16 d (and "q2": dmin)
-        of each super-block in ``scales`` [N, K/256] ("q2": [N, K/128], d and dmin in turn);
-        ``group`` 16 is the sub-block's, and ``group_scales`` gives its float32 scales
-        (d · scale) and offsets ("q2": dmin · min) as the other kinds hold them.
+  "q2", "q3", "q4k", "q6k": GGUF Q2_K / Q3_K / Q4_K / Q6_K kept as their 256-element
+        super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS): the codes ("q2":
+        2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit 0..15; "q6k": 4 bits
+        and 2 more, code + ``zero`` 32) and the file's own sub-block scale bytes in ``codes``,
+        the float16 d (and "q2", "q4k": dmin) of each super-block in ``scales`` [N, K/256]
+        ([N, K/128], d and dmin in turn); ``group`` is the sub-block's (16, "q4k" 32), and
+        ``group_scales`` gives its float32 scales (d · scale) and offsets (dmin · min) as the
+        other kinds hold them. The kernel forms those in registers as it reads each block.
 Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
 csrc/qgemm.c): rows of a multiple of 64 elements are permuted in blocks of 8 chunks of 32 so
 that one 32-byte vector holds 4 codes of each of 8 chunks. "q4" and "n4" then pack each pair
@@ -30,10 +32,13 @@ of 32-code vectors into 32 bytes (the first in the low nibbles). Rows of other l
 element order ("q4", "n4": per 32-element chunk, byte j holds elements j and j + 16, as ggml's
 Q4_0) and are computed by the torch reference only ("q5" rows are always lane ordered: other
 lengths stay "u8"). ``codes_int`` gives codes in element order
-("n4": the table's codes, not the indices). "q2" and "q3" rows, whole super-blocks, always fill
-blocks of 8 chunks, one a super-block: its 8 code vectors' low 2-bit pairs go in two 32-byte
-planes (vectors 0..3, the first halves of the 8 chunks, then 4..7; vector 4p + s in bits 2s of
-plane p), "q3"'s third bits in one more (vector u in bit u), then the sub-block scale bytes.
+("n4": the table's codes, not the indices). K-quant rows (K_QUANT_KINDS), whole super-blocks,
+always fill blocks of 8 chunks, one a super-block. "q2" and "q3": its 8 code vectors' low 2-bit
+pairs go in two 32-byte planes (vectors 0..3, the first halves of the 8 chunks, then 4..7;
+vector 4p + s in bits 2s of plane p), "q3"'s third bits in one more (vector u in bit u). "q4k":
+its 8 code vectors as "q4" keeps them (pairs in 32 bytes, the first in the low nibbles). "q6k":
+their low 4 bits so, then their top 2 bits in two planes as "q2"'s. Then the sub-block scale
+bytes.
 The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
 ``reference_matmul`` is its pure-torch twin, the torch kernel backend's path and the oracle of
 the tests.
@@ -52,6 +57,7 @@ from tokenmill.quant.gguf_blocks import (
     QK_K,
     BlockCodes,
     iq4_values,
+    k_scales,
     q2_k_scales,
     q3_k_scales,
 )
@@ -64,11 +70,12 @@ TORCH_INT4_KIND = "t4"
 
 @dataclass(slots=True)
 class PackedWeight:
-    kind: str  # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "f16" | "bf16" (HALF_KINDS) | "t4"
+    # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "q4k" | "q6k" | "f16" | "bf16" | "t4"
+    kind: str
     # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), uint8 [N, K // 2 + 32 ·
-    # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] ("q2", "q3": K_QUANT_KINDS)
+    # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] (K_QUANT_KINDS)
     codes: torch.Tensor
-    scales: torch.Tensor  # float32 or float16 [N, K // G] ("q2", "q3": float16 per super-block)
+    scales: torch.Tensor  # float32 or float16 [N, K // G] (K_QUANT_KINDS: float16 d, dmin)
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
@@ -111,20 +118,26 @@ class PackedWeight:
     def group_scales(
         self, rows: slice | torch.Tensor = slice(None)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Float32 scales [n, K // G] and offsets (or None) of ``rows``, one per group: "q2" and
-        "q3" form theirs from the super-block and sub-block scales, as ggml does."""
+        """Float32 scales [n, K // G] and offsets (or None) of ``rows``, one per group: the
+        K_QUANT_KINDS form theirs from the super-block and sub-block scales, as ggml does."""
         if self.kind not in K_QUANT_KINDS:
             offsets = None if self.offsets is None else self.offsets[rows]
             return self.scales[rows].float(), offsets
         _, sub = unpack_k_quant(self.codes[rows], self.kind, self.shape[1])
         n, num_super = sub.shape[:2]
         d = self.scales[rows].float().reshape(n, num_super, -1)  # [n, super-blocks, 1 or 2]
-        if self.kind == "q3":
-            scales = d[:, :, :1] * q3_k_scales(sub.reshape(-1, 12)).float().reshape(n, -1, 16)
+        per = QK_K // self.group  # sub-blocks a super-block
+        if self.kind in ("q3", "q6k"):
+            sc = sub.reshape(-1, 16).view(torch.int8) if self.kind == "q6k" else None
+            sc = q3_k_scales(sub.reshape(-1, 12)) if sc is None else sc
+            scales = d[:, :, :1] * sc.float().reshape(n, -1, per)
             return scales.reshape(n, -1), None
-        sc, mn = q2_k_scales(sub.reshape(-1, 16))
-        scales = d[:, :, :1] * sc.reshape(n, -1, 16)
-        offsets = d[:, :, 1:] * mn.reshape(n, -1, 16)
+        if self.kind == "q4k":
+            sc, mn = k_scales(sub.reshape(-1, 12))
+        else:
+            sc, mn = q2_k_scales(sub.reshape(-1, 16))
+        scales = d[:, :, :1] * sc.reshape(n, -1, per)
+        offsets = d[:, :, 1:] * mn.reshape(n, -1, per)
         return scales.reshape(n, -1), offsets.reshape(n, -1)
 
     def dequantize(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
@@ -315,22 +328,48 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-# "q2" / "q3" -> (bytes of a stored 256-element super-block, where its sub-block scale bytes
+# K-quant kind -> (bytes of a stored 256-element super-block, where its sub-block scale bytes
 # start): "q2" 2 planes of 2-bit pairs and Q2_K's 16 scale | min bytes (with d and dmin: the
-# file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110).
-K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96)}
-K_QUANT_TYPES = {10: "q2", 11: "q3"}  # ggml type id (Q2_K, Q3_K) -> kind
-K_QUANT_ZERO = {"q2": 0, "q3": 4}  # stored code = code + zero (Q3_K's codes are -4..3)
+# file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110),
+# "q4k" 128 bytes of nibble pairs and Q4_K's 12 bytes of 6-bit scales and mins (with d and
+# dmin: 144), "q6k" 128 of nibble pairs, 2 planes of top 2-bit pairs and Q6_K's 16 int8 scales
+# (with d: 210).
+K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96), "q4k": (140, 128), "q6k": (208, 192)}
+K_QUANT_TYPES = {10: "q2", 11: "q3", 12: "q4k", 14: "q6k"}  # ggml type id -> kind
+K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q6k": 32}  # stored code = code + zero
+K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q6k": 16}  # elements a sub-block
+# Where the file's float16 d (and dmin) and sub-block scale bytes lie in a block of each type.
+_K_QUANT_FILE = {10: ((80, 84), (0, 16)), 11: ((108, 110), (96, 108)), 12: ((0, 4), (4, 16))}
+_K_QUANT_FILE[14] = ((208, 210), (192, 208))
+
+
+def _pairs(c: torch.Tensor, shift: int) -> torch.Tensor:
+    """Code vectors [..., 8, 32] -> 4 vectors of 32 bytes, vector 2v in the low nibbles of the
+    v-th ("q4"'s pairs), of each code's bits shift..shift + 3."""
+    low = ((c >> shift) & 0x0F).reshape(*c.shape[:-2], 4, 2, 32)
+    return (low[..., 0, :] | low[..., 1, :] << 4).reshape(*c.shape[:-2], 128)
+
+
+def _planes(c: torch.Tensor, shift: int) -> torch.Tensor:
+    """Code vectors [..., 8, 32] -> 2 planes of 32 bytes: vector 4p + s's bits shift..shift + 1
+    in bits 2s of plane p."""
+    low = ((c >> shift) & 3).reshape(*c.shape[:-2], 2, 4, 32)
+    planes = low[..., 0, :] | low[..., 1, :] << 2 | low[..., 2, :] << 4 | low[..., 3, :] << 6
+    return planes.reshape(*c.shape[:-2], 64)
 
 
 def pack_k_quant(codes: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Tensor:
-    """Stored codes [N, K] (0..3, "q3" 0..7) in element order and each super-block's sub-block
-    scale bytes [N, K / 256, 16 or 12] -> "q2" / "q3" codes [N, K / 256 · super-block bytes]."""
+    """Stored codes [N, K] (code + zero: "q2" 0..3, "q3" 0..7, "q4k" 0..15, "q6k" 0..63) in
+    element order and each super-block's sub-block scale bytes [N, K / 256, bytes] -> the
+    kind's codes [N, K / 256 · super-block bytes]."""
     n, k = codes.shape
     c = codes[:, lane_order(k).to(codes.device)].to(torch.uint8).reshape(n, k // QK_K, 8, 32)
-    low = (c & 3).reshape(n, k // QK_K, 2, 4, 32)
-    planes = low[:, :, :, 0] | low[:, :, :, 1] << 2 | low[:, :, :, 2] << 4 | low[:, :, :, 3] << 6
-    parts = [planes.reshape(n, k // QK_K, 64)]
+    if kind == "q4k":
+        parts = [_pairs(c, 0)]
+    elif kind == "q6k":
+        parts = [_pairs(c, 0), _planes(c, 4)]
+    else:
+        parts = [_planes(c, 0)]
     if kind == "q3":
         high = torch.zeros_like(c[:, :, 0])
         for u in range(8):
@@ -340,15 +379,30 @@ def pack_k_quant(codes: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Ten
     return torch.cat(parts, dim=2).reshape(n, -1)
 
 
+def _unpairs(b: torch.Tensor) -> torch.Tensor:
+    """``_pairs`` undone: [..., 128] bytes -> code vectors [..., 8, 32] of 4 bits."""
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(2, 1)
+    return ((b.reshape(*b.shape[:-1], 4, 1, 32) >> shifts) & 0x0F).reshape(*b.shape[:-1], 8, 32)
+
+
+def _unplanes(b: torch.Tensor) -> torch.Tensor:
+    """``_planes`` undone: [..., 64] bytes -> code vectors [..., 8, 32] of 2 bits."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(4, 1)
+    return ((b.reshape(*b.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*b.shape[:-1], 8, 32)
+
+
 def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_k_quant`` undone: stored codes int16 [N, K] in element order and the sub-block
     scale bytes [N, K / 256, 16 or 12]."""
     n, num_super = stored.shape[0], k // QK_K
     sb_bytes, sub_at = K_QUANT_KINDS[kind]
     blocks = stored.reshape(n, num_super, sb_bytes)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=stored.device)
-    planes = blocks[:, :, :64].reshape(n, num_super, 2, 1, 32)
-    c = ((planes >> shifts.view(1, 1, 1, 4, 1)) & 3).reshape(n, num_super, 8, 32)
+    if kind == "q4k":
+        c = _unpairs(blocks[:, :, :128])
+    elif kind == "q6k":
+        c = _unpairs(blocks[:, :, :128]) | _unplanes(blocks[:, :, 128:192]) << 4
+    else:
+        c = _unplanes(blocks[:, :, :64])
     if kind == "q3":
         bits = torch.arange(8, dtype=torch.uint8, device=stored.device).view(1, 1, 8, 1)
         c = c | (((blocks[:, :, 64:96].unsqueeze(2) >> bits) & 1) << 2)
@@ -359,31 +413,30 @@ def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tenso
 def _from_k_quant_blocks(
     blocks: torch.Tensor, ggml_type: int, rows: int, cols: int
 ) -> PackedWeight:
-    """Q2_K / Q3_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor -> "q2" / "q3"."""
+    """Q2_K / Q3_K / Q4_K / Q6_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor ->
+    their kind (K_QUANT_TYPES), the file's bytes rearranged."""
     kind = K_QUANT_TYPES[ggml_type]
     zero, num_super = K_QUANT_ZERO[kind], cols // QK_K
     codes = (BLOCK_CODES[ggml_type][2](blocks).codes + zero).reshape(rows, cols)
-    if kind == "q2":  # the file's bytes: 16 of scales | mins, 64 of codes, f16 d, f16 dmin
-        sub, d = blocks[:, :16], blocks[:, 80:84]
-    else:  # 32 of third bits, 64 of codes, 12 of scales, f16 d
-        sub, d = blocks[:, 96:108], blocks[:, 108:110]
-    stored = pack_k_quant(codes, sub.reshape(rows, num_super, -1), kind)
-    scales = d.contiguous().view(torch.float16).reshape(rows, -1)
-    return PackedWeight(kind, stored, scales, None, 16, (rows, cols), zero)
+    (d0, d1), (s0, s1) = _K_QUANT_FILE[ggml_type]
+    stored = pack_k_quant(codes, blocks[:, s0:s1].reshape(rows, num_super, -1), kind)
+    scales = blocks[:, d0:d1].contiguous().view(torch.float16).reshape(rows, -1)
+    group = K_QUANT_GROUP[kind]
+    return PackedWeight(kind, stored, scales, None, group, (rows, cols), zero)
 
 
-# ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 and Q4_K unsigned 0..15): packed
-# two a byte.
-FOUR_BIT_TYPES = (2, 3, 12)
+# ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 unsigned 0..15): packed two a
+# byte. (The k-quants keep their super-blocks: K_QUANT_TYPES.)
+FOUR_BIT_TYPES = (2, 3)
 # ggml types whose 4-bit indices pick a code from a table (IQ4_NL, IQ4_XS): "n4".
 IQ4_TYPES = (20, 23)
 # ggml types whose block scale is a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): kept
-# float16, exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too). The
-# k-quants' and IQ4_XS's scales are products (super-block scale times a small integer): float32.
+# float16, exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too).
+# Q5_K's and IQ4_XS's scales are products (super-block scale times a small integer): float32.
 FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8, 20)
-# ggml types whose codes fit 6 bits, stored as code + zero: Q5_0 (-16..15), Q5_1 and Q5_K
-# (0..31), Q6_K (-32..31); "u8" bytes, or "q5" (FIVE_BIT_TYPES, rows of a multiple of 64).
-BYTE_ZERO = {6: 16, 7: 0, 13: 0, 14: 32}
+# ggml types whose codes fit 5 bits, stored as code + zero: Q5_0 (-16..15), Q5_1 and Q5_K
+# (0..31); "q5" (rows of a multiple of 64), else "u8" bytes.
+BYTE_ZERO = {6: 16, 7: 0, 13: 0}
 FIVE_BIT_TYPES = (6, 7, 13)
 
 
