@@ -122,7 +122,7 @@ def write_f16(name: str, shape: LlamaShape, path: Path, seed: int = 0) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for tname, tshape in tensors:
+    for _, tshape in tensors:
         if len(tshape) == 1:
             data = np.ones(tshape, dtype=np.float32)
         else:
