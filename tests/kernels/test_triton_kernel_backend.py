@@ -265,7 +265,7 @@ def test_packed_matmul_writes_into_out(triton_device, triton_backend, ref) -> No
 
 
 def _gguf_like(zero: int | None, seed: int) -> PackedWeight:
-    """A Q4_0-like ("q4", float16 scales, offsets 8·scale) or, with ``zero``, a Q5_0-like
+    """A Q4_0-like ("q4", float16 scales, codes + 8) or, with ``zero``, a Q5_0-like
     ("u8") weight [40, 128], built as the GGUF reader builds them."""
     g = torch.Generator().manual_seed(seed)
     low, high = (-8, 8) if zero is None else (-16, 16)
@@ -280,7 +280,7 @@ def test_gguf_layouts_q4_runs_triton_others_run_torch(
 ) -> None:
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(21)).to(triton_device)
     q4 = _gguf_like(None, seed=22).to(triton_device)
-    assert q4.kind == "q4" and q4.scales.dtype == torch.float16 and q4.offsets is not None
+    assert q4.kind == "q4" and q4.scales.dtype == torch.float16 and q4.zero == 8
     want = ref.packed_matmul(x, q4, None, act_int8=False)
     _assert_matmul_close(triton_backend.packed_matmul(x, q4, None, False), want, torch.float32)
     assert calls == {"packed_matmul": 1}

@@ -68,8 +68,9 @@ def test_repacking_is_exact(name: str) -> None:
     kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q4_K": "q4k", "Q6_K": "q6k"}
     kinds |= {"Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5"}
     assert w.kind == kinds[name]
-    if w.kind in K_QUANT_KINDS or name == "Q5_0":
+    if w.kind in K_QUANT_KINDS or name in ("Q4_0", "Q5_0", "Q8_0"):
         assert w.nbytes == raw.numel()  # as many bytes as the file's: Q5_0 22 a 32
+        assert w.offsets is None  # Q4_0's signed codes: a zero point 8, no offsets
     else:
         per_row = {"q4": 256, "n4": 256, "q5": 256 + 2 * 32}.get(w.kind, 512)
         assert w.codes.numel() == 24 * per_row

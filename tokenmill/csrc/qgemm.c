@@ -4,9 +4,10 @@
  *
  * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0, IQ4_NL) and optionally a float32
- * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes 0..15 ("q4"); bit
- * 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit 3: 4-bit indices, stored as
- * "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL, IQ4_XS); bits 4 and 5: GGUF
+ * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes + z, 0..15 ("q4", z
+ * as "u8"'s: GGUF Q4_0's 8); bit 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit
+ * 3: 4-bit indices, stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL,
+ * IQ4_XS); bits 4 and 5: GGUF
  * Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z, 0..31, in a nibble and
  * a bit plane ("q5", below, z as "u8"'s); bit 7, bit 16: GGUF Q4_K / Q6_K super-blocks ("q4k",
  * "q6k", below); else int8 codes ("q8"); bit 1: float16 scales.
@@ -686,7 +687,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                                     const float *xg, __m256 *facc) {
     __m256i ia[RA_MAX], ib[RA_MAX];
     const int8_t *xb = xq + c0 * RA * 32; /* the block's activations: fixed offsets from here */
-    if (KIND != 1 && xz) /* start from -z · sum x: the sums then come out for code, not code + z */
+    if (xz) /* start from -z · sum x: the sums then come out for code, not code + z */
         for (int i = 0; i < RA; i++) {
             const __m256i *zi = (const __m256i *)(xz + (b * RA + i) * (G16 ? 16 : 8));
             ia[i] = _mm256_loadu_si256(zi);
@@ -900,7 +901,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             __m256i wi[4];
             const __m256i codes =
                 IS_KQ(KIND) ? kq_code(KIND, src, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
-            widen_codes(KIND, KIND == 2 || KIND == 7 || KIND == 8 || KIND == 10 ? z : 0, codes, wi);
+            widen_codes(KIND, KIND == 1 || KIND == 2 || KIND == 7 || KIND == 8 || KIND == 10 ? z : 0, codes, wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -1495,7 +1496,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     const int int8_codes = kind == 0 || kind == 4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
-    const int zx = unsig ? 128 : kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z : 0; /* the sums' zero point */
+    const int zx = unsig ? 128 : kind == 1 || kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z : 0; /* the sums' zero point */
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;

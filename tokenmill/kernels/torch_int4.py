@@ -43,7 +43,9 @@ def inner_k_tiles(k: int) -> int | None:
 def takes(w: PackedWeight) -> bool:
     """Whether the kernel can compute this packed weight."""
     n, k = w.shape
-    return w.kind == "q4" and w.group in GROUPS and n % 8 == 0 and inner_k_tiles(k) is not None
+    if w.kind != "q4" or w.zero or w.group not in GROUPS:  # GGUF Q4_0's zero point: not read
+        return False
+    return n % 8 == 0 and inner_k_tiles(k) is not None
 
 
 def operands(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
         (below), a 32-byte plane of their fifth bits (vector u in bit u), then their low 4
         bits as "q4" keeps them: 0.625 bytes a code where "u8" took 1, which batch-1 decode,
         bound by the bytes it reads, turns into speed;
-  "q4": 4-bit codes 0..15, two per byte [N, K/2] (GGUF Q4_0, Q4_K; int4);
+  "q4": 4-bit codes + ``zero``, 0..15, two per byte [N, K/2] (GGUF Q4_0: zero 8, Q4_1; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
         (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
   "q2", "q3", "q4k", "q6k": GGUF Q2_K / Q3_K / Q4_K / Q6_K kept as their 256-element
@@ -79,7 +79,7 @@ class PackedWeight:
     offsets: torch.Tensor | None  # float32 [N, K // G] or None
     group: int  # G: 16, or a multiple of 32
     shape: tuple[int, int]  # (N, K)
-    zero: int = 0  # "u8", "q5": stored code = code + zero
+    zero: int = 0  # "u8", "q5", "q4", K_QUANT_ZERO: stored code = code + zero
 
     @property
     def nbytes(self) -> int:
@@ -282,7 +282,7 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
         half = 32 if k % 64 == 0 else 16
         pairs = stored.reshape(n, -1, 1, half)
         shifts = torch.tensor([0, 4], dtype=torch.uint8, device=stored.device).view(1, 1, 2, 1)
-        codes = ((pairs >> shifts) & 0x0F).reshape(n, k).to(torch.int16)
+        codes = ((pairs >> shifts) & 0x0F).reshape(n, k).to(torch.int16) - zero
         if kind == "n4":
             codes = iq4_values(codes)
     inverse = _element_order(k, stored.device)
@@ -467,12 +467,12 @@ def from_block_codes(
             stored = pack_codes(codes, kind, zero)
             return PackedWeight(kind, stored, scales, offsets, bc.group, (rows, cols), zero)
         return PackedWeight("q8", pack_codes(codes, "q8"), scales, offsets, bc.group, (rows, cols))
-    if offsets is None:
-        # Signed 4-bit (Q4_0): store code + 8 and fold the shift into an exact offset 8·scale.
-        codes, offsets = codes + 8, 8.0 * scales
+    # Signed 4-bit (Q4_0): store code + 8, a zero point as "u8"'s (no offsets: the file's bytes).
+    zero = 8 if offsets is None else 0
     if f16_scales:
         scales = scales.half()
-    return PackedWeight("q4", pack_codes(codes, "q4"), scales, offsets, bc.group, (rows, cols))
+    stored = pack_codes(codes + zero, "q4")
+    return PackedWeight("q4", stored, scales, offsets, bc.group, (rows, cols), zero)
 
 
 def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight:

@@ -47,6 +47,7 @@ def _packed_matmul_kernel(
     stride_om,
     GROUP: tl.constexpr,
     KIND: tl.constexpr,
+    ZERO: tl.constexpr,  # stored code = code + ZERO (GGUF Q4_0's "q4": 8)
     LANE: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -77,7 +78,7 @@ def _packed_matmul_kernel(
             byte = (p // (2 * half)) * half + p % half
             shift = ((p // half) % 2) * 4
             b = tl.load(codes_ptr + cols[None, :] * stride_cn + byte[:, None], mask=w_mask, other=0)
-            c = (b.to(tl.int32) >> shift[:, None]) & 0xF
+            c = ((b.to(tl.int32) >> shift[:, None]) & 0xF) - ZERO
         g = e // GROUP
         s = tl.load(scales_ptr + cols[None, :] * stride_sn + g[:, None], mask=w_mask, other=0.0)
         w = s.to(tl.float32) * c.to(tl.float32)
@@ -105,7 +106,7 @@ def _packed_matmul_kernel(
 
 def supports(w: PackedWeight) -> bool:
     """Whether the kernel reads w's layout (the int8 and int4 methods' kinds, and GGUF's Q8_0,
-    Q4_0, Q4_1, Q4_K, which share them)."""
+    Q4_0 and Q4_1, which share them)."""
     parts = [w.codes, w.scales] + ([] if w.offsets is None else [w.offsets])
     return w.kind in KINDS and all(t.stride(-1) == 1 for t in parts)
 
@@ -161,6 +162,7 @@ def packed_matmul(
         y.stride(0),
         GROUP=w.group,
         KIND=KINDS[w.kind],
+        ZERO=w.zero,
         LANE=order is not None,
         HAS_OFFSETS=offsets is not None,
         HAS_BIAS=bias is not None,
