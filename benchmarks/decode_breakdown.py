@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step of gemma-3-270m spends its time, part by part.
+"""Where a batch-1 decode step spends its time, part by part (gemma-3-270m, or --model).
 
 Decodes 64 tokens after a 128-token prompt, twice:
 - eagerly (--enforce-eager's path), with the engine's parts wrapped in timers (wall clock, so
@@ -52,19 +52,26 @@ def _timed(owner: object, name: str, key: str, acc: dict[str, float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--model",
+        default="gemma-3-270m",
+        help="alias or .gguf (e.g. a file of benchmarks/llama_shapes.py)",
+    )
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--packed-activations", default="int8", help="int8 or float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--graphed-only", action="store_true", help="skip the eager run")
     args = parser.parse_args()
-    eager_step = run_eager(args)
+    eager_step = None if args.graphed_only else run_eager(args)
     graph_step = run_graphed(args)
-    print(f"decode step: eager {eager_step * 1e3:.2f} ms, graphed {graph_step * 1e3:.2f} ms")
+    if eager_step is not None:
+        print(f"decode step: eager {eager_step * 1e3:.2f} ms, graphed {graph_step * 1e3:.2f} ms")
 
 
 def _engine(args: argparse.Namespace, enforce_eager: bool) -> LLM:
     return LLM(
-        "gemma-3-270m",
+        args.model,
         max_model_len=1024,
         kv_cache_memory="512MiB",
         quantization=args.quantization,
@@ -151,12 +158,13 @@ def run_graphed(args: argparse.Namespace) -> float:
         if name == f"matmul N={llm.engine.config.model_config.vocab_size}":
             name = "output head (matmul)"
         elif name.startswith("matmul"):
-            name = "layer matmuls"
-        by_kind[name] += t / reps
-    replay = sum(by_kind.values())
+            by_kind["layer matmuls"] += t / reps
+        by_kind[name] += t / reps  # each matmul shape apart too
+    replay = per_op.sum().item() / reps
     print(f"  {'graph replay, all kernels':34s} {replay * 1e3:7.2f} ms/step ({len(graph)} calls)")
     for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"    {name:32s} {t * 1e3:7.2f} ms/step")
+        indent = "      " if name.startswith("matmul") else "    "  # within "layer matmuls"
+        print(f"{indent}{name:32s} {t * 1e3:7.2f} ms/step")
     print(f"  {'scheduler, sampler, outputs':34s} {(total - replay) * 1e3:7.2f} ms/step")
     return total
 

@@ -520,26 +520,33 @@ K_QUANT_LAYERS = [
 def _random_k_quant(rng, ggml_type: int, rows: int, cols: int):
     import numpy as np
 
-    nbytes = BLOCK_CODES[ggml_type][1]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, nbytes), dtype=np.uint8)
+    elems, nbytes, _ = BLOCK_CODES[ggml_type]
+    blocks = rng.integers(0, 256, size=(rows * cols // elems, nbytes), dtype=np.uint8)
     if ggml_type == 10:  # dmin = 1.5 d centres d · scale · code - dmin · min on 0
         d = rng.uniform(3e-3, 5e-3, size=len(blocks))
         blocks[:, 80:84] = np.stack([d, 1.5 * d], 1).astype(np.float16).view(np.uint8)
-    else:
+    elif ggml_type == 11:
         blocks[:, 108:110] = (
             rng.uniform(1e-3, 1.5e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
         )
+    else:  # the others: every float16 scale of the block small (SCALE_AT)
+        scale_at = SCALE_AT.get(ggml_type, [0, 2] if ggml_type in (3, 7, 12, 13) else [0])
+        for at in scale_at:
+            d = rng.uniform(1e-4, 2e-4, size=(len(blocks), 1)).astype(np.float16)
+            blocks[:, at : at + 2] = d.view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def _write_k_quant_gguf(path) -> None:
+def _write_k_quant_gguf(path, layers=K_QUANT_LAYERS, embd: int = 10, head: int = 11) -> None:
+    """The tiny Llama GGUF above, or one whose layers, embedding and head have the types
+    given (ggml type ids)."""
     import gguf
     import numpy as np
 
     hidden, inter, heads, kv_heads, head_dim, vocab = 256, 512, 4, 2, 64, 320
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(len(K_QUANT_LAYERS))
+    writer.add_block_count(len(layers))
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(inter)
@@ -562,8 +569,11 @@ def _write_k_quant_gguf(path) -> None:
         "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
         "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
     }  # fmt: skip
-    tensors = {"token_embd.weight": (10, (vocab, hidden)), "output.weight": (11, (vocab, hidden))}
-    for layer, types in enumerate(K_QUANT_LAYERS):
+    tensors = {
+        "token_embd.weight": (embd, (vocab, hidden)),
+        "output.weight": (head, (vocab, hidden)),
+    }
+    for layer, types in enumerate(layers):
         for part, shape in shapes.items():
             tensors[f"blk.{layer}.{part}.weight"] = (types[part], shape)
         for norm in ("attn_norm", "ffn_norm"):
@@ -583,6 +593,41 @@ def _write_k_quant_gguf(path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# The types a model holds at the file's bytes (the weights' bytes equal the GGUF tensors').
+FILE_BYTES_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_NL"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FILE_BYTES_TYPES)
+def test_a_gguf_model_holds_its_weights_at_the_files_bytes(tmp_path, caplog, name) -> None:
+    """Every projection, the embedding and the head of one type: the loaded model holds as
+    many bytes as the file's tensors (within 2%), the load log says so, and it decodes."""
+    import logging
+
+    from tokenmill.config import resolve_model
+    from tokenmill.models.loader import gguf_weight_bytes, load_model, load_model_config
+
+    t = GGML_TYPES[name]
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    path = tmp_path / f"{name}.gguf"
+    _write_k_quant_gguf(path, [dict.fromkeys(parts, t)] * 2, embd=t, head=t)
+    with caplog.at_level(logging.INFO, logger="tokenmill.models.loader"):
+        config = load_model_config(resolve_model(str(path)))
+        model = load_model(config, torch.float32, torch.device("cpu"), 64, PackedQuantMethod())
+    stored = gguf_weight_bytes(config)
+    assert abs(model.weight_nbytes() / stored - 1) < 0.02
+    assert f"the file's tensors {stored / 1e6:.1f} MB" in caplog.text
+    kinds = {layer.mlp.down_proj.quant_state.weight.kind for layer in model.model.layers}
+    assert kinds == {pack_gguf(_random_blocks(t, 1, 512, 0).reshape(-1), t, (1, 512)).kind}
+    engine = LLMEngine.from_args(model=str(path), max_model_len=64, kv_cache_memory="4MiB")
+    rid = engine.add_request([1, 5, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {out.request_id: out for out in engine.step() if out.finished}
+    assert len(done[rid].outputs[0].token_ids) == 4
+    assert_all_blocks_free(engine)
 
 
 def _prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:

@@ -127,7 +127,29 @@ def load_model(
             gguf_cache.save(key, model)
     model.bind_kernels(create_kernel_backend(backend), create_attention_backend(backend))
     _release_freed_memory()
+    if _keeps_gguf_packed(config, quant_method) and config.tp.size == 1:
+        held, stored = model.weight_nbytes(), gguf_weight_bytes(config)
+        logger.info(
+            "weights held: %.1f MB, the file's tensors %.1f MB (%.3fx)",
+            held / 1e6,
+            stored / 1e6,
+            held / max(stored, 1),
+        )
     return model.eval()
+
+
+def _keeps_gguf_packed(config: ModelConfig, quant_method: QuantMethod | None) -> bool:
+    """Whether this load keeps a GGUF's quantized tensors as they are stored (packed)."""
+    is_gguf = config.source is not None and config.source.format == "gguf"
+    return is_gguf and isinstance(quant_method, PackedQuantMethod) and quant_method.name == "gguf"
+
+
+def gguf_weight_bytes(config: ModelConfig) -> int:
+    """Bytes of the GGUF tensors this architecture loads (what a model keeping them as stored
+    holds: the weights at the file's bytes)."""
+    assert config.source is not None
+    tensors = GGUFFile(config.source.path).tensors
+    return sum(t.num_bytes for t in tensors if _hf_name(t.name, config.architecture) is not None)
 
 
 def _build_and_load(
@@ -148,7 +170,7 @@ def _build_and_load(
             model = model_cls(config, max_position)
     finally:
         torch.set_default_dtype(prev_dtype)
-    if isinstance(quant_method, PackedQuantMethod) and quant_method.name == "gguf":
+    if _keeps_gguf_packed(config, quant_method):
         # The file's quantized tensors go straight into their layers, never as floats.
         model.load_weights(_iter_gguf(config, keep_packed=True), packed_method=quant_method)
     else:
