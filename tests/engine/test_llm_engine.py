@@ -369,3 +369,20 @@ def test_engine_args_beyond_the_model(tiny_model_dir):
         LLMEngine.from_args(model=path, max_model_len=128, kv_cache_memory=1000)
     with pytest.raises(ValueError, match="max_model_len"):
         LLMEngine.from_args(model=path, max_model_len=512, kv_cache_memory="64KiB")
+
+
+def test_a_default_context_the_kv_cache_cannot_hold_is_lowered_not_refused(tiny_model_dir, caplog):
+    """max_model_len unset (the model's 512) and a KV cache of fewer tokens: the engine starts
+    with the context it holds, says so in a warning, and serves a request that long."""
+    import logging
+
+    path = str(tiny_model_dir("llama"))
+    with caplog.at_level(logging.WARNING):
+        engine = LLMEngine.from_args(model=path, kv_cache_memory="64KiB")
+    max_len = engine.config.scheduler_config.max_model_len
+    assert 0 < max_len < 512
+    assert f"max_model_len lowered to {max_len}" in caplog.text
+    prompt = [5] * (max_len - 4)
+    (out,) = run_to_end(engine, [(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert len(out.outputs[0].token_ids) == 4
+    assert_all_blocks_free(engine)

@@ -130,6 +130,22 @@ class Worker:
         if self.draft is not None:
             per_block += self.draft.info.kv_bytes_per_block
         self.memory_plan = self._plan_memory(per_block, max_model_len)
+        fits = self.kv_layout.max_request_tokens(
+            self.memory_plan.num_kv_blocks - 1, args.block_size, args.max_num_batched_tokens
+        )
+        if args.max_model_len is None and 0 < fits < max_model_len:
+            # A default must not fail after the load: a context the KV cache holds, said once.
+            # (A max_model_len asked for is the engine's error: engine._engine_config.)
+            if tp_rank == 0:
+                logger.warning(
+                    "the KV cache holds %d tokens, fewer than the model's context (%d): "
+                    "max_model_len lowered to %d (set max_model_len or kv_cache_memory to choose)",
+                    fits,
+                    max_model_len,
+                    fits,
+                )
+            max_model_len = fits
+            self.kv_layout = plan_kv_layout(model_config.layer_windows, max_model_len, hybrid_kv)
         if tp_rank == 0:
             logger.info("%s", self.memory_plan.describe())
         self.info = WorkerInfo(
