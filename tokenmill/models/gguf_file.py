@@ -6,6 +6,7 @@ formats is in ``tokenmill.quant.gguf_blocks``.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,17 @@ class GGUFFile:
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         return self._mmap[tensor.offset : tensor.offset + tensor.num_bytes]
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages of the map from this process's memory (they are read from
+        the file again if touched: the map is read-only); the whole pages inside it only."""
+        if self._mmap is None:
+            return
+        page = mmap.PAGESIZE
+        start = -(-(self._mmap.offset + tensor.offset) // page) * page - self._mmap.offset
+        end = (tensor.offset + tensor.num_bytes) // page * page
+        if end > start:
+            self._mmap._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def dequantize(data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:

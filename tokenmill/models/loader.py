@@ -191,6 +191,9 @@ def _build_and_load(
             module.group_parts_()
         elif isinstance(module, FusedMoE):  # packed experts into stacks, gate with up
             module.stack_()
+        else:
+            continue
+        _release_freed_memory()  # the parts just joined: holes the next join cannot fill
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
@@ -309,6 +312,11 @@ def _iter_gguf(
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_key_value_heads)
         yield name, weight
+        # Loaded: its pages of the file leave this process's memory, and the temporaries of
+        # packing it go back to the OS, so a load's peak stays near what the model holds
+        # rather than the model, the file and the freed temporaries together.
+        gguf_file.release(tensor)
+        _release_freed_memory()
 
 
 # Float types not kept as stored: F32 (already float32) and F64.

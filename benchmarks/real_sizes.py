@@ -1,0 +1,162 @@
+"""tokenmill beside llama.cpp on GGUFs at real sizes (benchmarks/llama_shapes.py), alternating.
+
+For each file, ``--rounds`` times, tokenmill then llama.cpp (llama.cpp's own llama-bench, from
+../shared/peers/build-llamacpp.sh), each in its own process, 2 threads:
+  - batch-1 decode tokens/s (64 tokens after a 16-token prompt), beside the read-bandwidth
+    ceiling: the weights' bytes read a token (the file's tensors: both engines hold them at
+    the file's bytes) over a read-bandwidth probe taken just before (a 1 GiB float32 sum, 2
+    threads), and the share of that ceiling each engine reaches;
+  - prefill tokens/s of a 512-token prompt;
+  - a load: seconds and peak RSS (tokenmill: ``LLM(file)`` in a fresh process, with the
+    packed-model cache off, as a first load, and RSS once loaded; llama.cpp: llama-bench of
+    one token, whole process).
+Prints one table a file: the median of each figure over the rounds, and tokenmill / llama.cpp.
+
+    python benchmarks/real_sizes.py FILE.gguf [FILE.gguf ...] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_BENCH = Path.home() / ".cache/peers/build-llamacpp/bin/llama-bench"
+THREADS = 2
+
+# A first load in a fresh process: its seconds, peak RSS and RSS once loaded.
+_LOAD = """
+import json, sys, time
+t = time.perf_counter()
+from tokenmill import LLM
+llm = LLM(sys.argv[1], max_model_len=2048)
+seconds = time.perf_counter() - t
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+kib = lambda key: int(status[key].split()[0]) * 1024
+print(json.dumps({"load_s": seconds, "peak_rss": kib("VmHWM"), "rss": kib("VmRSS")}))
+"""
+
+
+def cpu_line() -> str:
+    with open("/proc/cpuinfo") as f:
+        first = f.read().split("\n\n")[0]
+    info = {
+        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())
+    }
+    flags = set(info["flags"].split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
+    return f"{info['model name']}, {os.cpu_count()} vCPUs, flags: {' '.join(isa)}"
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a 1 GiB float32 sum on THREADS threads (median of 5)."""
+    torch.set_num_threads(THREADS)
+    x = torch.ones(1 << 28)
+    x.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def _tokenmill(*args: str, env: dict | None = None) -> str:
+    cmd = [sys.executable, "-c", "from tokenmill.cli import main; main()", *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return out.stdout
+
+
+def tokenmill_speed(path: Path) -> dict[str, float]:
+    common = ["bench", "latency", str(path), "--max-model-len", "2048", "--json"]
+    decode = json.loads(_tokenmill(*common, "--input-len", "16", "--output-len", "64",
+                                   "--num-iters", "3").splitlines()[-1])  # fmt: skip
+    prefill = json.loads(_tokenmill(*common, "--input-len", "512", "--output-len", "1",
+                                    "--num-iters", "2").splitlines()[-1])  # fmt: skip
+    return {"decode": decode["decode_tokens_per_s_median"],
+            "prefill": prefill["prefill_tokens_per_s"]}  # fmt: skip
+
+
+def tokenmill_load(path: Path) -> dict[str, float]:
+    env = {**os.environ, "TOKENMILL_NO_CACHE": "1"}
+    cmd = [sys.executable, "-c", _LOAD, str(path)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _llama_bench(path: Path, *args: str) -> tuple[list[dict], float, int]:
+    """llama-bench's JSON results, the process's seconds and peak RSS (bytes)."""
+    cmd = [str(LLAMA_BENCH), "-m", str(path), "-t", str(THREADS), "-o", "json", *args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status:
+        raise RuntimeError(f"llama-bench failed: {cmd}")
+    return json.loads(out), time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def llama_speed(path: Path) -> dict[str, float]:
+    decode, _, _ = _llama_bench(path, "-p", "0", "-n", "64", "-r", "3")
+    prefill, _, _ = _llama_bench(path, "-p", "512", "-n", "0", "-r", "2")
+    return {"decode": decode[0]["avg_ts"], "prefill": prefill[0]["avg_ts"]}
+
+
+def llama_load(path: Path) -> dict[str, float]:
+    _, seconds, peak = _llama_bench(path, "-p", "0", "-n", "1", "-r", "1")
+    return {"load_s": seconds, "peak_rss": peak}
+
+
+def weight_bytes(path: Path) -> int:
+    from tokenmill.modelfile import read_gguf
+
+    return sum(t.num_bytes for t in read_gguf(path).tensors)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if not LLAMA_BENCH.exists():
+        sys.exit(f"{LLAMA_BENCH} is missing: run ../shared/peers/build-llamacpp.sh")
+    print(cpu_line())
+    for path in args.files:
+        rows: dict[str, dict[str, list[float]]] = {"tokenmill": {}, "llama.cpp": {}}
+        bandwidths = []
+        for _ in range(args.rounds):
+            for name, speed, load in (
+                ("tokenmill", tokenmill_speed, tokenmill_load),
+                ("llama.cpp", llama_speed, llama_load),
+            ):
+                bandwidths.append(read_bandwidth())
+                figures = {**speed(path), **load(path)}
+                for key, value in figures.items():
+                    rows[name].setdefault(key, []).append(value)
+        med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
+        bw, nbytes = statistics.median(bandwidths), weight_bytes(path)
+        ceiling = bw / nbytes
+        tm, lc = med["tokenmill"], med["llama.cpp"]
+        print(f"\n{path.name}: weights {nbytes / 1e9:.3f} GB, read bandwidth {bw / 1e9:.1f} GB/s "
+              f"(probe), decode ceiling {ceiling:.1f} tok/s, {args.rounds} rounds")  # fmt: skip
+        print("| | tokenmill | llama.cpp | ratio |\n|---|---|---|---|")
+        print(f"| batch-1 decode, tok/s | {tm['decode']:.2f} ({tm['decode'] / ceiling:.0%} of "
+              f"ceiling) | {lc['decode']:.2f} ({lc['decode'] / ceiling:.0%}) | "
+              f"{tm['decode'] / lc['decode']:.2f}x |")  # fmt: skip
+        print(f"| prefill 512, tok/s | {tm['prefill']:.1f} | {lc['prefill']:.1f} | "
+              f"{tm['prefill'] / lc['prefill']:.2f}x |")  # fmt: skip
+        print(f"| load, s | {tm['load_s']:.2f} | {lc['load_s']:.2f} (incl. a token) | "
+              f"{tm['load_s'] / lc['load_s']:.2f}x |")  # fmt: skip
+        print(f"| load peak RSS, GB | {tm['peak_rss'] / 1e9:.2f} (loaded: {tm['rss'] / 1e9:.2f}) "
+              f"| {lc['peak_rss'] / 1e9:.2f} | {tm['peak_rss'] / lc['peak_rss']:.2f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
