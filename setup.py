@@ -26,6 +26,7 @@ setup(
                 "tokenmill/csrc/half.c",
                 "tokenmill/csrc/moe.c",
                 "tokenmill/csrc/prefill_attn.c",
+                "tokenmill/csrc/relay.c",
             ],
             depends=["tokenmill/csrc/simd.h"],
             extra_compile_args=compile_args,

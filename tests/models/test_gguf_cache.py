@@ -17,6 +17,7 @@ import torch
 from test_gguf_loading import write_tiny_gguf
 
 from tokenmill.config import CacheConfig, resolve_model
+from tokenmill.kernels import cpu_library
 from tokenmill.modelfile import (
     file_identity,
     record_sha256,
@@ -171,3 +172,37 @@ def test_remembered_checksum_is_forgotten_when_the_file_changes(tmp_path, monkey
     monkeypatch.setenv("TOKENMILL_NO_CACHE", "1")
     record_sha256(f, "abc")
     assert not verified_sha256(f, "abc")
+
+
+def _header_only_gguf(path: Path, types: list[int]) -> Path:
+    """A GGUF whose tensors (one a type, ggml type ids) hold random blocks: enough for a look
+    at its header."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.quant.gguf_blocks import BLOCK_CODES
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for i, t in enumerate(types):
+        if t == 0:
+            writer.add_tensor(f"t{i}", np.ones(256, dtype=np.float32))
+            continue
+        elems, nbytes, _ = BLOCK_CODES[t]
+        data = rng.integers(0, 256, size=(4, 256 // elems * nbytes), dtype=np.uint8)
+        writer.add_tensor(f"t{i}", data, raw_dtype=gguf.GGMLQuantizationType(t))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="C kernels not built here")
+def test_only_files_that_torch_repacks_get_an_entry(tmp_path, gguf_path) -> None:
+    """A file whose quantized tensors are all Q4_K / Q6_K (a Q4_K_M model's) is re-laid by the
+    C kernels at load: no entry, no second copy on disk. One with another type gets one."""
+    q4_k_m = _header_only_gguf(tmp_path / "q4km.gguf", [0, 12, 14])
+    assert not gguf_cache.repacks_in_torch(q4_k_m)
+    assert gguf_cache.repacks_in_torch(_header_only_gguf(tmp_path / "q8.gguf", [0, 12, 8]))
+    assert gguf_cache.repacks_in_torch(gguf_path)  # the tiny model's Q8_0 and Q4_0 tensors

@@ -120,6 +120,24 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     assert torch.equal(kernels.dequantize_rows(w, 7, 30), w.dequantize(slice(7, 30)))
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_c_relay_of_k_quant_blocks_equals_the_torch_twin(name: str) -> None:
+    """At load the C kernels re-lay Q4_K / Q6_K super-blocks (csrc/relay.c) into the bytes the
+    torch twin (pack_k_quant) builds, bit for bit."""
+    from tokenmill.quant.packed import _from_k_quant_blocks
+
+    t = GGML_TYPES[name]
+    raw = _random_blocks(t, 24, 768, seed=t + 1)
+    ours = pack_gguf(raw.reshape(-1), t, (24, 768))
+    twin = _from_k_quant_blocks(raw, t, 24, 768)
+    assert ours.codes.data_ptr() != twin.codes.data_ptr()
+    for field in ("kind", "group", "shape", "zero"):
+        assert getattr(ours, field) == getattr(twin, field)
+    assert torch.equal(ours.codes, twin.codes) and torch.equal(ours.scales, twin.scales)
+    assert ours.scales.dtype == torch.float16 and ours.offsets is None
+
+
 # K-quant kind -> (codes' range, sub-block scale bytes a super-block)
 K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q6k": (64, 16)}
 

@@ -56,6 +56,7 @@ QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _p
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
+RELAID_TYPES = (12, 14)  # GGUF types relay_kquant re-lays at load: Q4_K, Q6_K
 
 
 @functools.cache
@@ -142,6 +143,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_half_gemm.restype = None
     lib.tm_half_rows.argtypes = [_ptr, _i64, _i64, _ptr, _int, ctypes.c_float, _ptr]
     lib.tm_half_rows.restype = None
+    lib.tm_relay_kquant.argtypes = [_int, _ptr, _i64, _ptr, _ptr]
+    lib.tm_relay_kquant.restype = _int
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
@@ -239,6 +242,23 @@ def qgemm(
     if rc != 0:
         raise MemoryError("packed matmul could not allocate its activation buffer")
     return y
+
+
+def relay_kquant(
+    raw: torch.Tensor, ggml_type: int, num_blocks: int, block_bytes: int, d_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """GGUF Q4_K / Q6_K super-blocks (raw: their uint8 bytes, contiguous) re-laid as "q4k" /
+    "q6k" codes [num_blocks · block_bytes] and their float16 d (and dmin) bytes [num_blocks ·
+    d_bytes] (csrc/relay.c; quant/packed.pack_k_quant is its twin); None where the C library
+    is not available or does not re-lay the type."""
+    lib = library()
+    if lib is None or ggml_type not in RELAID_TYPES:
+        return None
+    codes = torch.empty(num_blocks * block_bytes, dtype=torch.uint8)
+    d = torch.empty(num_blocks * d_bytes, dtype=torch.uint8)
+    if lib.tm_relay_kquant(ggml_type, raw.data_ptr(), num_blocks, codes.data_ptr(), d.data_ptr()):
+        return None
+    return codes, d
 
 
 def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:
