@@ -304,13 +304,13 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "BF16": 2,
     "Q8_0": 1 + 2 / 32,  # int8 codes, float16 scale / 32
     "Q5_0": 0.625 + 2 / 32,  # 5-bit codes ("q5": 4 bits and a bit plane), float16 scale / 32
-    "Q4_0": 0.5 + (2 + 4) / 32,  # 4-bit codes, float16 scale and float32 offset / 32
-    "Q4_1": 0.5 + (2 + 4) / 32,  # the same
+    "Q4_0": 0.5 + 2 / 32,  # 4-bit codes + 8 (a zero point), float16 scale / 32
+    "Q4_1": 0.5 + (2 + 4) / 32,  # 4-bit codes, float16 scale and float32 offset / 32
     "Q5_1": 0.625 + (2 + 4) / 32,  # 5-bit codes, float16 scale and float32 offset / 32
-    "Q4_K": 0.5 + 8 / 32,  # 4-bit codes, float32 scale and offset / 32
+    "Q4_K": 144 / 256,  # the file's super-blocks, re-laid (csrc/qgemm.c's q4k kind)
     "Q5_K": 0.625 + 8 / 32,  # 5-bit codes, float32 scale and offset / 32
-    "Q6_K": 1 + 4 / 16,  # byte codes, float32 scale / 16
-    "Q2_K": 84 / 256,  # the file's blocks, codes in planes (csrc/qgemm.c's q2 kind)
+    "Q6_K": 210 / 256,  # the file's super-blocks, re-laid (q6k)
+    "Q2_K": 84 / 256,  # the file's super-blocks, codes in planes (q2)
     "Q3_K": 110 / 256,  # the same (q3)
     "IQ4_NL": 0.5 + 2 / 32,  # 4-bit table indices, float16 scale / 32
     "IQ4_XS": 0.5 + 4 / 32,  # 4-bit table indices, float32 scale / 32

@@ -350,4 +350,4 @@ def test_packed_parts_share_a_matmul_where_their_formats_allow(tiny_gguf) -> Non
     assert [g.parts for g in first.self_attn.qkv_proj.groups] == [("q",), ("k",), ("v",)]
     assert not first.mlp.gate_up_proj.is_fused
     assert second.self_attn.qkv_proj.is_fused and second.mlp.gate_up_proj.is_fused
-    assert second.mlp.gate_up_proj.groups[0].state.weight.kind == "q4"
+    assert second.mlp.gate_up_proj.groups[0].state.weight.kind == "q4k"

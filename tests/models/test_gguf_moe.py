@@ -288,7 +288,8 @@ def test_a_tensor_per_expert_loads_into_stacks(tmp_path, expert_type) -> None:
 
 
 def test_stacked_experts_stay_packed(moe_gguf) -> None:
-    """Q4_K experts stay 4-bit in memory (one stack a projection, gate joined with up)."""
+    """Q4_K experts stay in their super-blocks ("q4k": the file's bytes; one stack a projection,
+    gate joined with up)."""
     from tokenmill.moe import FusedMoE
 
     path, _ = moe_gguf("qwen3_moe", T.Q4_K)
@@ -298,6 +299,6 @@ def test_stacked_experts_stay_packed(moe_gguf) -> None:
     assert len(layers) == LAYERS
     for layer in layers:
         assert set(layer.packed) == {"gate_up", "down"}
-        assert layer.packed["gate_up"].kind == "q4"
+        assert layer.packed["gate_up"].kind == "q4k"
         assert layer.packed["gate_up"].shape == (NUM_EXPERTS * 2 * EXPERT, HIDDEN)
         assert layer.gate_up is None and layer.down is None

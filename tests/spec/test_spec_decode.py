@@ -146,7 +146,8 @@ def test_gemma_output_is_greedy_under_the_target_model(spec) -> None:
     and after the engine seams). Each token must instead be the top token of the model's
     distribution given everything before it (scored by one prefill), or a near-tie: decode
     and prefill round differently, and plain greedy decoding in batches of 2-8 measured
-    tokens up to 0.13 nats below the prefill's top (4 of 128); a wrong token is nats away.
+    tokens up to 0.13 nats below the prefill's top (4 of 128), alone on this prompt up to 0.24
+    (2 of 127; since Q4_K / Q6_K compute from their super-blocks); a wrong token is nats away.
     """
     text = Path(__file__).read_text()[:1500]
     prompt = f"Here is a file:\n\n{text}\n\nThe same file again, unchanged:\n\n"
@@ -166,8 +167,12 @@ def test_gemma_output_is_greedy_under_the_target_model(spec) -> None:
     while check.has_unfinished_requests():
         for o in check.step():
             scored = o.prompt_logprobs if o.finished else None
-    gaps = [pos.top[0].logprob - pos.sampled.logprob for pos in scored[len(prompt_ids) :]]
-    assert max(gaps) < 0.3 and sum(g > 0 for g in gaps) <= 12, gaps
+    # The first token is the prompt's prefill's own pick, before any draft: scored by a
+    # prefill of another length it parts from the top where the float model has a near-tie
+    # (this prompt: 0.49 nats between its top two), by up to 0.9 nats as the kernels' rounding
+    # falls. What speculation could change starts at the second.
+    gaps = [pos.top[0].logprob - pos.sampled.logprob for pos in scored[len(prompt_ids) + 1 :]]
+    assert max(gaps) < 0.5 and sum(g > 0 for g in gaps) <= 12, gaps
 
 
 def test_a_request_can_opt_out(tiny_model_dir) -> None:

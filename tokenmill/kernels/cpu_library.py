@@ -244,21 +244,32 @@ def qgemm(
     return y
 
 
-def relay_kquant(
-    raw: torch.Tensor, ggml_type: int, num_blocks: int, block_bytes: int, d_bytes: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """GGUF Q4_K / Q6_K super-blocks (raw: their uint8 bytes, contiguous) re-laid as "q4k" /
-    "q6k" codes [num_blocks · block_bytes] and their float16 d (and dmin) bytes [num_blocks ·
-    d_bytes] (csrc/relay.c; quant/packed.pack_k_quant is its twin); None where the C library
-    is not available or does not re-lay the type."""
+def relay_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight | None:
+    """A GGUF Q4_K / Q6_K tensor (raw: its uint8 bytes) re-laid as "q4k" / "q6k" in one pass
+    (csrc/relay.c): what quant/packed.pack_gguf builds, its twin, bit for bit; None where the
+    C library is not available or does not re-lay the type (RELAID_TYPES)."""
+    from tokenmill.quant.packed import (
+        K_QUANT_GROUP,
+        K_QUANT_KINDS,
+        K_QUANT_KINDS_WITH_MIN,
+        K_QUANT_TYPES,
+        K_QUANT_ZERO,
+        PackedWeight,
+    )
+
     lib = library()
     if lib is None or ggml_type not in RELAID_TYPES:
         return None
-    codes = torch.empty(num_blocks * block_bytes, dtype=torch.uint8)
-    d = torch.empty(num_blocks * d_bytes, dtype=torch.uint8)
-    if lib.tm_relay_kquant(ggml_type, raw.data_ptr(), num_blocks, codes.data_ptr(), d.data_ptr()):
-        return None
-    return codes, d
+    rows, cols = shape
+    kind = K_QUANT_TYPES[ggml_type]
+    num_blocks, d_bytes = rows * cols // 256, 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
+    codes = torch.empty(rows, cols // 256 * K_QUANT_KINDS[kind][0], dtype=torch.uint8)
+    d = torch.empty(rows, cols // 256 * d_bytes, dtype=torch.uint8)
+    raw = raw.contiguous()
+    lib.tm_relay_kquant(ggml_type, raw.data_ptr(), num_blocks, codes.data_ptr(), d.data_ptr())
+    scales = d.view(torch.float16)
+    group, zero = K_QUANT_GROUP[kind], K_QUANT_ZERO[kind]
+    return PackedWeight(kind, codes, scales, None, group, shape, zero)
 
 
 def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:

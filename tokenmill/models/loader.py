@@ -22,6 +22,7 @@ from torch import nn
 from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import create_kernel_backend, default_kernel_backend
+from tokenmill.kernels.cpu_library import relay_gguf
 from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
@@ -278,6 +279,7 @@ def _iter_gguf(
     gguf_file = GGUFFile(config.source.path)
     if keep_packed:
         _warn_unpacked_types(gguf_file)
+    since_trim = 0  # bytes of tensors loaded since freed memory last went back
     for tensor in gguf_file.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
@@ -298,8 +300,11 @@ def _iter_gguf(
                 weight = GGUFBlocks(raw.view(rows, -1), tensor.ggml_type, tuple(tensor.shape))
             elif tensor.ggml_type in HALF_GGML_TYPES:  # F16 / BF16: kept as halves
                 weight = pack_half(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
-            else:
-                weight = pack_gguf(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
+            else:  # in one pass in C where it re-lays the type, else by the torch code
+                shape = (rows, tensor.shape[-1])
+                weight = relay_gguf(raw, tensor.ggml_type, shape) or pack_gguf(
+                    raw, tensor.ggml_type, shape
+                )
         else:
             weight = dequantize(data, tensor.ggml_type, tensor.shape)
             if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
@@ -312,12 +317,21 @@ def _iter_gguf(
             elif name.endswith("k_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_key_value_heads)
         yield name, weight
-        # Loaded: its pages of the file leave this process's memory, and the temporaries of
-        # packing it go back to the OS, so a load's peak stays near what the model holds
-        # rather than the model, the file and the freed temporaries together.
+        # Loaded: its pages of the file leave this process's memory, and (every TRIM_BYTES of
+        # tensors: a trim walks the whole heap, ~2 ms) the temporaries of packing go back to
+        # the OS, so a load's peak stays near what the model holds rather than the model, the
+        # file and the freed temporaries together.
         gguf_file.release(tensor)
-        _release_freed_memory()
+        since_trim += tensor.num_bytes
+        if since_trim >= TRIM_BYTES:
+            _release_freed_memory()
+            since_trim = 0
 
+
+# Bytes of GGUF tensors between two hand-backs of freed memory while loading: a first load's
+# peak over what the model holds stays about this (measured, Llama 1B shape Q4_K_M: 931 MB at
+# the peak against 899 MB loaded, handing back after every tensor).
+TRIM_BYTES = 32 << 20
 
 # Float types not kept as stored: F32 (already float32) and F64.
 _FLOAT_TYPES = ("F32", "F64")

@@ -426,24 +426,6 @@ def _from_k_quant_blocks(
     return PackedWeight(kind, stored, scales, None, group, (rows, cols), zero)
 
 
-def _relay_k_quant(raw: torch.Tensor, ggml_type: int, rows: int, cols: int) -> PackedWeight | None:
-    """``_from_k_quant_blocks`` for a whole tensor in one pass of the C kernels
-    (csrc/relay.c: Q4_K, Q6_K), or None where they do not run it."""
-    from tokenmill.kernels import cpu_library
-
-    kind = K_QUANT_TYPES[ggml_type]
-    num_blocks, d_bytes = rows * cols // QK_K, 2 * (1 + K_QUANT_KINDS_WITH_MIN.count(kind))
-    relaid = cpu_library.relay_kquant(
-        raw.contiguous(), ggml_type, num_blocks, K_QUANT_KINDS[kind][0], d_bytes
-    )
-    if relaid is None:
-        return None
-    codes, d = relaid
-    scales = d.view(torch.float16).reshape(rows, -1)
-    group, zero = K_QUANT_GROUP[kind], K_QUANT_ZERO[kind]
-    return PackedWeight(kind, codes.reshape(rows, -1), scales, None, group, (rows, cols), zero)
-
-
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 unsigned 0..15): packed two a
 # byte. (The k-quants keep their super-blocks: K_QUANT_TYPES.)
 FOUR_BIT_TYPES = (2, 3)
@@ -501,10 +483,6 @@ def pack_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
     if cols % elems:
         raise ValueError(f"row length {cols} is not a whole number of {elems}-element blocks")
     blocks = raw.reshape(rows, cols // elems * nbytes)
-    if ggml_type in K_QUANT_TYPES:
-        relaid = _relay_k_quant(raw, ggml_type, rows, cols)
-        if relaid is not None:
-            return relaid
     chunk = max(1, (1 << 22) // cols)  # ~4M elements of int16/float temporaries at a time
     four_bit, f16_scales = ggml_type in FOUR_BIT_TYPES, ggml_type in FLOAT16_SCALE_TYPES
     zero, table = BYTE_ZERO.get(ggml_type), ggml_type in IQ4_TYPES
