@@ -60,7 +60,7 @@ def test_the_embedded_gguf_reads_its_packed_bytes() -> None:
     assert m.head_params == 262144 * 640
     assert m.head_bytes == int(262144 * 640 * (1 + 2 / 32))
     assert m.embedding_bytes == 0
-    assert 0.25e9 < m.weight_bytes < 0.3e9
+    assert 0.24e9 < m.weight_bytes < 0.26e9  # the file's 246.6 MB of tensors
     assert model_facts("gemma-3-270m", quantization="int8").dense_bytes == m.dense_params
 
 

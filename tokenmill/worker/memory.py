@@ -169,9 +169,11 @@ def dummy_prefill(
     num_tokens: int,
     max_model_len: int,
     num_logits: int,
+    input_ids: torch.Tensor | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """A step of ``num_tokens`` prompt tokens (sequences of at most ``max_model_len``) and the
-    logits of its last ``num_logits`` rows, as a call that returns their log-softmax. Its
+    """A step of ``num_tokens`` prompt tokens (sequences of at most ``max_model_len``; token 0,
+    or ``input_ids``) and the logits of its last ``num_logits`` rows, as a call that returns
+    their log-softmax (benchmarks/kl_divergence.py scores a text so). Its
     temporary KV cache (``cache``'s block size and ``kv_cache_dtype``; block 0 left out as the
     pool does) is allocated now, so the call allocates only the step's activations."""
     bs = cache.block_size
@@ -192,7 +194,7 @@ def dummy_prefill(
         positions.extend(range(n))
         slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
     long = dict(dtype=torch.long, device=device)
-    input_ids = torch.zeros(num_tokens, **long)
+    input_ids = torch.zeros(num_tokens, **long) if input_ids is None else input_ids.to(**long)
     position_ids = torch.tensor(positions, **long)
     slot_mapping = torch.tensor(slots, **long)
     num_logits = max(1, min(num_logits, num_tokens))
