@@ -80,9 +80,9 @@ def test_catalog_lists_files_directories_and_aliases(model_dir) -> None:
     assert "no such model" in entries["missing"].error
     assert entries["other"].summary.architecture == "rwkv6"
     gemma = entries["gemma-3-270m"].summary
-    # The estimate of the weights tokenmill keeps: within 2% of the 240 MiB measured (the
+    # The estimate of the weights tokenmill keeps: within 3% of the 240 MiB measured (the
     # file's bytes but q/k beside a Q8_0 v, held as "q8", which the estimate cannot see).
-    assert abs(gemma.weight_bytes_estimate / 2**20 - 240) < 0.02 * 240
+    assert abs(gemma.weight_bytes_estimate / 2**20 - 240) < 0.03 * 240
 
 
 def test_names_resolve_through_the_model_directory(model_dir) -> None:
