@@ -7,6 +7,8 @@ For each file, ``--rounds`` times, tokenmill then llama.cpp (llama.cpp's own lla
     the file's bytes) over a read-bandwidth probe taken just before (a 1 GiB float32 sum, 2
     threads), and the share of that ceiling each engine reaches;
   - prefill tokens/s of a 512-token prompt;
+  - output tokens/s of 32 requests of 128 + 128 tokens at once, prefill included (llama.cpp:
+    llama-batched-bench, 32 sequences in one batch);
   - a load: seconds and peak RSS (tokenmill: ``LLM(file)`` in a fresh process, with the
     packed-model cache off, as a first load, and RSS once loaded; llama.cpp: llama-bench of
     one token, whole process).
@@ -29,7 +31,9 @@ from pathlib import Path
 import torch
 
 LLAMA_BENCH = Path.home() / ".cache/peers/build-llamacpp/bin/llama-bench"
+LLAMA_BATCHED = LLAMA_BENCH.with_name("llama-batched-bench")
 THREADS = 2
+CONCURRENT = 32  # requests of 128 + 128 tokens at once (--concurrent 0: skip)
 
 # A first load in a fresh process: its seconds, peak RSS and RSS once loaded.
 _LOAD = """
@@ -74,14 +78,20 @@ def _tokenmill(*args: str, env: dict | None = None) -> str:
     return out.stdout
 
 
-def tokenmill_speed(path: Path) -> dict[str, float]:
+def tokenmill_speed(path: Path, concurrent: int) -> dict[str, float]:
     common = ["bench", "latency", str(path), "--max-model-len", "2048", "--json"]
     decode = json.loads(_tokenmill(*common, "--input-len", "16", "--output-len", "64",
                                    "--num-iters", "3").splitlines()[-1])  # fmt: skip
     prefill = json.loads(_tokenmill(*common, "--input-len", "512", "--output-len", "1",
                                     "--num-iters", "2").splitlines()[-1])  # fmt: skip
-    return {"decode": decode["decode_tokens_per_s_median"],
-            "prefill": prefill["prefill_tokens_per_s"]}  # fmt: skip
+    figures = {"decode": decode["decode_tokens_per_s_median"],
+               "prefill": prefill["prefill_tokens_per_s"]}  # fmt: skip
+    if concurrent:
+        batch = json.loads(_tokenmill("bench", "throughput", str(path), "--max-model-len", "2048",
+                                      "--num-prompts", str(concurrent), "--input-len", "128",
+                                      "--output-len", "128", "--json").splitlines()[-1])  # fmt: skip
+        figures["concurrent"] = batch["output_tokens_per_s"]
+    return figures
 
 
 def tokenmill_load(path: Path) -> dict[str, float]:
@@ -103,10 +113,18 @@ def _llama_bench(path: Path, *args: str) -> tuple[list[dict], float, int]:
     return json.loads(out), time.perf_counter() - start, usage.ru_maxrss * 1024
 
 
-def llama_speed(path: Path) -> dict[str, float]:
+def llama_speed(path: Path, concurrent: int) -> dict[str, float]:
     decode, _, _ = _llama_bench(path, "-p", "0", "-n", "64", "-r", "3")
     prefill, _, _ = _llama_bench(path, "-p", "512", "-n", "0", "-r", "2")
-    return {"decode": decode[0]["avg_ts"], "prefill": prefill[0]["avg_ts"]}
+    figures = {"decode": decode[0]["avg_ts"], "prefill": prefill[0]["avg_ts"]}
+    if concurrent:  # output tokens over the whole run, prefill included, as tokenmill's
+        cmd = [str(LLAMA_BATCHED), "-m", str(path), "-t", str(THREADS), "-c", "16384", "-b",
+               "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", str(concurrent),
+               "--output-format", "jsonl"]  # fmt: skip
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        figures["concurrent"] = concurrent * 128 / row["t"]
+    return figures
 
 
 def llama_load(path: Path) -> dict[str, float]:
@@ -124,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrent", type=int, default=CONCURRENT)
     args = parser.parse_args()
     if not LLAMA_BENCH.exists():
         sys.exit(f"{LLAMA_BENCH} is missing: run ../shared/peers/build-llamacpp.sh")
@@ -137,7 +156,7 @@ def main() -> None:
                 ("llama.cpp", llama_speed, llama_load),
             ):
                 bandwidths.append(read_bandwidth())
-                figures = {**speed(path), **load(path)}
+                figures = {**speed(path, args.concurrent), **load(path)}
                 for key, value in figures.items():
                     rows[name].setdefault(key, []).append(value)
         med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
@@ -152,6 +171,10 @@ def main() -> None:
               f"{tm['decode'] / lc['decode']:.2f}x |")  # fmt: skip
         print(f"| prefill 512, tok/s | {tm['prefill']:.1f} | {lc['prefill']:.1f} | "
               f"{tm['prefill'] / lc['prefill']:.2f}x |")  # fmt: skip
+        if "concurrent" in tm:
+            print(f"| {args.concurrent} concurrent 128/128, output tok/s incl. prefill | "
+                  f"{tm['concurrent']:.1f} | {lc['concurrent']:.1f} | "
+                  f"{tm['concurrent'] / lc['concurrent']:.2f}x |")  # fmt: skip
         print(f"| load, s | {tm['load_s']:.2f} | {lc['load_s']:.2f} (incl. a token) | "
               f"{tm['load_s'] / lc['load_s']:.2f}x |")  # fmt: skip
         print(f"| load peak RSS, GB | {tm['peak_rss'] / 1e9:.2f} (loaded: {tm['rss'] / 1e9:.2f}) "
