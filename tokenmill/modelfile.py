@@ -553,6 +553,10 @@ def human_bytes(n: float) -> str:
 _IDENTITY_EDGE_BYTES = 1 << 20
 
 
+# Entries the packed-model cache (models/gguf_cache.py) keeps, the most recently used.
+PACKED_CACHE_ENTRIES = 4
+
+
 def cache_dir(kind: str) -> Path | None:
     """The directory of one kind of startup cache (``$TOKENMILL_CACHE/<kind>``, by default
     ~/.cache/tokenmill/<kind>), or None when ``TOKENMILL_NO_CACHE`` is set (to anything but

@@ -105,6 +105,7 @@ def test_models_and_show_on_the_command_line(model_dir) -> None:
     listed = _cli("models", "--model-dir", str(model_dir))
     assert listed.returncode == 0, listed.stderr
     assert "tiny-q8" in listed.stdout and "rwkv6 (unsupported)" in listed.stdout
+    assert "packed-model cache: " in listed.stdout and "entries" in listed.stdout
     shown = _cli("show", "tiny-qwen3", "--model-dir", str(model_dir), "--max-model-len", "256")
     assert shown.returncode == 0, shown.stderr
     assert "architecture  qwen3" in shown.stdout

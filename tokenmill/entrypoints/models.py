@@ -17,9 +17,11 @@ from typing import TextIO
 
 from tokenmill.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, resolve_model
 from tokenmill.modelfile import (
+    PACKED_CACHE_ENTRIES,
     ModelSummary,
     aliases,
     available_memory,
+    cache_dir,
     human_bytes,
     model_dir,
     model_files,
@@ -96,6 +98,22 @@ def print_models(out: TextIO, directory: Path | None = None) -> None:
     for r in rows:
         out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] + "\n")
     out.write(f"\nmodel directory: {directory}\n")
+    out.write(packed_cache_line() + "\n")
+
+
+def packed_cache_line() -> str:
+    """One line on the packed-model cache (models/gguf_cache.py): its entries, their bytes and
+    how to remove them or turn it off."""
+    directory = cache_dir("packed")
+    if directory is None:
+        return "packed-model cache: off (TOKENMILL_NO_CACHE)"
+    entries = sorted(directory.glob("*.pt")) if directory.is_dir() else []
+    size = human_bytes(sum(p.stat().st_size for p in entries))
+    return (
+        f"packed-model cache: {len(entries)} entries, {size} in {directory} (at most "
+        f"{PACKED_CACHE_ENTRIES}, the least recently used go first; remove the directory to "
+        f"clear it, TOKENMILL_NO_CACHE=1 to turn it off)"
+    )
 
 
 def print_show(out: TextIO, spec: str, context: int | None = None) -> None:

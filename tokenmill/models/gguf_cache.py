@@ -40,6 +40,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.modelfile import (
+    PACKED_CACHE_ENTRIES,
     cache_dir,
     evict_lru,
     file_identity,
@@ -53,7 +54,7 @@ from tokenmill.quant.base import QuantMethod
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-MAX_ENTRIES = 4
+MAX_ENTRIES = PACKED_CACHE_ENTRIES
 # Smaller files repack in well under a second: caching them buys nothing (and keeps the test
 # suite's tiny models out of the cache).
 MIN_FILE_BYTES = 16 << 20
