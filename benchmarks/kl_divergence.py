@@ -42,7 +42,7 @@ def tokenmill_kl(model: str, text: Path, ctx: int, chunks: int) -> dict[str, flo
     ref = LLM(model, quantization="none", **common)
     ours = LLM(model, **common)
     tokenizer = ours.engine.tokenizer
-    ids = tokenizer.encode(text.read_text())
+    ids = tokenizer.encode(text.read_text(), add_special_tokens=False)
     bos = ours.engine.config.model_config.bos_token_id
     kl_sum, agree, scored = 0.0, 0, 0
     cpu = torch.device("cpu")

@@ -74,7 +74,9 @@ def read_bandwidth() -> float:
 
 def _tokenmill(*args: str, env: dict | None = None) -> str:
     cmd = [sys.executable, "-c", "from tokenmill.cli import main; main()", *args]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr[-2000:]}")
     return out.stdout
 
 

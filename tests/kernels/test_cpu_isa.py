@@ -76,7 +76,8 @@ def _int4(group: int, n: int, k: int) -> PackedWeight:
 # 4608 (a tile's activations past 32 KiB: prefetched)
 LAYOUTS = {
     "Q8_0 q8 f16 G32": lambda: _gguf(8, 40, 640),
-    "Q4_0 q4 f16 G32 offsets": lambda: _gguf(2, 40, 192),
+    "Q4_0 q4 z8 f16 G32": lambda: _gguf(2, 40, 192),
+    "Q4_0 q4 z8 f16 G32 K640": lambda: _gguf(2, 40, 640),
     "Q5_0 q5 z16 f16 G32": lambda: _gguf(6, 40, 640),
     "Q5_0 q5 z16 f16 G32 K192": lambda: _gguf(6, 40, 192),
     "Q4_K q4k G32 mins": lambda: _gguf(12, 40, 768),
