@@ -328,7 +328,7 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const voi
                       * 4 bits in byte 8 + j - 4 (mins: its high nibble), top 2 in bits 6, 7 of
                       * bytes j - 4, j (as ggml's get_scale_min_k4) */
         uint32_t w[3];
-        memcpy(w, src + 128, 12);
+        memcpy(w, src + KQ_SUB(9), 12);
         const uint32_t six = 0x3F3F3F3F, low = 0x0F0F0F0F, top = 0x30303030;
         const uint32_t sc[2] = {w[0] & six, (w[2] & low) | ((w[0] >> 2) & top)};
         const uint32_t mn[2] = {w[1] & six, ((w[2] >> 4) & low) | ((w[1] >> 2) & top)};
@@ -343,10 +343,10 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const voi
         return;
     }
     if (KIND == 10) { /* 16 int8 scales */
-        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 192)), split);
+        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + KQ_SUB(10))), split);
     } else if (KIND == 6) {
         const __m128i low = _mm_set1_epi8(0x0F);
-        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + 64)), split);
+        v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + KQ_SUB(6))), split);
         const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), low);
         const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(h[2 * sb + 1]));
         *ma = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
@@ -355,7 +355,7 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const voi
     } else { /* scale j: low 4 bits in byte j mod 8 (j >= 8: its high nibble), top 2 in byte 8 +
               * j mod 4, bits 2 (j / 4)..: four words of 4 scales, then less 32 */
         uint32_t w[3], x[4];
-        memcpy(w, src + 96, 12);
+        memcpy(w, src + KQ_SUB(7), 12);
         const uint32_t low = 0x0F0F0F0F, two = 0x03030303;
         x[0] = (w[0] & low) | ((w[2] & two) << 4);
         x[1] = (w[1] & low) | (((w[2] >> 2) & two) << 4);
