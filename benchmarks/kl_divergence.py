@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
+from memory_startup import LLAMA_BIN
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "hamlet.txt"
-LLAMA_BIN = Path.home() / ".cache/peers/build-llamacpp/bin"
 
 
 def tokenmill_kl(model: str, text: Path, ctx: int, chunks: int) -> dict[str, float]:

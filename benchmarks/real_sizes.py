@@ -4,8 +4,9 @@ For each file, ``--rounds`` times, tokenmill then llama.cpp (llama.cpp's own lla
 ../shared/peers/build-llamacpp.sh), each in its own process, 2 threads:
   - batch-1 decode tokens/s (64 tokens after a 16-token prompt), beside the read-bandwidth
     ceiling: the weights' bytes read a token (the file's tensors: both engines hold them at
-    the file's bytes) over a read-bandwidth probe taken just before (a 1 GiB float32 sum, 2
-    threads), and the share of that ceiling each engine reaches;
+    the file's bytes) over a read-bandwidth probe taken just before (vs_llamacpp's: the best
+    of 5 sums of 1 GiB of float32, 2 threads), and the share of that ceiling each engine
+    reaches;
   - prefill tokens/s of a 512-token prompt;
   - output tokens/s of 32 requests of 128 + 128 tokens at once, prefill included (llama.cpp:
     llama-batched-bench, 32 sequences in one batch);
@@ -28,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from memory_startup import LLAMA_BIN, cpu_line
+from vs_llamacpp import read_bandwidth_gbs
 
-LLAMA_BENCH = Path.home() / ".cache/peers/build-llamacpp/bin/llama-bench"
+LLAMA_BENCH = LLAMA_BIN / "llama-bench"
 LLAMA_BATCHED = LLAMA_BENCH.with_name("llama-batched-bench")
 THREADS = 2
 CONCURRENT = 32  # requests of 128 + 128 tokens at once (--concurrent 0: skip)
@@ -46,30 +48,6 @@ status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in
 kib = lambda key: int(status[key].split()[0]) * 1024
 print(json.dumps({"load_s": seconds, "peak_rss": kib("VmHWM"), "rss": kib("VmRSS")}))
 """
-
-
-def cpu_line() -> str:
-    with open("/proc/cpuinfo") as f:
-        first = f.read().split("\n\n")[0]
-    info = {
-        k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())
-    }
-    flags = set(info["flags"].split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if f in flags]
-    return f"{info['model name']}, {os.cpu_count()} vCPUs, flags: {' '.join(isa)}"
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a 1 GiB float32 sum on THREADS threads (median of 5)."""
-    torch.set_num_threads(THREADS)
-    x = torch.ones(1 << 28)
-    x.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times)
 
 
 def _tokenmill(*args: str, env: dict | None = None) -> str:
@@ -157,7 +135,7 @@ def main() -> None:
                 ("tokenmill", tokenmill_speed, tokenmill_load),
                 ("llama.cpp", llama_speed, llama_load),
             ):
-                bandwidths.append(read_bandwidth())
+                bandwidths.append(read_bandwidth_gbs() * 1e9)
                 figures = {**speed(path, args.concurrent), **load(path)}
                 for key, value in figures.items():
                     rows[name].setdefault(key, []).append(value)

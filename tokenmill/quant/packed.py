@@ -127,9 +127,11 @@ class PackedWeight:
         n, num_super = sub.shape[:2]
         d = self.scales[rows].float().reshape(n, num_super, -1)  # [n, super-blocks, 1 or 2]
         per = QK_K // self.group  # sub-blocks a super-block
-        if self.kind in ("q3", "q6k"):
-            sc = sub.reshape(-1, 16).view(torch.int8) if self.kind == "q6k" else None
-            sc = q3_k_scales(sub.reshape(-1, 12)) if sc is None else sc
+        if self.kind in ("q3", "q6k"):  # signed scales, no mins
+            if self.kind == "q6k":
+                sc = sub.reshape(-1, 16).view(torch.int8)
+            else:
+                sc = q3_k_scales(sub.reshape(-1, 12))
             scales = d[:, :, :1] * sc.float().reshape(n, -1, per)
             return scales.reshape(n, -1), None
         if self.kind == "q4k":
