@@ -202,6 +202,8 @@ static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 
 #define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10)
 /* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
 #define KQ_MINS(KIND) ((KIND) == 6 || (KIND) == 9)
+/* Float16 scales a k-quant super-block has in `scales`: d, and dmin (KQ_MINS). */
+#define KQ_DS(KIND) (KQ_MINS(KIND) ? 2 : 1)
 
 /* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
 TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0, int u) {
@@ -315,31 +317,41 @@ TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i 
     return b;
 }
 
+/* The float16 d (and dmin: KQ_MINS) of a row's super-blocks (s) as float32, in their order:
+ * out[0 .. row_scale_count). Converted once a row, where a batch-1 matmul spent a tenth of
+ * its time converting them one super-block at a time. */
+TM_TARGET static void kq_row_d(int kind, int64_t K, const void *s, float *out) {
+    const uint16_t *h = (const uint16_t *)s;
+    const int64_t n = row_scale_count(kind, K, 16);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
 /* A k-quant super-block's (src) sub-block scales by lane, float32 d · scale as ggml forms
  * them: G = 16 ("q2", "q3", "q6k"), lane l's chunk holds groups 2l (*a) and 2l + 1 (*b); G = 32
- * ("q4k"), group l (*a = *b). "q2" and "q4k" also give their offsets, dmin · min (*ma, *mb). d
- * (and dmin) are the row's float16 scales s of super-block sb. */
-TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const void *s, int64_t sb,
+ * ("q4k"), group l (*a = *b). "q2" and "q4k" also give their offsets, dmin · min (*ma, *mb). d:
+ * the super-block's d as float32 (kq_row_d), dmin after it. */
+TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const float *d,
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const uint16_t *h = (const uint16_t *)s;
     __m128i v;
     if (KIND == 9) { /* 8 scales, then 8 mins, 6 bits each: j < 4 in bytes j, 4 + j; j >= 4 low
                       * 4 bits in byte 8 + j - 4 (mins: its high nibble), top 2 in bits 6, 7 of
-                      * bytes j - 4, j (as ggml's get_scale_min_k4) */
-        uint32_t w[3];
-        memcpy(w, src + KQ_SUB(9), 12);
-        const uint32_t six = 0x3F3F3F3F, low = 0x0F0F0F0F, top = 0x30303030;
-        const uint32_t sc[2] = {w[0] & six, (w[2] & low) | ((w[0] >> 2) & top)};
-        const uint32_t mn[2] = {w[1] & six, ((w[2] >> 4) & low) | ((w[1] >> 2) & top)};
-        uint64_t sc64, mn64;
-        memcpy(&sc64, sc, 8);
-        memcpy(&mn64, mn, 8);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(h[2 * sb]));
-        const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(h[2 * sb + 1]));
-        const __m128i vs = _mm_cvtsi64_si128((long long)sc64), vm = _mm_cvtsi64_si128((long long)mn64);
-        *a = *b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(vs)));
-        *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(vm)));
+                      * bytes j - 4, j (as ggml's get_scale_min_k4). In one vector: the 16 bytes
+                      * ending with the 12 (b[k] at byte 4 + k) put where each scale and min is
+                      * made, masked and shifted into place. */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(src + KQ_SUB(9) - 4));
+        const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+        const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+        const __m128i nib = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+        __m128i v6 = _mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(low, 4), nib));
+        v6 = _mm_or_si128(v6, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xC0)), 2));
+        const __m256 d8 = _mm256_broadcast_ss(d), dmin = _mm256_broadcast_ss(d + 1);
+        *a = *b = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v6)));
+        *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v6, 8))));
         return;
     }
     if (KIND == 10) { /* 16 int8 scales */
@@ -348,7 +360,7 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const voi
         const __m128i low = _mm_set1_epi8(0x0F);
         v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + KQ_SUB(6))), split);
         const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(h[2 * sb + 1]));
+        const __m256 dmin = _mm256_broadcast_ss(d + 1);
         *ma = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
         *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn, 8))));
         v = _mm_and_si128(v, low);
@@ -364,12 +376,12 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const voi
         v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)x), _mm_set1_epi8(32));
         v = _mm_shuffle_epi8(v, split);
     }
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(h[KIND == 6 ? 2 * sb : sb]));
+    const __m256 d8 = _mm256_broadcast_ss(d);
     const __m128i hi = _mm_srli_si128(v, 8);
     const __m256i ia = KIND == 6 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
     const __m256i ib = KIND == 6 ? _mm256_cvtepu8_epi32(hi) : _mm256_cvtepi8_epi32(hi);
-    *a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ia));
-    *b = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ib));
+    *a = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(ia));
+    *b = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(ib));
 }
 
 /* Scale i of a row's scales (float16 or float32). */
@@ -595,6 +607,8 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
     const int64_t nc = K / 32;
     const int g16 = G == 16, gshift = g16 ? 0 : __builtin_ctzll((unsigned long long)(G / 32));
     const int has_off = off || KQ_MINS(kind);
+    float kd[IS_KQ(kind) ? K / 128 : 1]; /* the k-quants' d (and dmin) as float32 */
+    if (IS_KQ(kind)) kq_row_d(kind, K, s, kd);
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = block_chunks(nc, c0), per = 8 / t;
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(kind); /* the k-quants: the super-block */
@@ -602,7 +616,7 @@ TM_TARGET static void dequant_row(int kind, int f16, int z, int64_t K, int64_t G
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
         if (IS_KQ(kind)) {
             kq_planes(kind, src, &p0, &p1, &hb);
-            kq_scales(kind, src, s, c0 / 8, &sc[0], &sc[1], &of[0], &of[1]);
+            kq_scales(kind, src, kd + c0 / 8 * KQ_DS(kind), &sc[0], &sc[1], &of[0], &of[1]);
         } else if (g16) {
             lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
             if (off) lane_scales16(off, c0, t, &of[0], &of[1]);
@@ -683,7 +697,7 @@ TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
 TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16, const int F16,
                                     const int RA, const int t, int gshift, int64_t K, int64_t c0,
                                     int64_t b, int xpf, const uint8_t *row, const void *s,
-                                    const int8_t *xq, const float *xd8, const int32_t *xz,
+                                    const float *kd, const int8_t *xq, const float *xd8, const int32_t *xz,
                                     const float *xg, __m256 *facc) {
     __m256i ia[RA_MAX], ib[RA_MAX];
     const int8_t *xb = xq + c0 * RA * 32; /* the block's activations: fixed offsets from here */
@@ -711,7 +725,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 const int8_t *xv = xb + (u * RA + i) * 32;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                if (G16 && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                if ((G16 || KIND == 9) && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
                 else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
             }
         }
@@ -800,7 +814,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
     }
     if (G16) {
         __m256 sa, sb, ma, mb;
-        if (IS_KQ(KIND)) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sa, &sb, &ma, &mb);
+        if (IS_KQ(KIND)) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sa, &sb, &ma, &mb);
         else lane_scales16((const float *)s, c0, t, &sa, &sb);
         for (int i = 0; i < RA; i++) {
             __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
@@ -815,10 +829,11 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
         }
     } else if (KIND == 9) { /* "q4k": a scale and a min a chunk (lane), the mins as "q2"'s */
         __m256 sw, sw2, mn, mn2;
-        kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), s, b, &sw, &sw2, &mn, &mn2);
+        kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sw, &sw2, &mn, &mn2);
         for (int i = 0; i < RA; i++) {
             __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
-            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), dd, facc[i]);
+            const __m256i sum = _mm256_add_epi32(ia[i], ib[i]);
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, facc[i]);
             const float *g = xg + i * xg_len(KIND, K) + b * 8;
             facc[i] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(g), facc[i]);
         }
@@ -852,13 +867,19 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
     const int xpf = RA > 1 && RA * K > 32768; /* prefetch_x */
     __m256 facc[RA_MAX];
     for (int i = 0; i < RA; i++) facc[i] = _mm256_setzero_ps();
+    float kd[IS_KQ(KIND) ? K / 128 : 1]; /* the k-quants' d (and dmin) as float32 */
+    if (IS_KQ(KIND)) kq_row_d(KIND, K, s, kd);
+    if (IS_KQ(KIND)) /* every block a super-block of 8 chunks: a plain count, which GCC turns
+                      * into pointer steps (the general loop below cost registers and time) */
+        for (int64_t b = 0; b < nc / 8; b++)
+            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, 8 * b, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
     int64_t b = 0;
-    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
+    for (int64_t c0 = 0; !IS_KQ(KIND) && c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0);
         if (t == 8)
-            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, c0, b, xpf, row, s, xq, xd8, xz, xg, facc);
+            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, c0, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
         else
-            tile_block(ISA, KIND, G16, F16, RA, t, gshift, K, c0, b, xpf, row, s, xq, xd8, xz, xg, facc);
+            tile_block(ISA, KIND, G16, F16, RA, t, gshift, K, c0, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
     }
     for (int i = 0; i < RA; i++) out[i * ostride] = tm_hsum8(facc[i]);
 }
@@ -885,6 +906,8 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
     const int64_t nc = K / 32;
     __m256 acc[RA_MAX];
     for (int i = 0; i < RA; i++) acc[i] = _mm256_setzero_ps();
+    float kd[IS_KQ(KIND) ? K / 128 : 1]; /* the k-quants' d (and dmin) as float32 */
+    if (IS_KQ(KIND)) kq_row_d(KIND, K, s, kd);
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
         const int t = IS_KQ(KIND) ? 8 : block_chunks(nc, c0);
         const uint8_t *src = row + c0 / 8 * KQ_BYTES(KIND); /* the k-quants: the super-block */
@@ -892,7 +915,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
         __m256i p0 = _mm256_setzero_si256(), p1 = p0, hb = p0;
         if (IS_KQ(KIND)) {
             kq_planes(KIND, src, &p0, &p1, &hb);
-            kq_scales(KIND, src, s, c0 / 8, &sc[0], &sc[1], &mn[0], &mn[1]);
+            kq_scales(KIND, src, kd + c0 / 8 * KQ_DS(KIND), &sc[0], &sc[1], &mn[0], &mn[1]);
         } else if (G16) lane_scales16((const float *)s, c0, t, &sc[0], &sc[1]);
         else sc[0] = lane_scales(s, c0, t, F16, gshift);
         for (int h = 0; h < (G16 ? 2 : 1); h++)
