@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as T
 
 from tokenmill.config import SLIDING_ATTENTION, resolve_model
 from tokenmill.engine import LLMEngine
+from tokenmill.kernels import cpu_library
 from tokenmill.models.loader import load_model_config
 from tokenmill.sampling_params import SamplingParams
 
@@ -118,7 +119,7 @@ def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_shapes(arch: str) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(arch: str, num_layers: int) -> dict[str, tuple[int, ...]]:
     kv = NUM_KV_HEADS[arch] * HEAD_DIM
     per_layer = {
         "attn_norm": (HIDDEN,),
@@ -139,7 +140,7 @@ def _tensor_shapes(arch: str) -> dict[str, tuple[int, ...]]:
             "post_ffw_norm": (HIDDEN,),
         }
     shapes = {"token_embd.weight": (VOCAB, HIDDEN)}
-    for layer in range(len(LAYER_TYPES)):
+    for layer in range(num_layers):
         shapes |= {f"blk.{layer}.{part}.weight": shape for part, shape in per_layer.items()}
     shapes["output_norm.weight"] = (HIDDEN,)
     if arch == "llama":  # Gemma ties its output head to the embedding
@@ -177,12 +178,15 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_add_bos_token(True)
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> TinyGGUF:
-    """A 2-layer ``arch`` GGUF of random weights, and the float weights it stands for."""
+def write_tiny_gguf(
+    path: Path, arch: str, seed: int = 0, layer_types: list[dict[str, T]] = LAYER_TYPES
+) -> TinyGGUF:
+    """An ``arch`` GGUF of random weights, a layer per entry of ``layer_types``, and the float
+    weights it stands for."""
     rng = np.random.default_rng(seed)
     num_kv = NUM_KV_HEADS[arch]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(len(LAYER_TYPES))
+    writer.add_block_count(len(layer_types))
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
@@ -196,7 +200,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> TinyGGUF:
         writer.add_sliding_window(SLIDING_WINDOW)
     _add_tokenizer(writer)
     hf_state = {}
-    for name, shape in _tensor_shapes(arch).items():
+    for name, shape in _tensor_shapes(arch, len(layer_types)).items():
         part = name.split(".")[-2]
         is_norm = len(shape) == 1
         if is_norm:  # near 1 as a multiplier: Gemma's (1 + w), Llama's w
@@ -204,7 +208,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> TinyGGUF:
             w = rng.normal(0.0 if arch == "gemma3" else 1.0, 0.1, size=shape).astype(np.float32)
         else:
             layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-            qtype = GLOBAL_TYPES[part] if layer is None else LAYER_TYPES[layer][part]
+            qtype = GLOBAL_TYPES[part] if layer is None else layer_types[layer][part]
             w = rng.normal(0.0, 0.1, size=shape).astype(np.float32)
         # What the file stores: llama.cpp's conventions applied to the model's weight.
         if arch == "gemma3" and is_norm:
@@ -351,3 +355,48 @@ def test_packed_parts_share_a_matmul_where_their_formats_allow(tiny_gguf) -> Non
     assert not first.mlp.gate_up_proj.is_fused
     assert second.self_attn.qkv_proj.is_fused and second.mlp.gate_up_proj.is_fused
     assert second.mlp.gate_up_proj.groups[0].state.weight.kind == "q4k"
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="the C re-lay is not built")
+def test_re_laid_parts_are_joined_without_a_copy(tiny_gguf, tmp_path: Path) -> None:
+    """Q4_K parts of one matmul (a Q4_K_M layer's q/k/v and gate/up) are re-laid side by side at
+    load, so joining them copies nothing (the joined weight is a view of the parts' tensor),
+    and the joined rows are what the torch re-lay (pack_gguf, then Llama's q/k rows unpermuted,
+    then joined) gives."""
+    from tokenmill.models.gguf_file import GGUFFile
+    from tokenmill.models.loader import _iter_gguf, _unpermute_rope, load_model
+    from tokenmill.quant import PackedQuantMethod
+    from tokenmill.quant.packed import concat_rows, pack_gguf
+
+    arch = tiny_gguf[0]
+    types = {part: T.Q4_K for part in LAYER_TYPES[0]}
+    tiny = write_tiny_gguf(tmp_path / "q4_k.gguf", arch, layer_types=[types])
+    config = load_model_config(resolve_model(str(tiny.path)))
+    model = load_model(config, torch.float32, torch.device("cpu"), 64, PackedQuantMethod())
+    gguf = GGUFFile(tiny.path)
+    rope = arch == "llama"  # llama.cpp permutes Llama's q/k rows; the loader undoes it
+
+    def twin(name: str, heads: int = 0):
+        tensor = next(t for t in gguf.tensors if t.name == f"blk.0.{name}.weight")
+        raw = torch.frombuffer(bytearray(gguf.tensor_bytes(tensor)), dtype=torch.uint8)
+        weight = pack_gguf(raw, tensor.ggml_type, tuple(tensor.shape))
+        return _unpermute_rope(weight, heads) if heads and rope else weight
+
+    loaded = dict(_iter_gguf(config, True, model.fused_weights(), model.checkpoint_name))
+    for names in (("self_attn", "q", "k", "v"), ("mlp", "gate", "up")):
+        parts = [loaded[f"model.layers.0.{names[0]}.{p}_proj.weight"] for p in names[1:]]
+        joined = concat_rows(parts)
+        assert joined.codes.data_ptr() == parts[0].codes.data_ptr()  # a view: nothing copied
+        assert joined.scales.data_ptr() == parts[0].scales.data_ptr()
+    layer = model.model.layers[0]
+    for fused, parts in (
+        (
+            layer.self_attn.qkv_proj,
+            [twin("attn_q", NUM_HEADS), twin("attn_k", NUM_KV_HEADS[arch]), twin("attn_v")],
+        ),
+        (layer.mlp.gate_up_proj, [twin("ffn_gate"), twin("ffn_up")]),
+    ):
+        joined = fused.groups[0].state.weight
+        expected = concat_rows(parts)
+        assert torch.equal(joined.codes, expected.codes)
+        assert torch.equal(joined.scales, expected.scales)

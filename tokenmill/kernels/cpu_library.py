@@ -244,32 +244,49 @@ def qgemm(
     return y
 
 
-def relay_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedWeight | None:
+def relayed_bytes(
+    ggml_type: int, shape: tuple[int, int]
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes (uint8) of what relay_gguf makes of a Q4_K / Q6_K tensor [rows, cols]: its codes
+    and its float16 d (and dmin)."""
+    from tokenmill.quant.packed import K_QUANT_KINDS, K_QUANT_KINDS_WITH_MIN, K_QUANT_TYPES
+
+    rows, cols = shape
+    kind = K_QUANT_TYPES[ggml_type]
+    d_bytes = 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
+    return (rows, cols // 256 * K_QUANT_KINDS[kind][0]), (rows, cols // 256 * d_bytes)
+
+
+def relay_gguf(
+    raw: torch.Tensor,
+    ggml_type: int,
+    shape: tuple[int, int],
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PackedWeight | None:
     """A GGUF Q4_K / Q6_K tensor (raw: its uint8 bytes) re-laid as "q4k" / "q6k" in one pass
     (csrc/relay.c): what quant/packed.pack_gguf builds, its twin, bit for bit; None where the
-    C library is not available or does not re-lay the type (RELAID_TYPES)."""
-    from tokenmill.quant.packed import (
-        K_QUANT_GROUP,
-        K_QUANT_KINDS,
-        K_QUANT_KINDS_WITH_MIN,
-        K_QUANT_TYPES,
-        K_QUANT_ZERO,
-        PackedWeight,
-    )
+    C library is not available or does not re-lay the type (RELAID_TYPES). ``out``: contiguous
+    uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
+    for a part of a joined weight), else new ones."""
+    from tokenmill.quant.packed import K_QUANT_GROUP, K_QUANT_TYPES, K_QUANT_ZERO, PackedWeight
 
     lib = library()
     if lib is None or ggml_type not in RELAID_TYPES:
         return None
-    rows, cols = shape
-    kind = K_QUANT_TYPES[ggml_type]
-    num_blocks, d_bytes = rows * cols // 256, 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
-    codes = torch.empty(rows, cols // 256 * K_QUANT_KINDS[kind][0], dtype=torch.uint8)
-    d = torch.empty(rows, cols // 256 * d_bytes, dtype=torch.uint8)
+    codes_shape, d_shape = relayed_bytes(ggml_type, shape)
+    if out is None:
+        out = torch.empty(codes_shape, dtype=torch.uint8), torch.empty(d_shape, dtype=torch.uint8)
+    codes, d = out
+    if codes.shape != codes_shape or d.shape != d_shape:
+        raise ValueError(f"relay_gguf: out must be uint8 {codes_shape} and {d_shape}")
+    if not (codes.is_contiguous() and d.is_contiguous()):
+        raise ValueError("relay_gguf: out tensors must be contiguous")
     raw = raw.contiguous()
+    num_blocks = shape[0] * shape[1] // 256
     lib.tm_relay_kquant(ggml_type, raw.data_ptr(), num_blocks, codes.data_ptr(), d.data_ptr())
+    kind = K_QUANT_TYPES[ggml_type]
     scales = d.view(torch.float16)
-    group, zero = K_QUANT_GROUP[kind], K_QUANT_ZERO[kind]
-    return PackedWeight(kind, codes, scales, None, group, shape, zero)
+    return PackedWeight(kind, codes, scales, None, K_QUANT_GROUP[kind], shape, K_QUANT_ZERO[kind])
 
 
 def dequantize_rows(w: PackedWeight, start: int, end: int) -> torch.Tensor:

@@ -130,6 +130,16 @@ class CausalLM(nn.Module):
         for name, layer, _, _ in self._checkpoint_layers():
             yield name, layer
 
+    def fused_weights(self) -> list[tuple[str, ...]]:
+        """The checkpoint weight names of each fused layer's parts, in the order their rows are
+        joined (``model.layers.0.mlp.gate_proj.weight``, ``...up_proj.weight``): what a loader
+        may place side by side so that the join copies nothing."""
+        parts: dict[int, list[str]] = {}
+        for name, _, fused, _ in self._checkpoint_layers():
+            if fused is not None:
+                parts.setdefault(id(fused), []).append(f"{name}.weight")
+        return [tuple(names) for names in parts.values()]
+
     def _checkpoint_layers(self) -> Iterator[tuple[str, nn.Module, FusedLinear | None, str]]:
         """(checkpoint name, layer, the fused layer it is a part of or None, the part)."""
         checkpoint_name = {(fused, part): name for fused, name, part in self.stacked_params}

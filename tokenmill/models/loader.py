@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
-from tokenmill.kernels import create_kernel_backend, default_kernel_backend
+from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
 from tokenmill.kernels.cpu_library import relay_gguf
 from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.models import gguf_cache
@@ -173,7 +173,8 @@ def _build_and_load(
         torch.set_default_dtype(prev_dtype)
     if _keeps_gguf_packed(config, quant_method):
         # The file's quantized tensors go straight into their layers, never as floats.
-        model.load_weights(_iter_gguf(config, keep_packed=True), packed_method=quant_method)
+        weights = _iter_gguf(config, True, model.fused_weights(), model.checkpoint_name)
+        model.load_weights(weights, packed_method=quant_method)
     else:
         on_loaded = (
             _StreamingQuantizer(model, quant_method, importance or {})
@@ -270,22 +271,29 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_gguf(
-    config: ModelConfig, keep_packed: bool = False
+    config: ModelConfig,
+    keep_packed: bool = False,
+    joins: list[tuple[str, ...]] = (),
+    rename: Callable[[str], str] = str,
 ) -> Iterator[tuple[str, torch.Tensor | PackedWeight | GGUFBlocks]]:
     """(HF name, tensor) in file order; with ``keep_packed``, 2-D tensors in a block format
     come as PackedWeight (their codes and scales as stored), or for a tensor-parallel rank as
-    GGUFBlocks its layer cuts a shard from; everything else as float."""
+    GGUFBlocks its layer cuts a shard from; everything else as float. ``joins``: weights
+    (by the model's names, ``rename`` of an HF name) whose rows a layer joins, which are then
+    re-laid side by side in one tensor where the C re-lay takes them all (_joined_places)."""
     assert config.source is not None
     gguf_file = GGUFFile(config.source.path)
+    places: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if keep_packed:
         _warn_unpacked_types(gguf_file)
+        places = _joined_places(gguf_file, config, joins, rename)
     since_trim = 0  # bytes of tensors loaded since freed memory last went back
     for tensor in gguf_file.tensors:
         name = _hf_name(tensor.name, config.architecture)
         if name is None:
             logger.debug("skipping GGUF tensor %s", tensor.name)
             continue
-        data = gguf_file.tensor_bytes(tensor)
+        data, place = gguf_file.tensor_bytes(tensor), None
         weight: torch.Tensor | PackedWeight | GGUFBlocks
         float_only = any(f".{part}." in tensor.name for part in _FLOAT_ONLY)
         packable = tensor.ggml_type in BLOCK_CODES or tensor.ggml_type in HALF_GGML_TYPES
@@ -302,7 +310,8 @@ def _iter_gguf(
                 weight = pack_half(raw, tensor.ggml_type, (rows, tensor.shape[-1]))
             else:  # in one pass in C where it re-lays the type, else by the torch code
                 shape = (rows, tensor.shape[-1])
-                weight = relay_gguf(raw, tensor.ggml_type, shape) or pack_gguf(
+                place = places.pop(rename(name), None)
+                weight = relay_gguf(raw, tensor.ggml_type, shape, place) or pack_gguf(
                     raw, tensor.ggml_type, shape
                 )
         else:
@@ -312,10 +321,11 @@ def _iter_gguf(
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
         if config.architecture in ("llama", "mistral", "mixtral"):
+            in_place = keep_packed and place is not None  # its place in the joined weight
             if name.endswith("q_proj.weight"):
-                weight = _unpermute_rope(weight, config.num_attention_heads)
+                weight = _unpermute_rope(weight, config.num_attention_heads, in_place)
             elif name.endswith("k_proj.weight"):
-                weight = _unpermute_rope(weight, config.num_key_value_heads)
+                weight = _unpermute_rope(weight, config.num_key_value_heads, in_place)
         yield name, weight
         # Loaded: its pages of the file leave this process's memory, and (every TRIM_BYTES of
         # tensors: a trim walks the whole heap, ~2 ms) the temporaries of packing go back to
@@ -326,6 +336,47 @@ def _iter_gguf(
         if since_trim >= TRIM_BYTES:
             _release_freed_memory()
             since_trim = 0
+
+
+def _joined_places(
+    gguf_file: GGUFFile,
+    config: ModelConfig,
+    joins: list[tuple[str, ...]],
+    rename: Callable[[str], str],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Where to re-lay each part of a joined weight (q/k/v, gate/up) so the parts lie one after
+    the other, and the join (quant/packed.concat_rows) is a view rather than a copy: an 8B
+    load spent 2.6 s copying parts into joined weights. For each group of ``joins`` whose
+    tensors the C re-lay takes (cpu_library.RELAID_TYPES, 2-D), one uint8 tensor for their
+    codes and one for their d, allocated now (pages come as they are written): name -> the
+    part's (codes, d), as cpu_library.relay_gguf's ``out``."""
+    if config.tp.size > 1 or not cpu_library.available():
+        return {}
+    by_name = {}
+    for tensor in gguf_file.tensors:
+        name = _hf_name(tensor.name, config.architecture)
+        if name is not None and not any(f".{part}." in tensor.name for part in _FLOAT_ONLY):
+            by_name[rename(name)] = tensor
+    places: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for names in joins:
+        tensors = [by_name.get(name) for name in names]
+        if any(
+            t is None or t.ggml_type not in cpu_library.RELAID_TYPES or len(t.shape) != 2
+            for t in tensors
+        ):
+            continue
+        shapes = [cpu_library.relayed_bytes(t.ggml_type, tuple(t.shape)) for t in tensors]
+        codes = torch.empty(sum(c[0] * c[1] for c, _ in shapes), dtype=torch.uint8)
+        d = torch.empty(sum(s[0] * s[1] for _, s in shapes), dtype=torch.uint8)
+        at_codes = at_d = 0
+        for name, (codes_shape, d_shape) in zip(names, shapes):
+            n_codes, n_d = codes_shape[0] * codes_shape[1], d_shape[0] * d_shape[1]
+            places[name] = (
+                codes[at_codes : at_codes + n_codes].view(codes_shape),
+                d[at_d : at_d + n_d].view(d_shape),
+            )
+            at_codes, at_d = at_codes + n_codes, at_d + n_d
+    return places
 
 
 # Bytes of GGUF tensors between two hand-backs of freed memory while loading: a first load's
@@ -380,11 +431,15 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
     return f"model.layers.{layer}.{hf}.{kind}"
 
 
-def _unpermute_rope(weight: T, num_heads: int) -> T:
-    """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF's rotate-half halves)."""
+def _unpermute_rope(weight: T, num_heads: int, in_place: bool = False) -> T:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF's rotate-half halves);
+    ``in_place``: in the PackedWeight's own tensors (its place in a joined weight)."""
     rows = weight.shape[0]
     half = rows // num_heads // 2
     order = torch.arange(rows).view(num_heads, half, 2).transpose(1, 2).reshape(rows)
+    if in_place and isinstance(weight, PackedWeight):
+        weight.permute_rows_(order)
+        return weight
     if isinstance(weight, (PackedWeight, GGUFBlocks)):
         return weight.select_rows(order)
     return weight[order]

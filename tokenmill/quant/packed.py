@@ -111,6 +111,14 @@ class PackedWeight:
             self.zero,
         )
 
+    def permute_rows_(self, index: torch.Tensor) -> None:
+        """Put rows ``index`` (a permutation) in place of rows 0.., in the same tensors (as
+        select_rows, for a weight whose tensors are views into a joined weight's: the loader's
+        parts, see concat_rows)."""
+        for t in (self.codes, self.scales, self.offsets):
+            if t is not None:
+                t.copy_(t[index])
+
     def codes_int(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """Codes of ``rows`` as int16 [n, K] in element order."""
         return unpack_codes(self.codes[rows], self.kind, self.shape[1], self.zero)
@@ -174,7 +182,9 @@ def pack_half(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> Pack
 def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
     """One weight whose rows are those of ``weights`` in order (q/k/v or gate/up computed in one
     pass over x), or None when their layouts differ. Unsigned codes beside a "q8" part ("q5"
-    or "u8", as Q5_0 q/k beside a Q8_0 v) are joined as "q8"."""
+    or "u8", as Q5_0 q/k beside a Q8_0 v) are joined as "q8". Parts that already lie one after
+    the other in one tensor (the loader re-lays a GGUF's parts so) are joined as a view of it,
+    with no copy; others are copied into a new one."""
     kinds = {w.kind for w in weights}
     if "q8" in kinds and kinds <= {"q8", "u8", "q5"}:
         weights = [as_signed(w) for w in weights]
@@ -184,19 +194,35 @@ def concat_rows(weights: list[PackedWeight]) -> PackedWeight | None:
         return None
     offsets = None
     if any(w.offsets is not None for w in weights):  # scale·code - 0 where a part has none
-        offsets = torch.cat(
+        offsets = _join_rows(
             [w.offsets if w.offsets is not None else torch.zeros_like(w.scales) for w in weights]
         )
     rows = sum(w.shape[0] for w in weights)
     return PackedWeight(
         first.kind,
-        torch.cat([w.codes for w in weights]),
-        torch.cat([w.scales for w in weights]),
+        _join_rows([w.codes for w in weights]),
+        _join_rows([w.scales for w in weights]),
         offsets,
         first.group,
         (rows, first.shape[1]),
         first.zero,
     )
+
+
+def _join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of 2-D ``parts`` along rows; a view when they are contiguous and adjacent in
+    one storage, in order."""
+    first = parts[0]
+    adjacent = all(t.is_contiguous() and t.dtype == first.dtype for t in parts) and all(
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() + a.numel() == b.storage_offset()
+        for a, b in zip(parts, parts[1:])
+    )
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(t.shape[0] for t in parts)
+    joined = torch.empty(0, dtype=first.dtype, device=first.device)
+    return joined.set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]))
 
 
 def as_signed(w: PackedWeight) -> PackedWeight:
