@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf_loading import write_tiny_gguf
+from gguf import GGMLQuantizationType as T
+from test_gguf_loading import LAYER_TYPES, write_tiny_gguf
 
 from tokenmill.config import CacheConfig, resolve_model
 from tokenmill.kernels import cpu_library
@@ -43,7 +44,10 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def gguf_path(tmp_path) -> Path:
-    return write_tiny_gguf(tmp_path / "tiny.gguf", "gemma3").path
+    """A tiny file with a type the C re-lay does not take (Q5_0), which torch repacks: the
+    files the cache is for."""
+    types = [dict(LAYER_TYPES[0], attn_v=T.Q5_0), *LAYER_TYPES[1:]]
+    return write_tiny_gguf(tmp_path / "tiny.gguf", "gemma3", layer_types=types).path
 
 
 def _load(path: Path, max_position: int = 64):
@@ -199,10 +203,11 @@ def _header_only_gguf(path: Path, types: list[int]) -> Path:
 
 
 def test_only_files_that_torch_repacks_get_an_entry(tmp_path, gguf_path) -> None:
-    """A file whose quantized tensors are all Q4_K / Q6_K (a Q4_K_M model's) is re-laid by the
-    C kernels at load: no entry, no second copy on disk (where the kernels are not built, torch
-    repacks it and it gets one). One with another type gets one."""
-    q4_k_m = _header_only_gguf(tmp_path / "q4km.gguf", [0, 12, 14])
-    assert gguf_cache.repacks_in_torch(q4_k_m) == (not cpu_library.available())
-    assert gguf_cache.repacks_in_torch(_header_only_gguf(tmp_path / "q8.gguf", [0, 12, 8]))
-    assert gguf_cache.repacks_in_torch(gguf_path)  # the tiny model's Q8_0 and Q4_0 tensors
+    """A file whose quantized tensors are all Q4_0, Q8_0, Q4_K or Q6_K (a Q4_K_M, Q4_0 or Q8_0
+    model's) is re-laid by the C kernels at load: no entry, no second copy on disk (where the
+    kernels are not built, torch repacks it and it gets one). One with another type gets one."""
+    for name, types in (("q4km", [0, 12, 14]), ("q4_0", [0, 2, 14]), ("q8_0", [0, 8])):
+        relaid = _header_only_gguf(tmp_path / f"{name}.gguf", types)
+        assert gguf_cache.repacks_in_torch(relaid) == (not cpu_library.available())
+    assert gguf_cache.repacks_in_torch(_header_only_gguf(tmp_path / "q5.gguf", [0, 12, 6]))
+    assert gguf_cache.repacks_in_torch(gguf_path)  # the tiny model's Q5_0 tensor

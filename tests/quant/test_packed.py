@@ -121,17 +121,22 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_c_relay_of_k_quant_blocks_equals_the_torch_twin(name: str) -> None:
-    """At load the C kernels re-lay Q4_K / Q6_K super-blocks (csrc/relay.c) into the bytes the
-    torch twin (pack_k_quant) builds, bit for bit."""
+# Q4_0, Q8_0 rows of 14 chunks end in blocks of 4 and 2 chunks (the lane order's tail)
+@pytest.mark.parametrize(
+    ("name", "cols"),
+    [("Q4_0", 768), ("Q4_0", 448), ("Q8_0", 768), ("Q8_0", 448), ("Q4_K", 768), ("Q6_K", 768)],
+)
+def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> None:
+    """At load the C kernels re-lay Q4_0 / Q8_0 blocks and Q4_K / Q6_K super-blocks
+    (csrc/relay.c) into the bytes the torch twin (pack_gguf) builds, bit for bit."""
     t = GGML_TYPES[name]
-    raw = _random_blocks(t, 24, 768, seed=t + 1)
-    ours = kernels.relay_gguf(raw.reshape(-1), t, (24, 768))
-    twin = pack_gguf(raw.reshape(-1), t, (24, 768))
+    raw = _random_blocks(t, 24, cols, seed=t + 1)
+    ours = kernels.relay_gguf(raw.reshape(-1), t, (24, cols))
+    twin = pack_gguf(raw.reshape(-1), t, (24, cols))
     assert ours is not None
     for field in ("kind", "group", "shape", "zero"):
         assert getattr(ours, field) == getattr(twin, field)
+    assert ours.codes.dtype == twin.codes.dtype
     assert torch.equal(ours.codes, twin.codes) and torch.equal(ours.scales, twin.scales)
     assert ours.scales.dtype == torch.float16 and ours.offsets is None
 

@@ -82,6 +82,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lanes.h"
 #include "simd.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
@@ -181,11 +182,6 @@ __attribute__((constructor)) static void choose_isa(void) {
 /* Which of ISA_NAMES the int8 mode runs. */
 const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
 
-/* Chunks in the block that starts at chunk c0 of a row of nc chunks (nc even). */
-static inline int block_chunks(int64_t nc, int64_t c0) {
-    int64_t left = nc - c0;
-    return left >= 8 ? 8 : left >= 4 ? 4 : 2;
-}
 
 static int64_t num_blocks(int64_t nc) {
     int64_t n = 0;

@@ -1,7 +1,8 @@
 /*
- * GGUF k-quant super-blocks re-laid for the packed matmul at load (quant/packed.py:
- * pack_k_quant is the torch twin and the oracle): the same bytes in another order, one pass
- * over the file's bytes, in parallel. At 1B-8B sizes the torch twin (codes unpacked to int16,
+ * GGUF blocks re-laid for the packed matmul at load (quant/packed.py: pack_gguf is the torch
+ * twin and the oracle): the same bytes in another order, one pass over the file's bytes, in
+ * parallel. Q4_K / Q6_K super-blocks (tm_relay_kquant, below), Q4_0 / Q8_0 blocks of 32
+ * (tm_relay_q32, at the end). At 1B-8B sizes the torch twin (codes unpacked to int16,
  * then gathered into lane order) took most of a first load; this is bound by the bytes it moves.
  *
  * A super-block's 256 codes go from the file's block to the kernel's lane order (csrc/qgemm.c):
@@ -16,7 +17,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { GGML_Q4_K = 12, GGML_Q6_K = 14 };
+#include "lanes.h"
+
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 };
 
 /* Eight bytes at a time (a uint64, little-endian), as the re-lay's unit: a lane's 4 bytes of
  * two code vectors come from 8 consecutive bytes of the file. Bytewise, a 3B load spent over
@@ -93,6 +96,50 @@ int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8
             q6_k_planes(b + 128, o + 128);
             memcpy(o + 192, b + 192, 16);
             memcpy(d + i * dn, b + 208, 2);
+        }
+    }
+    return 0;
+}
+
+/* Element e (0..31) of a Q4_0 block's 16 code bytes: e < 16 in the low nibble of byte e, else
+ * the high nibble of byte e - 16; 0..15, code + 8 as "q4" keeps it (zero point 8). */
+static inline uint8_t q4_0_code(const uint8_t *qs, int e) {
+    return e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4;
+}
+
+/* rows x cols of ggml_type Q4_0 (18 bytes a block of 32: float16 d, 16 of nibbles) or Q8_0 (34:
+ * float16 d, 32 int8) at src -> "q4" (cols / 2 bytes a row) or "q8" (cols) codes in lane order
+ * (qgemm.c: in code vector u of the block of t chunks from c0, lane l's 4 bytes are elements
+ * 4 · (u · 8/t + l/t) .. + 3 of chunk c0 + l mod t; "q4": vector 2v in the low nibbles of the 32
+ * bytes at 32v of the block, 2v + 1 in their high), and each chunk's d (2 bytes) at d. The
+ * codes are the file's as they are: Q4_0's nibbles are "q4"'s code + 8, Q8_0's bytes "q8"'s.
+ * Returns 0, or -1 for another type. */
+int tm_relay_q32(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
+                 uint8_t *d) {
+    if (ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0) return -1;
+    const int q4 = ggml_type == GGML_Q4_0;
+    const int64_t nc = cols / 32, in = q4 ? 18 : 34, row_out = q4 ? cols / 2 : cols;
+#pragma omp parallel for schedule(static) if (rows * cols >= (1 << 20))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = src + r * nc * in;
+        uint8_t *o = codes + r * row_out;
+        for (int64_t c = 0; c < nc; c++) memcpy(d + (r * nc + c) * 2, row + c * in, 2);
+        for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
+            const int t = block_chunks(nc, c0), per = 8 / t;
+            for (int u = 0; u < t; u++)
+                for (int l = 0; l < 8; l++) {
+                    const uint8_t *qs = row + (c0 + l % t) * in + 2;
+                    const int e = 4 * (u * per + l / t);
+                    if (!q4) {
+                        memcpy(o + (c0 + u) * 32 + 4 * l, qs + e, 4);
+                        continue;
+                    }
+                    uint8_t *out = o + c0 * 16 + (u >> 1) * 32 + 4 * l;
+                    for (int b = 0; b < 4; b++) {
+                        const uint8_t code = q4_0_code(qs, e + b);
+                        out[b] = u & 1 ? (uint8_t)(out[b] | code << 4) : code;
+                    }
+                }
         }
     }
     return 0;

@@ -56,7 +56,9 @@ QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _p
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
-RELAID_TYPES = (12, 14)  # GGUF types relay_kquant re-lays at load: Q4_K, Q6_K
+RELAID_TYPES = (2, 8, 12, 14)  # GGUF types relay_gguf re-lays at load: Q4_0, Q8_0, Q4_K, Q6_K
+# Q4_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
+Q32_KINDS = {2: ("q4", 8), 8: ("q8", 0)}
 
 
 @functools.cache
@@ -145,6 +147,8 @@ def library() -> ctypes.CDLL | None:
     lib.tm_half_rows.restype = None
     lib.tm_relay_kquant.argtypes = [_int, _ptr, _i64, _ptr, _ptr]
     lib.tm_relay_kquant.restype = _int
+    lib.tm_relay_q32.argtypes = [_int, _ptr, _i64, _i64, _ptr, _ptr]
+    lib.tm_relay_q32.restype = _int
     lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
     lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
@@ -247,11 +251,14 @@ def qgemm(
 def relayed_bytes(
     ggml_type: int, shape: tuple[int, int]
 ) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes (uint8) of what relay_gguf makes of a Q4_K / Q6_K tensor [rows, cols]: its codes
-    and its float16 d (and dmin)."""
+    """Shapes (uint8) of what relay_gguf makes of a tensor [rows, cols] of RELAID_TYPES: its
+    codes and its float16 scales (Q4_0, Q8_0: d a 32; Q4_K, Q6_K: d, and dmin, a 256)."""
     from tokenmill.quant.packed import K_QUANT_KINDS, K_QUANT_KINDS_WITH_MIN, K_QUANT_TYPES
 
     rows, cols = shape
+    if ggml_type in Q32_KINDS:
+        codes = cols // 2 if Q32_KINDS[ggml_type][0] == "q4" else cols
+        return (rows, codes), (rows, cols // 32 * 2)
     kind = K_QUANT_TYPES[ggml_type]
     d_bytes = 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
     return (rows, cols // 256 * K_QUANT_KINDS[kind][0]), (rows, cols // 256 * d_bytes)
@@ -263,9 +270,10 @@ def relay_gguf(
     shape: tuple[int, int],
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
-    """A GGUF Q4_K / Q6_K tensor (raw: its uint8 bytes) re-laid as "q4k" / "q6k" in one pass
-    (csrc/relay.c): what quant/packed.pack_gguf builds, its twin, bit for bit; None where the
-    C library is not available or does not re-lay the type (RELAID_TYPES). ``out``: contiguous
+    """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
+    Q4_0 / Q8_0 as "q4" / "q8", Q4_K / Q6_K as "q4k" / "q6k": what quant/packed.pack_gguf
+    builds, its twin, bit for bit; None where the C library is not available or does not
+    re-lay the type. ``out``: contiguous
     uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
     for a part of a joined weight), else new ones."""
     from tokenmill.quant.packed import K_QUANT_GROUP, K_QUANT_TYPES, K_QUANT_ZERO, PackedWeight
@@ -282,10 +290,15 @@ def relay_gguf(
     if not (codes.is_contiguous() and d.is_contiguous()):
         raise ValueError("relay_gguf: out tensors must be contiguous")
     raw = raw.contiguous()
+    scales = d.view(torch.float16)
+    if ggml_type in Q32_KINDS:
+        lib.tm_relay_q32(ggml_type, raw.data_ptr(), *shape, codes.data_ptr(), d.data_ptr())
+        kind, zero = Q32_KINDS[ggml_type]
+        codes = codes.view(torch.int8) if kind == "q8" else codes  # "q8": signed codes
+        return PackedWeight(kind, codes, scales, None, 32, shape, zero)
     num_blocks = shape[0] * shape[1] // 256
     lib.tm_relay_kquant(ggml_type, raw.data_ptr(), num_blocks, codes.data_ptr(), d.data_ptr())
     kind = K_QUANT_TYPES[ggml_type]
-    scales = d.view(torch.float16)
     return PackedWeight(kind, codes, scales, None, K_QUANT_GROUP[kind], shape, K_QUANT_ZERO[kind])
 
 

@@ -120,9 +120,10 @@ def model_key(
 def repacks_in_torch(path: Path) -> bool:
     """Whether some of the file's quantized tensors are repacked by the torch code, which an
     entry saves, rather than re-laid by the C kernels in one pass over their bytes
-    (cpu_library.RELAID_TYPES: Q4_K, Q6_K) or kept as stored (floats). A Q4_K_M file needs no
-    entry: its first load re-lays it about as fast as an entry maps (Llama 1B shape, AMD EPYC
-    Zen 4: 2.4 s against 1.4 s, whole loads), and an entry is a second copy of it on disk."""
+    (cpu_library.RELAID_TYPES: Q4_0, Q8_0, Q4_K, Q6_K) or kept as stored (floats). A Q4_K_M,
+    Q4_0 or Q8_0 file needs no entry: its first load re-lays it about as fast as an entry maps
+    (Llama 1B shape Q4_K_M, AMD EPYC Zen 4: 1.8 s whole), and an entry is a second copy of it
+    on disk."""
     from tokenmill.kernels import cpu_library
     from tokenmill.quant.gguf_blocks import BLOCK_CODES
 

@@ -346,10 +346,12 @@ def _joined_places(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Where to re-lay each part of a joined weight (q/k/v, gate/up) so the parts lie one after
     the other, and the join (quant/packed.concat_rows) is a view rather than a copy: an 8B
-    load spent 2.6 s copying parts into joined weights. For each group of ``joins`` whose
-    tensors the C re-lay takes (cpu_library.RELAID_TYPES, 2-D), one uint8 tensor for their
-    codes and one for their d, allocated now (pages come as they are written): name -> the
-    part's (codes, d), as cpu_library.relay_gguf's ``out``."""
+    load spent 2.6 s copying parts into joined weights. Within each group of ``joins``, each
+    run of two or more consecutive parts of one type the C re-lay takes (RELAID_TYPES, 2-D)
+    goes side by side (_side_by_side); only parts of one layout join (q/k Q4_K beside a Q6_K v:
+    q/k), and one tensor then holds codes of one dtype (torch.save of the model takes no
+    storage viewed as two). Returns name -> the part's (codes, scales), as
+    cpu_library.relay_gguf's ``out``."""
     if config.tp.size > 1 or not cpu_library.available():
         return {}
     by_name = {}
@@ -357,25 +359,41 @@ def _joined_places(
         name = _hf_name(tensor.name, config.architecture)
         if name is not None and not any(f".{part}." in tensor.name for part in _FLOAT_ONLY):
             by_name[rename(name)] = tensor
+
+    def type_of(name: str) -> int | None:  # None: not re-laid in C
+        t = by_name.get(name)
+        ok = t is not None and t.ggml_type in cpu_library.RELAID_TYPES and len(t.shape) == 2
+        return t.ggml_type if ok else None
+
     places: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for names in joins:
-        tensors = [by_name.get(name) for name in names]
-        if any(
-            t is None or t.ggml_type not in cpu_library.RELAID_TYPES or len(t.shape) != 2
-            for t in tensors
-        ):
-            continue
-        shapes = [cpu_library.relayed_bytes(t.ggml_type, tuple(t.shape)) for t in tensors]
-        codes = torch.empty(sum(c[0] * c[1] for c, _ in shapes), dtype=torch.uint8)
-        d = torch.empty(sum(s[0] * s[1] for _, s in shapes), dtype=torch.uint8)
-        at_codes = at_d = 0
-        for name, (codes_shape, d_shape) in zip(names, shapes):
-            n_codes, n_d = codes_shape[0] * codes_shape[1], d_shape[0] * d_shape[1]
-            places[name] = (
-                codes[at_codes : at_codes + n_codes].view(codes_shape),
-                d[at_d : at_d + n_d].view(d_shape),
-            )
-            at_codes, at_d = at_codes + n_codes, at_d + n_d
+        start = 0
+        for end in range(1, len(names) + 1):
+            if end < len(names) and type_of(names[end]) == type_of(names[start]):
+                continue
+            if end - start > 1 and type_of(names[start]) is not None:
+                places |= _side_by_side(names[start:end], [by_name[n] for n in names[start:end]])
+            start = end
+    return places
+
+
+def _side_by_side(
+    names: tuple[str, ...], tensors: list
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One uint8 tensor for the re-laid codes of ``tensors`` (GGUF tensors of one type) and one
+    for their scales, allocated now (pages come as they are written): name -> the part's
+    (codes, scales) rows, one part after the other."""
+    shapes = [cpu_library.relayed_bytes(t.ggml_type, tuple(t.shape)) for t in tensors]
+    codes = torch.empty(sum(c[0] * c[1] for c, _ in shapes), dtype=torch.uint8)
+    scales = torch.empty(sum(s[0] * s[1] for _, s in shapes), dtype=torch.uint8)
+    places, at_codes, at_scales = {}, 0, 0
+    for name, (codes_shape, scales_shape) in zip(names, shapes):
+        n_codes, n_scales = codes_shape[0] * codes_shape[1], scales_shape[0] * scales_shape[1]
+        places[name] = (
+            codes[at_codes : at_codes + n_codes].view(codes_shape),
+            scales[at_scales : at_scales + n_scales].view(scales_shape),
+        )
+        at_codes, at_scales = at_codes + n_codes, at_scales + n_scales
     return places
 
 
