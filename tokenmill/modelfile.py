@@ -308,7 +308,7 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q4_1": 0.5 + (2 + 4) / 32,  # 4-bit codes, float16 scale and float32 offset / 32
     "Q5_1": 0.625 + (2 + 4) / 32,  # 5-bit codes, float16 scale and float32 offset / 32
     "Q4_K": 144 / 256,  # the file's super-blocks, re-laid (csrc/qgemm.c's q4k kind)
-    "Q5_K": 0.625 + 8 / 32,  # 5-bit codes, float32 scale and offset / 32
+    "Q5_K": 176 / 256,  # the file's super-blocks, re-laid (q5k)
     "Q6_K": 210 / 256,  # the file's super-blocks, re-laid (q6k)
     "Q2_K": 84 / 256,  # the file's super-blocks, codes in planes (q2)
     "Q3_K": 110 / 256,  # the same (q3)

@@ -63,10 +63,10 @@ def test_repacking_is_exact(name: str) -> None:
     ref = BLOCK_CODES[t][2](raw).dequantize().reshape(24, 512)
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5-bit ones 4 bits and
-    # a bit plane, Q8_0 int8; the k-quants but Q5_K their super-blocks, the file's bytes.
+    # a bit plane, Q8_0 int8; the k-quants their super-blocks, the file's bytes.
     kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
-    kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q4_K": "q4k", "Q6_K": "q6k"}
-    kinds |= {"Q5_0": "q5", "Q5_1": "q5", "Q5_K": "q5"}
+    kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k"}
+    kinds |= {"Q5_0": "q5", "Q5_1": "q5"}
     assert w.kind == kinds[name]
     if w.kind in K_QUANT_KINDS or name in ("Q4_0", "Q5_0", "Q8_0"):
         assert w.nbytes == raw.numel()  # as many bytes as the file's: Q5_0 22 a 32
@@ -74,10 +74,10 @@ def test_repacking_is_exact(name: str) -> None:
     else:
         per_row = {"q4": 256, "n4": 256, "q5": 256 + 2 * 32}.get(w.kind, 512)
         assert w.codes.numel() == 24 * per_row
-    # Scales stay float16 where the file's are (half the bytes), float32 for Q5_K and IQ4_XS
-    # (products of the super-block scale and a sub-block's); the other k-quants keep the
-    # file's float16 d (and dmin) and form the products as they compute.
-    f16 = name not in ("Q5_K", "IQ4_XS")
+    # Scales stay float16 where the file's are (half the bytes), float32 for IQ4_XS (products
+    # of the super-block scale and a sub-block's); the k-quants keep the file's float16 d (and
+    # dmin) and form the products as they compute.
+    f16 = name != "IQ4_XS"
     assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
@@ -124,10 +124,11 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
 # Q4_0, Q8_0 rows of 14 chunks end in blocks of 4 and 2 chunks (the lane order's tail)
 @pytest.mark.parametrize(
     ("name", "cols"),
-    [("Q4_0", 768), ("Q4_0", 448), ("Q8_0", 768), ("Q8_0", 448), ("Q4_K", 768), ("Q6_K", 768)],
+    [("Q4_0", 768), ("Q4_0", 448), ("Q8_0", 768), ("Q8_0", 448)]
+    + [("Q4_K", 768), ("Q5_K", 768), ("Q6_K", 768)],
 )
 def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> None:
-    """At load the C kernels re-lay Q4_0 / Q8_0 blocks and Q4_K / Q6_K super-blocks
+    """At load the C kernels re-lay Q4_0 / Q8_0 blocks and Q4_K / Q5_K / Q6_K super-blocks
     (csrc/relay.c) into the bytes the torch twin (pack_gguf) builds, bit for bit."""
     t = GGML_TYPES[name]
     raw = _random_blocks(t, 24, cols, seed=t + 1)
@@ -142,7 +143,7 @@ def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> N
 
 
 # K-quant kind -> (codes' range, sub-block scale bytes a super-block)
-K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q6k": (64, 16)}
+K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q5k": (32, 12), "q6k": (64, 16)}
 
 
 @pytest.mark.parametrize("kind", sorted(K_QUANT_RANGES))
@@ -158,7 +159,8 @@ def test_k_quant_codes_and_scale_bytes_round_trip(kind: str) -> None:
     back, back_sub = unpack_k_quant(stored, kind, 768)
     assert torch.equal(back, codes.to(torch.int16)) and torch.equal(back_sub, sub)
     # Byte 5 of the first 32 holds lane 1 (chunk 1 of 8) of vectors 0..3, elements 4u + 1 of
-    # chunk 1: "q2" / "q3" their low 2-bit pairs; "q4k" / "q6k" vectors 0 and 1 in its nibbles.
+    # chunk 1: "q2" / "q3" their low 2-bit pairs; "q4k" / "q5k" / "q6k" vectors 0 and 1 in its
+    # nibbles.
     first = codes[0, [32 + 4 * u + 1 for u in range(4)]]
     if kind in ("q2", "q3"):
         expected = sum(int(c & 3) << 2 * u for u, c in enumerate(first))
@@ -617,7 +619,7 @@ def _write_k_quant_gguf(path, layers=K_QUANT_LAYERS, embd: int = 10, head: int =
 
 
 # The types a model holds at the file's bytes (the weights' bytes equal the GGUF tensors').
-FILE_BYTES_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_NL"]
+FILE_BYTES_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 
 
 @needs_kernel

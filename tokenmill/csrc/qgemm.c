@@ -9,8 +9,8 @@
  * 3: 4-bit indices, stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL,
  * IQ4_XS); bits 4 and 5: GGUF
  * Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z, 0..31, in a nibble and
- * a bit plane ("q5", below, z as "u8"'s); bit 7, bit 16: GGUF Q4_K / Q6_K super-blocks ("q4k",
- * "q6k", below); else int8 codes ("q8"); bit 1: float16 scales.
+ * a bit plane ("q5", below, z as "u8"'s); bits 7, 16, 17: GGUF Q4_K / Q6_K / Q5_K super-blocks
+ * ("q4k", "q6k", "q5k", below); else int8 codes ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -48,7 +48,8 @@
  * file's sub-block scale bytes (quant/packed.py: K_QUANT_KINDS), with the row's float16 d (and
  * "q2", "q4k": dmin) per super-block in `scales`. "q2", "q3" (G = 16): 2 planes of 32 bytes, code
  * vector 4p + s in bits 2s..2s+1 of plane p ("q3": a third plane, vector u's third bit in bit u;
- * code + 4, a zero point as "u8"'s). "q4k" (G = 32): the 8 code vectors as "q4" keeps them.
+ * code + 4, a zero point as "u8"'s). "q4k" (G = 32): the 8 code vectors as "q4" keeps them;
+ * "q5k" (G = 32): those, then a plane of their fifth bits as "q5"'s.
  * "q6k" (G = 16): their low 4 bits so, then their top 2 bits in 2 planes as "q2"'s (code + 32).
  * The codes come out in registers (kq_code: a shift and a mask or two), unsigned and small as
  * "u8"'s, and take its dot products; the sub-block scales (kq_scales) are formed as float32 d ·
@@ -193,11 +194,14 @@ static int64_t num_blocks(int64_t nc) {
  * (32 + 128 bytes); a block at c0 mod 8 = 4 follows a tail block of 4 chunks (32 + 64). */
 static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 : 0); }
 
-/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k": the k-quants' super-blocks, codes and sub-block
- * scales together. */
-#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10)
+/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k", 11 "q5k": the k-quants' super-blocks, codes and
+ * sub-block scales together. */
+#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10 || (KIND) == 11)
+/* "q4k", "q5k": a 6-bit scale and min a 32-element sub-block (Q4_K's 12 bytes, Q5_K's the
+ * same), a sub-block a lane. */
+#define KQ_G32(KIND) ((KIND) == 9 || (KIND) == 11)
 /* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
-#define KQ_MINS(KIND) ((KIND) == 6 || (KIND) == 9)
+#define KQ_MINS(KIND) ((KIND) == 6 || KQ_G32(KIND))
 /* Float16 scales a k-quant super-block has in `scales`: d, and dmin (KQ_MINS). */
 #define KQ_DS(KIND) (KQ_MINS(KIND) ? 2 : 1)
 
@@ -240,9 +244,12 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
 
 /* The k-quants (IS_KQ): bytes of a stored super-block; its sub-block scales start at byte 64
  * ("q2": 16 bytes, scale | min << 4), 96 ("q3": Q3_K's 12 bytes of 6-bit scales), 128 ("q4k":
- * Q4_K's 12 bytes of 6-bit scales and mins) or 192 ("q6k": 16 int8 scales). */
-#define KQ_BYTES(KIND) ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : 208)
-#define KQ_SUB(KIND) ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 ? 128 : 192)
+ * Q4_K's 12 bytes of 6-bit scales and mins), 160 ("q5k": Q5_K's, as Q4_K's) or 192 ("q6k": 16
+ * int8 scales). */
+#define KQ_BYTES(KIND) \
+    ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : (KIND) == 11 ? 172 : 208)
+#define KQ_SUB(KIND) \
+    ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 ? 128 : (KIND) == 11 ? 160 : 192)
 
 /* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
@@ -253,15 +260,15 @@ static inline int64_t row_bytes(int kind, int64_t K) {
 
 /* Scales a row has: one a group, or ("q2", "q4k") d and dmin, ("q3", "q6k") d, a super-block. */
 static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
-    return kind == 6 || kind == 9 ? K / 128 : kind == 7 || kind == 10 ? K / 256 : K / G;
+    return kind == 6 || KQ_G32(kind) ? K / 128 : kind == 7 || kind == 10 ? K / 256 : K / G;
 }
 
-/* Float sums of x a row has for the mins (KQ_MINS): "q2" one a 16-element group, "q4k" one a
- * 32-element chunk. */
-static inline int64_t xg_len(int kind, int64_t K) { return kind == 9 ? K / 32 : K / 16; }
+/* Float sums of x a row has for the mins (KQ_MINS): "q2" one a 16-element group, "q4k" and
+ * "q5k" one a 32-element chunk. */
+static inline int64_t xg_len(int kind, int64_t K) { return KQ_G32(kind) ? K / 32 : K / 16; }
 
-/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3", 8 "q5", 9 "q4k"
- * or 10 "q6k" (the weight's layout). */
+/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3", 8 "q5", 9 "q4k",
+ * 10 "q6k" or 11 "q5k" (the weight's layout). */
 static inline int layout_kind(int kind) {
     return kind & 1           ? 1
            : kind & 4         ? 2
@@ -271,6 +278,7 @@ static inline int layout_kind(int kind) {
            : kind & 64        ? 8
            : kind & 128       ? 9
            : kind & (1 << 16) ? 10
+           : kind & (1 << 17) ? 11
                               : 0;
 }
 
@@ -287,22 +295,23 @@ TM_TARGET TM_INLINE __m256i kq_vector(const int KIND, __m256i p0, __m256i p1, __
     return c;
 }
 
-/* A k-quant super-block's (src) 2-bit planes p0, p1 ("q2", "q3" at 0; "q6k" at 128) and "q3"'s
- * third bits hb (zero where it has none). */
+/* A k-quant super-block's (src) 2-bit planes p0, p1 ("q2", "q3" at 0; "q6k" at 128), "q3"'s
+ * third bits hb and "q5k"'s fifth bits hb (at 128; zero where it has none). */
 TM_TARGET TM_INLINE void kq_planes(const int KIND, const uint8_t *src, __m256i *p0, __m256i *p1,
                                    __m256i *hb) {
     const int at = KIND == 10 ? 128 : 0;
     *p0 = *p1 = *hb = _mm256_setzero_si256();
-    if (KIND == 9) return;
+    if (KIND == 11) *hb = _mm256_loadu_si256((const __m256i *)(src + 128));
+    if (KQ_G32(KIND)) return;
     *p0 = _mm256_loadu_si256((const __m256i *)(src + at));
     *p1 = _mm256_loadu_si256((const __m256i *)(src + at + 32));
     if (KIND == 7) *hb = _mm256_loadu_si256((const __m256i *)(src + 64));
 }
 
 /* Code vector u (0..7) of a k-quant super-block (src, its planes from kq_planes): "q2" 0..3,
- * "q3" 0..7, "q4k" 0..15 (the nibbles of the 32 bytes at 32 · (u / 2)), "q6k" 0..63 (those
- * nibbles, and its planes' 2 bits above them: a 16-bit shift of values <= 3 by 4 stays in
- * their bytes). */
+ * "q3" 0..7, "q4k" 0..15 (the nibbles of the 32 bytes at 32 · (u / 2)), "q5k" 0..31 (those
+ * nibbles, and the fifth bits as "q5"'s plane keeps them), "q6k" 0..63 (those nibbles, and its
+ * planes' 2 bits above them: a 16-bit shift of values <= 3 by 4 stays in their bytes). */
 TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i p0, __m256i p1,
                                     __m256i hb, int u) {
     if (KIND == 6 || KIND == 7) return kq_vector(KIND, p0, p1, hb, u);
@@ -310,6 +319,7 @@ TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i 
     if (u & 1) b = _mm256_srli_epi16(b, 4);
     b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
     if (KIND == 10) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
+    if (KIND == 11) b = _mm256_or_si256(b, q5_high(hb, u));
     return b;
 }
 
@@ -333,12 +343,12 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m128i v;
-    if (KIND == 9) { /* 8 scales, then 8 mins, 6 bits each: j < 4 in bytes j, 4 + j; j >= 4 low
+    if (KQ_G32(KIND)) { /* 8 scales, then 8 mins, 6 bits each: j < 4 in bytes j, 4 + j; j >= 4 low
                       * 4 bits in byte 8 + j - 4 (mins: its high nibble), top 2 in bits 6, 7 of
                       * bytes j - 4, j (as ggml's get_scale_min_k4). In one vector: the 16 bytes
                       * ending with the 12 (b[k] at byte 4 + k) put where each scale and min is
                       * made, masked and shifted into place. */
-        const __m128i q = _mm_loadu_si128((const __m128i *)(src + KQ_SUB(9) - 4));
+        const __m128i q = _mm_loadu_si128((const __m128i *)(src + KQ_SUB(KIND) - 4));
         const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
         const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
         const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
@@ -541,6 +551,7 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
         if ((kind) == 9) EXPAND(9, 0, 1)                                                      \
+        else if ((kind) == 11) EXPAND(11, 0, 1)                                               \
         else if ((kind) == 10) EXPAND(10, 1, 1)                                               \
         else if ((kind) == 6) EXPAND(6, 1, 1)                                                 \
         else if ((kind) == 7) EXPAND(7, 1, 1)                                                 \
@@ -721,7 +732,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 const int8_t *xv = xb + (u * RA + i) * 32;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                if ((G16 || KIND == 9) && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
+                if ((G16 || KQ_G32(KIND)) && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
                 else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
             }
         }
@@ -823,7 +834,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
             }
         }
-    } else if (KIND == 9) { /* "q4k": a scale and a min a chunk (lane), the mins as "q2"'s */
+    } else if (KQ_G32(KIND)) { /* "q4k", "q5k": a scale and a min a chunk (lane), the mins as "q2"'s */
         __m256 sw, sw2, mn, mn2;
         kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sw, &sw2, &mn, &mn2);
         for (int i = 0; i < RA; i++) {
@@ -934,7 +945,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
             acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
         }
-        for (int i = 0; KIND == 9 && i < RA; i++) {
+        for (int i = 0; KQ_G32(KIND) && i < RA; i++) {
             const float *g = xg + i * xg_len(KIND, K) + c0;
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
         }

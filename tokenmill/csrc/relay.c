@@ -10,6 +10,9 @@
  *   "q4k" (GGUF Q4_K, 144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 of nibble pairs):
  *         the vectors in pairs (vector 2v in the low nibbles of the 32 bytes at 32v), then the
  *         12 scale bytes: 140 bytes; d and dmin to `d`.
+ *   "q5k" (GGUF Q5_K, 176 bytes: f16 d, f16 dmin, 12 scale bytes, 32 of fifth bits, 128 of
+ *         nibble pairs): "q4k"'s 128 bytes, a plane of fifth bits (vector u's in bit u), the 12
+ *         scale bytes: 172 bytes; d and dmin to `d`.
  *   "q6k" (GGUF Q6_K, 210 bytes: 128 of low nibbles, 64 of top 2-bit pairs, 16 int8 scales,
  *         f16 d): the codes' low 4 bits as "q4k"'s, their top 2 bits in two planes (vector
  *         4p + s in bits 2s of plane p's bytes), then the 16 scales: 208 bytes; d to `d`.
@@ -19,7 +22,7 @@
 
 #include "lanes.h"
 
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* Eight bytes at a time (a uint64, little-endian), as the re-lay's unit: a lane's 4 bytes of
  * two code vectors come from 8 consecutive bytes of the file. Bytewise, a 3B load spent over
@@ -75,14 +78,38 @@ static void q6_k_planes(const uint8_t *qh, uint8_t *out) {
         }
 }
 
-/* num_blocks super-blocks of ggml_type (Q4_K or Q6_K) at src -> codes (140 or 208 bytes a
- * block) and their float16 d (and dmin) at d (4 or 2 bytes a block). Returns 0, or -1 for a
- * type it does not re-lay. */
+/* The 8 x 8 bits of x transposed: bit l of byte u goes to bit u of byte l (Hacker's Delight's
+ * transpose8, three rounds of swapping blocks across the diagonal). */
+static inline uint64_t transpose8(uint64_t x) {
+    uint64_t t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAULL;
+    x ^= t ^ (t << 7);
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCULL;
+    x ^= t ^ (t << 14);
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ULL;
+    return x ^ t ^ (t << 28);
+}
+
+/* Q5_K's fifth bits (ggml's dequantize_row_q5_K): element i of chunk c has it at bit c of qh
+ * byte i. "q5k" keeps them as "q5"'s plane: code vector u's in bit u of byte 4l + b (chunk l,
+ * element 4u + b), i.e. bit l of qh byte 4u + b: for each b an 8 x 8 bit transpose. */
+static void q5_k_plane(const uint8_t *qh, uint8_t *out) {
+    for (int b = 0; b < 4; b++) {
+        uint64_t x = 0;
+        for (int u = 0; u < 8; u++) x |= (uint64_t)qh[4 * u + b] << 8 * u;
+        x = transpose8(x);
+        for (int l = 0; l < 8; l++) out[4 * l + b] = (uint8_t)(x >> 8 * l);
+    }
+}
+
+/* num_blocks super-blocks of ggml_type (Q4_K, Q5_K or Q6_K) at src -> codes (140, 172 or 208
+ * bytes a block) and their float16 d (and dmin) at d (4, 4 or 2 bytes a block). Returns 0, or
+ * -1 for a type it does not re-lay. */
 int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8_t *codes,
                     uint8_t *d) {
-    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q6_K) return -1;
-    const int q4 = ggml_type == GGML_Q4_K;
-    const int64_t in = q4 ? 144 : 210, out = q4 ? 140 : 208, dn = q4 ? 4 : 2;
+    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q5_K && ggml_type != GGML_Q6_K) return -1;
+    const int q4 = ggml_type == GGML_Q4_K, q5 = ggml_type == GGML_Q5_K;
+    const int64_t in = q4 ? 144 : q5 ? 176 : 210, out = q4 ? 140 : q5 ? 172 : 208;
+    const int64_t dn = q4 || q5 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (num_blocks >= 1024)
     for (int64_t i = 0; i < num_blocks; i++) {
         const uint8_t *b = src + i * in;
@@ -90,6 +117,11 @@ int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8
         if (q4) {
             nibble_pairs(b + 16, Q4K_ROW, Q4K_NIB, o);
             memcpy(o + 128, b + 4, 12);
+            memcpy(d + i * dn, b, 4);
+        } else if (q5) { /* d, dmin, 12 scale bytes as Q4_K's, 32 of fifth bits, 128 of nibbles */
+            nibble_pairs(b + 48, Q4K_ROW, Q4K_NIB, o);
+            q5_k_plane(b + 16, o + 128);
+            memcpy(o + 160, b + 4, 12);
             memcpy(d + i * dn, b, 4);
         } else {
             nibble_pairs(b, Q6K_ROW, Q6K_NIB, o);

@@ -49,14 +49,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64, "q4k": 128}
-_KINDS["q6k"] = 1 << 16  # bits 8-15 hold the zero point
+_KINDS |= {"q6k": 1 << 16, "q5k": 1 << 17}  # bits 8-15 hold the zero point
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
-RELAID_TYPES = (2, 8, 12, 14)  # GGUF types relay_gguf re-lays at load: Q4_0, Q8_0, Q4_K, Q6_K
+# GGUF types relay_gguf re-lays at load: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
+RELAID_TYPES = (2, 8, 12, 13, 14)
 # Q4_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
 Q32_KINDS = {2: ("q4", 8), 8: ("q8", 0)}
 
@@ -203,7 +204,7 @@ def supports(w: PackedWeight) -> bool:
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
     bits 8-15, as "q3"'s, "q5"'s and "q6k"'s), bit 3 for "n4" indices (4-bit, into IQ4's
-    table), bits 4, 5, 7 and 16 for "q2", "q3", "q4k" and "q6k" super-blocks, bit 6 for "q5"
+    table), bits 4, 5, 7, 16 and 17 for "q2", "q3", "q4k", "q6k" and "q5k" super-blocks, bit 6 for "q5"
     codes, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
@@ -252,7 +253,7 @@ def relayed_bytes(
     ggml_type: int, shape: tuple[int, int]
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes (uint8) of what relay_gguf makes of a tensor [rows, cols] of RELAID_TYPES: its
-    codes and its float16 scales (Q4_0, Q8_0: d a 32; Q4_K, Q6_K: d, and dmin, a 256)."""
+    codes and its float16 scales (Q4_0, Q8_0: d a 32; the k-quants: d, and dmin, a 256)."""
     from tokenmill.quant.packed import K_QUANT_KINDS, K_QUANT_KINDS_WITH_MIN, K_QUANT_TYPES
 
     rows, cols = shape
@@ -271,7 +272,7 @@ def relay_gguf(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
-    Q4_0 / Q8_0 as "q4" / "q8", Q4_K / Q6_K as "q4k" / "q6k": what quant/packed.pack_gguf
+    Q4_0 / Q8_0 as "q4" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k": what pack_gguf
     builds, its twin, bit for bit; None where the C library is not available or does not
     re-lay the type. ``out``: contiguous
     uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place

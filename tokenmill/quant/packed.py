@@ -17,12 +17,13 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
   "q4": 4-bit codes + ``zero``, 0..15, two per byte [N, K/2] (GGUF Q4_0: zero 8, Q4_1; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
         (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
-  "q2", "q3", "q4k", "q6k": GGUF Q2_K / Q3_K / Q4_K / Q6_K kept as their 256-element
-        super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS): the codes ("q2":
-        2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit 0..15; "q6k": 4 bits
-        and 2 more, code + ``zero`` 32) and the file's own sub-block scale bytes in ``codes``,
-        the float16 d (and "q2", "q4k": dmin) of each super-block in ``scales`` [N, K/256]
-        ([N, K/128], d and dmin in turn); ``group`` is the sub-block's (16, "q4k" 32), and
+  "q2", "q3", "q4k", "q5k", "q6k": GGUF Q2_K / Q3_K / Q4_K / Q5_K / Q6_K kept as their
+        256-element super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS): the codes
+        ("q2": 2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit 0..15; "q5k":
+        5-bit 0..31; "q6k": 4 bits and 2 more, code + ``zero`` 32) and the file's own sub-block
+        scale bytes in ``codes``, the float16 d (and "q2", "q4k", "q5k": dmin) of each
+        super-block in ``scales`` [N, K/256] ([N, K/128], d and dmin in turn); ``group`` is the
+        sub-block's (16, "q4k" and "q5k" 32), and
         ``group_scales`` gives its float32 scales (d · scale) and offsets (dmin · min) as the
         other kinds hold them. The kernel forms those in registers as it reads each block.
 Within a row the codes are stored in the C kernel's "lane order" (``lane_order``; why, in
@@ -36,9 +37,9 @@ lengths stay "u8"). ``codes_int`` gives codes in element order
 always fill blocks of 8 chunks, one a super-block. "q2" and "q3": its 8 code vectors' low 2-bit
 pairs go in two 32-byte planes (vectors 0..3, the first halves of the 8 chunks, then 4..7;
 vector 4p + s in bits 2s of plane p), "q3"'s third bits in one more (vector u in bit u). "q4k":
-its 8 code vectors as "q4" keeps them (pairs in 32 bytes, the first in the low nibbles). "q6k":
-their low 4 bits so, then their top 2 bits in two planes as "q2"'s. Then the sub-block scale
-bytes.
+its 8 code vectors as "q4" keeps them (pairs in 32 bytes, the first in the low nibbles). "q5k":
+their low 4 bits so, then their fifth bits in one plane (vector u in bit u). "q6k": their low 4
+bits so, then their top 2 bits in two planes as "q2"'s. Then the sub-block scale bytes.
 The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
 ``reference_matmul`` is its pure-torch twin, the torch kernel backend's path and the oracle of
 the tests.
@@ -142,7 +143,7 @@ class PackedWeight:
                 sc = q3_k_scales(sub.reshape(-1, 12))
             scales = d[:, :, :1] * sc.float().reshape(n, -1, per)
             return scales.reshape(n, -1), None
-        if self.kind == "q4k":
+        if self.kind in ("q4k", "q5k"):  # Q5_K's scales and mins are Q4_K's
             sc, mn = k_scales(sub.reshape(-1, 12))
         else:
             sc, mn = q2_k_scales(sub.reshape(-1, 16))
@@ -360,16 +361,17 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
 # start): "q2" 2 planes of 2-bit pairs and Q2_K's 16 scale | min bytes (with d and dmin: the
 # file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110),
 # "q4k" 128 bytes of nibble pairs and Q4_K's 12 bytes of 6-bit scales and mins (with d and
-# dmin: 144), "q6k" 128 of nibble pairs, 2 planes of top 2-bit pairs and Q6_K's 16 int8 scales
-# (with d: 210).
-K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96), "q4k": (140, 128), "q6k": (208, 192)}
-K_QUANT_TYPES = {10: "q2", 11: "q3", 12: "q4k", 14: "q6k"}  # ggml type id -> kind
-K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q6k": 32}  # stored code = code + zero
-K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q6k": 16}  # elements a sub-block
-K_QUANT_KINDS_WITH_MIN = ("q2", "q4k")  # their scales: d and dmin a super-block
+# dmin: 144), "q5k" those 128, a plane of fifth bits and Q5_K's 12 bytes, as Q4_K's (176), "q6k"
+# 128 of nibble pairs, 2 planes of top 2-bit pairs and Q6_K's 16 int8 scales (with d: 210).
+K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96), "q4k": (140, 128), "q5k": (172, 160)}
+K_QUANT_KINDS["q6k"] = (208, 192)
+K_QUANT_TYPES = {10: "q2", 11: "q3", 12: "q4k", 13: "q5k", 14: "q6k"}  # ggml type id -> kind
+K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q5k": 0, "q6k": 32}  # stored code = code + zero
+K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q5k": 32, "q6k": 16}  # elements a sub-block
+K_QUANT_KINDS_WITH_MIN = ("q2", "q4k", "q5k")  # their scales: d and dmin a super-block
 # Where the file's float16 d (and dmin) and sub-block scale bytes lie in a block of each type.
 _K_QUANT_FILE = {10: ((80, 84), (0, 16)), 11: ((108, 110), (96, 108)), 12: ((0, 4), (4, 16))}
-_K_QUANT_FILE[14] = ((208, 210), (192, 208))
+_K_QUANT_FILE |= {13: ((0, 4), (4, 16)), 14: ((208, 210), (192, 208))}
 
 
 def _pairs(c: torch.Tensor, shift: int) -> torch.Tensor:
@@ -387,23 +389,36 @@ def _planes(c: torch.Tensor, shift: int) -> torch.Tensor:
     return planes.reshape(*c.shape[:-2], 64)
 
 
+def _bit_plane(c: torch.Tensor, bit: int) -> torch.Tensor:
+    """Code vectors [..., 8, 32] -> one 32-byte plane: vector u's bit ``bit`` in bit u."""
+    plane = torch.zeros_like(c[..., 0, :])
+    for u in range(8):
+        plane |= ((c[..., u, :] >> bit) & 1) << u
+    return plane
+
+
+def _unbit_plane(b: torch.Tensor) -> torch.Tensor:
+    """``_bit_plane`` undone: [..., 32] bytes -> code vectors [..., 8, 32] of one bit."""
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device).view(8, 1)
+    return (b.unsqueeze(-2) >> bits) & 1
+
+
 def pack_k_quant(codes: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Tensor:
-    """Stored codes [N, K] (code + zero: "q2" 0..3, "q3" 0..7, "q4k" 0..15, "q6k" 0..63) in
+    """Stored codes [N, K] (code + zero: "q2" 0..3, "q3" 0..7, "q4k" 0..15, "q5k" 0..31, "q6k" 0..63) in
     element order and each super-block's sub-block scale bytes [N, K / 256, bytes] -> the
     kind's codes [N, K / 256 · super-block bytes]."""
     n, k = codes.shape
     c = codes[:, lane_order(k).to(codes.device)].to(torch.uint8).reshape(n, k // QK_K, 8, 32)
     if kind == "q4k":
         parts = [_pairs(c, 0)]
+    elif kind == "q5k":
+        parts = [_pairs(c, 0), _bit_plane(c, 4)]
     elif kind == "q6k":
         parts = [_pairs(c, 0), _planes(c, 4)]
     else:
         parts = [_planes(c, 0)]
     if kind == "q3":
-        high = torch.zeros_like(c[:, :, 0])
-        for u in range(8):
-            high |= ((c[:, :, u] >> 2) & 1) << u
-        parts.append(high)
+        parts.append(_bit_plane(c, 2))
     parts.append(sub.to(torch.uint8))
     return torch.cat(parts, dim=2).reshape(n, -1)
 
@@ -428,13 +443,14 @@ def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tenso
     blocks = stored.reshape(n, num_super, sb_bytes)
     if kind == "q4k":
         c = _unpairs(blocks[:, :, :128])
+    elif kind == "q5k":
+        c = _unpairs(blocks[:, :, :128]) | _unbit_plane(blocks[:, :, 128:160]) << 4
     elif kind == "q6k":
         c = _unpairs(blocks[:, :, :128]) | _unplanes(blocks[:, :, 128:192]) << 4
     else:
         c = _unplanes(blocks[:, :, :64])
     if kind == "q3":
-        bits = torch.arange(8, dtype=torch.uint8, device=stored.device).view(1, 1, 8, 1)
-        c = c | (((blocks[:, :, 64:96].unsqueeze(2) >> bits) & 1) << 2)
+        c = c | _unbit_plane(blocks[:, :, 64:96]) << 2
     codes = c.reshape(n, k).to(torch.int16)[:, _element_order(k, stored.device)]
     return codes, blocks[:, :, sub_at:]
 
@@ -442,7 +458,7 @@ def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tenso
 def _from_k_quant_blocks(
     blocks: torch.Tensor, ggml_type: int, rows: int, cols: int
 ) -> PackedWeight:
-    """Q2_K / Q3_K / Q4_K / Q6_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor ->
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor ->
     their kind (K_QUANT_TYPES), the file's bytes rearranged."""
     kind = K_QUANT_TYPES[ggml_type]
     zero, num_super = K_QUANT_ZERO[kind], cols // QK_K
