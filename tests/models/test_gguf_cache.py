@@ -108,15 +108,34 @@ def test_a_changed_file_is_loaded_afresh(cache, gguf_path, monkeypatch):
 def test_format_version_and_arguments_are_in_the_key(cache, gguf_path, monkeypatch):
     loads = _Loads(monkeypatch)
     _load(gguf_path)
-    _load(gguf_path, max_position=32)  # another RoPE table: another entry
-    assert loads.count == 2
+    _load(gguf_path, max_position=32)  # the same weights: the same entry
+    assert loads.count == 1
     monkeypatch.setattr(gguf_cache, "FORMAT_VERSION", gguf_cache.FORMAT_VERSION + 1)
     gguf_cache.code_version.cache_clear()
     try:
         _load(gguf_path)
     finally:
         gguf_cache.code_version.cache_clear()
-    assert loads.count == 3
+    assert loads.count == 2
+
+
+def test_another_context_length_shares_the_entry_and_computes_the_same(
+    cache, gguf_path, monkeypatch
+):
+    """An entry saved at one max_position serves another: its RoPE tables are rebuilt for the
+    new length, the same as a fresh load's, and it computes exactly what a fresh load does."""
+    loads = _Loads(monkeypatch)
+    _load(gguf_path, max_position=32)
+    cached = _load(gguf_path, max_position=96)
+    assert loads.count == 1 and len(list(cache.glob("*.pt"))) == 1
+    monkeypatch.setenv("TOKENMILL_NO_CACHE", "1")
+    fresh = _load(gguf_path, max_position=96)
+    tables = [(m.cos, m.sin) for m in cached.modules() if hasattr(m, "inv_freq")]
+    fresh_tables = [(m.cos, m.sin) for m in fresh.modules() if hasattr(m, "inv_freq")]
+    assert tables and all(cos.shape[0] == 96 for cos, _ in tables)
+    for (cos, sin), (cos2, sin2) in zip(tables, fresh_tables, strict=True):
+        assert torch.equal(cos, cos2) and torch.equal(sin, sin2)
+    assert torch.equal(_logits(cached), _logits(fresh))
 
 
 def test_damaged_entry_is_dropped_and_rebuilt(cache, gguf_path, monkeypatch):
@@ -145,8 +164,14 @@ def test_small_files_are_not_cached(cache, gguf_path, monkeypatch):
 
 def test_only_the_most_recent_entries_are_kept(cache, gguf_path, monkeypatch):
     monkeypatch.setattr(gguf_cache, "MAX_ENTRIES", 2)
-    for max_position in (16, 32, 48):
-        _load(gguf_path, max_position)
+    base = gguf_cache.FORMAT_VERSION
+    for version in (1, 2, 3):  # three code versions: three entries written
+        monkeypatch.setattr(gguf_cache, "FORMAT_VERSION", base + version)
+        gguf_cache.code_version.cache_clear()
+        try:
+            _load(gguf_path)
+        finally:
+            gguf_cache.code_version.cache_clear()
     assert len(list(cache.glob("*.pt"))) == 2
 
 

@@ -49,11 +49,18 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.resize_(max_position)
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
+
+    def resize_(self, max_position: int) -> None:
+        """The cos/sin table of positions 0 .. max_position - 1, built anew (a model from the
+        packed-model cache, saved at another context length, takes this load's): the same
+        values a model built at this length has."""
+        positions = torch.arange(max_position, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.inv_freq)  # [max_position, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -13,8 +13,9 @@ The key hashes everything the result depends on:
   tokenmill's own sources (every ``.py`` under the package and ``csrc``): any change to the
   code that builds, pickles or reads the layout invalidates every entry;
 - the GGUF file's identity (``modelfile.file_identity``: size, mtime, its first and last MiB);
-- the load's arguments: the model config, dtype, max_position, the quant method's settings and
-  the kernel backend's name.
+- the load's arguments: the model config, dtype, the quant method's settings and the kernel
+  backend's name. Not the context length (max_position): it changes no weight, only the RoPE
+  tables, which the loader rebuilds for each load (so two lengths share one entry).
 
 An entry is written to a temporary file and renamed into place (a reader never sees half of
 one); one that fails to load is deleted and the model is loaded from the GGUF. Only the
@@ -110,7 +111,6 @@ def model_key(
         file_identity(source.path),
         repr(config),
         str(dtype),
-        str(max_position),
         method,
         kernels,
     ]

@@ -24,6 +24,7 @@ from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
 from tokenmill.kernels.cpu_library import relay_gguf
 from tokenmill.layers import Embedding, FusedLinear, Linear
+from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, dequantize
@@ -122,6 +123,10 @@ def load_model(
         config, dtype, device, max_position, quant_method, importance, backend
     )
     model = gguf_cache.load(key) if key is not None else None
+    if model is not None:  # saved at some context length: the RoPE tables of this one
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.resize_(max_position)
     if model is None:
         model = _build_and_load(config, dtype, device, max_position, quant_method, importance)
         if key is not None:
