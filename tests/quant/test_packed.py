@@ -142,6 +142,17 @@ def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> N
     assert ours.scales.dtype == torch.float16 and ours.offsets is None
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_rows_not_in_lane_order_are_left_to_the_torch_code(name: str) -> None:
+    """Rows of 96 elements (3 chunks) are not in the kernel's lane order: the C re-lay leaves
+    them to pack_gguf."""
+    t = GGML_TYPES[name]
+    raw = _random_blocks(t, 4, 96, seed=t).reshape(-1)
+    assert kernels.relay_gguf(raw, t, (4, 96)) is None
+    assert not kernels.relays(t, (4, 96)) and kernels.relays(t, (4, 128))
+
+
 # K-quant kind -> (codes' range, sub-block scale bytes a super-block)
 K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q5k": (32, 12), "q6k": (64, 16)}
 

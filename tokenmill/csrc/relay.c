@@ -145,10 +145,10 @@ static inline uint8_t q4_0_code(const uint8_t *qs, int e) {
  * 4 · (u · 8/t + l/t) .. + 3 of chunk c0 + l mod t; "q4": vector 2v in the low nibbles of the 32
  * bytes at 32v of the block, 2v + 1 in their high), and each chunk's d (2 bytes) at d. The
  * codes are the file's as they are: Q4_0's nibbles are "q4"'s code + 8, Q8_0's bytes "q8"'s.
- * Returns 0, or -1 for another type. */
+ * Returns 0, or -1 for another type or rows not in lane order (cols not a multiple of 64). */
 int tm_relay_q32(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
                  uint8_t *d) {
-    if (ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0) return -1;
+    if ((ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0) || cols % 64) return -1;
     const int q4 = ggml_type == GGML_Q4_0;
     const int64_t nc = cols / 32, in = q4 ? 18 : 34, row_out = q4 ? cols / 2 : cols;
 #pragma omp parallel for schedule(static) if (rows * cols >= (1 << 20))

@@ -249,6 +249,15 @@ def qgemm(
     return y
 
 
+def relays(ggml_type: int, shape: tuple[int, int]) -> bool:
+    """Whether relay_gguf re-lays a tensor of this type and shape [rows, cols]: RELAID_TYPES,
+    with the C library built, and rows in the kernel's lane order (Q4_0, Q8_0: cols a multiple
+    of 64; the k-quants' whole super-blocks always are). Other rows the torch code packs."""
+    if ggml_type not in RELAID_TYPES or library() is None:
+        return False
+    return shape[1] % (64 if ggml_type in Q32_KINDS else 256) == 0
+
+
 def relayed_bytes(
     ggml_type: int, shape: tuple[int, int]
 ) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -273,15 +282,14 @@ def relay_gguf(
 ) -> PackedWeight | None:
     """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
     Q4_0 / Q8_0 as "q4" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k": what pack_gguf
-    builds, its twin, bit for bit; None where the C library is not available or does not
-    re-lay the type. ``out``: contiguous
-    uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
+    builds, its twin, bit for bit; None where it does not re-lay the tensor (``relays``).
+    ``out``: contiguous uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
     for a part of a joined weight), else new ones."""
     from tokenmill.quant.packed import K_QUANT_GROUP, K_QUANT_TYPES, K_QUANT_ZERO, PackedWeight
 
-    lib = library()
-    if lib is None or ggml_type not in RELAID_TYPES:
+    if not relays(ggml_type, shape):
         return None
+    lib = library()
     codes_shape, d_shape = relayed_bytes(ggml_type, shape)
     if out is None:
         out = torch.empty(codes_shape, dtype=torch.uint8), torch.empty(d_shape, dtype=torch.uint8)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -120,16 +121,20 @@ def model_key(
 def repacks_in_torch(path: Path) -> bool:
     """Whether some of the file's quantized tensors are repacked by the torch code, which an
     entry saves, rather than re-laid by the C kernels in one pass over their bytes
-    (cpu_library.RELAID_TYPES: Q4_0, Q8_0, Q4_K, Q6_K) or kept as stored (floats). A Q4_K_M,
-    Q4_0 or Q8_0 file needs no entry: its first load re-lays it about as fast as an entry maps
-    (Llama 1B shape Q4_K_M, AMD EPYC Zen 4: 1.8 s whole), and an entry is a second copy of it
-    on disk."""
+    (cpu_library.relays: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) or kept as stored (floats). A Q4_K_M,
+    Q5_K_M, Q4_0 or Q8_0 file needs no entry: its first load re-lays it about as fast as an
+    entry maps (Llama 1B shape Q4_K_M, AMD EPYC Zen 4: 1.8 s whole), and an entry is a second
+    copy of it on disk."""
     from tokenmill.kernels import cpu_library
     from tokenmill.quant.gguf_blocks import BLOCK_CODES
 
-    relaid = cpu_library.RELAID_TYPES if cpu_library.available() else ()
-    types = {t.ggml_type for t in read_gguf(path).tensors}
-    return any(t in BLOCK_CODES and t not in relaid for t in types)
+    def repacked(t) -> bool:  # a stack of experts [E, N, K] packs as its E·N rows
+        rows = math.prod(t.shape[:-1])
+        return t.ggml_type in BLOCK_CODES and not cpu_library.relays(
+            t.ggml_type, (rows, t.shape[-1])
+        )
+
+    return any(repacked(t) for t in read_gguf(path).tensors)
 
 
 def _entry(key: str) -> Path | None:

@@ -367,7 +367,7 @@ def _joined_places(
 
     def type_of(name: str) -> int | None:  # None: not re-laid in C
         t = by_name.get(name)
-        ok = t is not None and t.ggml_type in cpu_library.RELAID_TYPES and len(t.shape) == 2
+        ok = t is not None and len(t.shape) == 2 and cpu_library.relays(t.ggml_type, t.shape)
         return t.ggml_type if ok else None
 
     places: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
