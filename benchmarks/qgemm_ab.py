@@ -10,7 +10,12 @@ the largest difference between their outputs, relative to the largest output (0 
 change keeps the arithmetic). With the same code on both sides (an A/A run, 5 repetitions) the
 ratios ranged 0.85-1.1: a change smaller than that needs more --reps, or several runs.
 
-    python benchmarks/qgemm_ab.py [--base HEAD] [--rows 1,64,2048] [--reps 9]  (repo root)
+    python benchmarks/qgemm_ab.py [--base HEAD] [--rows 1,64,2048] [--reps 9] [--threads N]
+        [--model FILE.gguf]  (repo root)
+
+--threads 1 --rows 1 on a GGUF at real sizes (benchmarks/llama_shapes.py) times the batch-1
+kernel's compute alone: each weight is called again and again, so it comes from the caches, not
+memory (how the Q4_K / Q6_K loop was tuned: 1.06-1.13x, AMD EPYC Zen 4).
 """
 
 from __future__ import annotations
@@ -92,11 +97,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,64,2048")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: all)")
     args = parser.parse_args()
     base_src = subprocess.run(
         ["git", "show", f"{args.base}:{SOURCE}"], check=True, capture_output=True, text=True
     ).stdout
     engine = LLMEngine(EngineArgs(model=args.model, max_model_len=256, kv_cache_memory="64MiB"))
+    if args.threads:  # after the engine, which sets its own: the kernel shares torch's pool
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         base = build(base_src, Path(tmp), "base")
         new = build(SOURCE.read_text(), Path(tmp), "new")
