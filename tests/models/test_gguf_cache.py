@@ -44,9 +44,9 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def gguf_path(tmp_path) -> Path:
-    """A tiny file with a type the C re-lay does not take (Q5_0), which torch repacks: the
+    """A tiny file with a type the C re-lay does not take (Q4_1), which torch repacks: the
     files the cache is for."""
-    types = [dict(LAYER_TYPES[0], attn_v=T.Q5_0), *LAYER_TYPES[1:]]
+    types = [dict(LAYER_TYPES[0], attn_v=T.Q4_1), *LAYER_TYPES[1:]]
     return write_tiny_gguf(tmp_path / "tiny.gguf", "gemma3", layer_types=types).path
 
 
@@ -228,11 +228,14 @@ def _header_only_gguf(path: Path, types: list[int]) -> Path:
 
 
 def test_only_files_that_torch_repacks_get_an_entry(tmp_path, gguf_path) -> None:
-    """A file whose quantized tensors are all Q4_0, Q8_0, Q4_K or Q6_K (a Q4_K_M, Q4_0 or Q8_0
-    model's) is re-laid by the C kernels at load: no entry, no second copy on disk (where the
-    kernels are not built, torch repacks it and it gets one). One with another type gets one."""
-    for name, types in (("q4km", [0, 12, 14]), ("q4_0", [0, 2, 14]), ("q8_0", [0, 8])):
+    """A file whose quantized tensors the C kernels re-lay at load (Q4_0, Q5_0, Q8_0, Q4_K,
+    Q5_K, Q6_K: a Q4_K_M, Q5_K_M, Q4_0 or Q8_0 model's) gets no entry, no second copy on disk
+    (where the kernels are not built, torch repacks it and it gets one). One with another
+    type gets one."""
+    relaid_files = [("q4km", [0, 12, 14]), ("q5km", [0, 13, 14]), ("q4_0", [0, 2, 14])]
+    relaid_files += [("q5_0", [0, 6, 8]), ("q8_0", [0, 8])]
+    for name, types in relaid_files:
         relaid = _header_only_gguf(tmp_path / f"{name}.gguf", types)
         assert gguf_cache.repacks_in_torch(relaid) == (not cpu_library.available())
-    assert gguf_cache.repacks_in_torch(_header_only_gguf(tmp_path / "q5.gguf", [0, 12, 6]))
-    assert gguf_cache.repacks_in_torch(gguf_path)  # the tiny model's Q5_0 tensor
+    assert gguf_cache.repacks_in_torch(_header_only_gguf(tmp_path / "q4_1.gguf", [0, 12, 3]))
+    assert gguf_cache.repacks_in_torch(gguf_path)  # the tiny model's Q4_1 tensor

@@ -121,10 +121,12 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
 
 
 @needs_kernel
-# Q4_0, Q8_0 rows of 14 chunks end in blocks of 4 and 2 chunks (the lane order's tail)
+# Q4_0, Q5_0, Q8_0 rows of 14 chunks end in blocks of 4 and 2 chunks (the lane order's tail),
+# Q5_0's of 10 in one of 2
 @pytest.mark.parametrize(
     ("name", "cols"),
-    [("Q4_0", 768), ("Q4_0", 448), ("Q8_0", 768), ("Q8_0", 448)]
+    [("Q4_0", 768), ("Q4_0", 448), ("Q5_0", 768), ("Q5_0", 448), ("Q5_0", 320)]
+    + [("Q8_0", 768), ("Q8_0", 448)]
     + [("Q4_K", 768), ("Q5_K", 768), ("Q6_K", 768)],
 )
 def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> None:
@@ -143,7 +145,7 @@ def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> N
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
 def test_rows_not_in_lane_order_are_left_to_the_torch_code(name: str) -> None:
     """Rows of 96 elements (3 chunks) are not in the kernel's lane order: the C re-lay leaves
     them to pack_gguf."""

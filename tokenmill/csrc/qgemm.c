@@ -183,17 +183,6 @@ __attribute__((constructor)) static void choose_isa(void) {
 /* Which of ISA_NAMES the int8 mode runs. */
 const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
 
-
-static int64_t num_blocks(int64_t nc) {
-    int64_t n = 0;
-    for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) n++;
-    return n;
-}
-
-/* "q5": where the block starting at chunk c0 is: every block before a row's tail holds 8 chunks
- * (32 + 128 bytes); a block at c0 mod 8 = 4 follows a tail block of 4 chunks (32 + 64). */
-static inline int64_t q5_block(int64_t c0) { return c0 / 8 * 160 + (c0 % 8 ? 96 : 0); }
-
 /* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k", 11 "q5k": the k-quants' super-blocks, codes and
  * sub-block scales together. */
 #define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10 || (KIND) == 11)

@@ -1,8 +1,8 @@
 /*
  * GGUF blocks re-laid for the packed matmul at load (quant/packed.py: pack_gguf is the torch
  * twin and the oracle): the same bytes in another order, one pass over the file's bytes, in
- * parallel. Q4_K / Q6_K super-blocks (tm_relay_kquant, below), Q4_0 / Q8_0 blocks of 32
- * (tm_relay_q32, at the end). At 1B-8B sizes the torch twin (codes unpacked to int16,
+ * parallel. Q4_K / Q5_K / Q6_K super-blocks (tm_relay_kquant, below), Q4_0 / Q5_0 / Q8_0
+ * blocks of 32 (tm_relay_q32, at the end). At 1B-8B sizes the torch twin (codes unpacked to int16,
  * then gathered into lane order) took most of a first load; this is bound by the bytes it moves.
  *
  * A super-block's 256 codes go from the file's block to the kernel's lane order (csrc/qgemm.c):
@@ -22,7 +22,7 @@
 
 #include "lanes.h"
 
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* Eight bytes at a time (a uint64, little-endian), as the re-lay's unit: a lane's 4 bytes of
  * two code vectors come from 8 consecutive bytes of the file. Bytewise, a 3B load spent over
@@ -133,24 +133,29 @@ int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8
     return 0;
 }
 
-/* Element e (0..31) of a Q4_0 block's 16 code bytes: e < 16 in the low nibble of byte e, else
- * the high nibble of byte e - 16; 0..15, code + 8 as "q4" keeps it (zero point 8). */
-static inline uint8_t q4_0_code(const uint8_t *qs, int e) {
+/* Element e (0..31) of a Q4_0 / Q5_0 block's 16 bytes of low 4 bits: e < 16 in the low nibble
+ * of byte e, else the high nibble of byte e - 16. */
+static inline uint8_t low_bits(const uint8_t *qs, int e) {
     return e < 16 ? qs[e] & 0x0F : qs[e - 16] >> 4;
 }
 
-/* rows x cols of ggml_type Q4_0 (18 bytes a block of 32: float16 d, 16 of nibbles) or Q8_0 (34:
- * float16 d, 32 int8) at src -> "q4" (cols / 2 bytes a row) or "q8" (cols) codes in lane order
- * (qgemm.c: in code vector u of the block of t chunks from c0, lane l's 4 bytes are elements
- * 4 · (u · 8/t + l/t) .. + 3 of chunk c0 + l mod t; "q4": vector 2v in the low nibbles of the 32
- * bytes at 32v of the block, 2v + 1 in their high), and each chunk's d (2 bytes) at d. The
- * codes are the file's as they are: Q4_0's nibbles are "q4"'s code + 8, Q8_0's bytes "q8"'s.
- * Returns 0, or -1 for another type or rows not in lane order (cols not a multiple of 64). */
+/* rows x cols of ggml_type Q4_0 (18 bytes a block of 32: float16 d, 16 of nibbles), Q5_0 (22:
+ * float16 d, 4 of fifth bits, element j's in bit j, 16 of nibbles) or Q8_0 (34: float16 d, 32
+ * int8) at src -> "q4" (cols / 2 bytes a row), "q5" (cols / 2 + 32 a block of chunks) or "q8"
+ * (cols) codes in lane order (qgemm.c: in code vector u of the block of t chunks from c0, lane
+ * l's 4 bytes are elements 4 · (u · 8/t + l/t) .. + 3 of chunk c0 + l mod t; "q4": vector 2v in
+ * the low nibbles of the 32 bytes at 32v of the block, 2v + 1 in their high; "q5": a 32-byte
+ * plane of fifth bits, vector u's in bit u, then the low 4 bits as "q4"'s), and each chunk's
+ * d (2 bytes) at d. The codes are the file's as they are: Q4_0's nibbles are "q4"'s code + 8,
+ * Q5_0's 5 bits "q5"'s code + 16, Q8_0's bytes "q8"'s. Returns 0, or -1 for another type or
+ * rows not in lane order (cols not a multiple of 64). */
 int tm_relay_q32(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
                  uint8_t *d) {
-    if ((ggml_type != GGML_Q4_0 && ggml_type != GGML_Q8_0) || cols % 64) return -1;
-    const int q4 = ggml_type == GGML_Q4_0;
-    const int64_t nc = cols / 32, in = q4 ? 18 : 34, row_out = q4 ? cols / 2 : cols;
+    if (ggml_type != GGML_Q4_0 && ggml_type != GGML_Q5_0 && ggml_type != GGML_Q8_0) return -1;
+    if (cols % 64) return -1;
+    const int q4 = ggml_type == GGML_Q4_0, q5 = ggml_type == GGML_Q5_0;
+    const int64_t nc = cols / 32, in = q4 ? 18 : q5 ? 22 : 34;
+    const int64_t row_out = q4 ? cols / 2 : q5 ? cols / 2 + 32 * num_blocks(nc) : cols;
 #pragma omp parallel for schedule(static) if (rows * cols >= (1 << 20))
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = src + r * nc * in;
@@ -158,18 +163,24 @@ int tm_relay_q32(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, 
         for (int64_t c = 0; c < nc; c++) memcpy(d + (r * nc + c) * 2, row + c * in, 2);
         for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
             const int t = block_chunks(nc, c0), per = 8 / t;
+            uint8_t *plane = o + q5_block(c0), *nibbles = q4 ? o + c0 * 16 : plane + 32;
+            if (q5) memset(plane, 0, 32);
             for (int u = 0; u < t; u++)
                 for (int l = 0; l < 8; l++) {
-                    const uint8_t *qs = row + (c0 + l % t) * in + 2;
+                    const uint8_t *block = row + (c0 + l % t) * in;
                     const int e = 4 * (u * per + l / t);
-                    if (!q4) {
-                        memcpy(o + (c0 + u) * 32 + 4 * l, qs + e, 4);
+                    if (!q4 && !q5) {
+                        memcpy(o + (c0 + u) * 32 + 4 * l, block + 2 + e, 4);
                         continue;
                     }
-                    uint8_t *out = o + c0 * 16 + (u >> 1) * 32 + 4 * l;
+                    const uint8_t *qs = block + (q5 ? 6 : 2);
+                    uint32_t qh = 0;
+                    if (q5) memcpy(&qh, block + 2, 4);
+                    uint8_t *out = nibbles + (u >> 1) * 32 + 4 * l;
                     for (int b = 0; b < 4; b++) {
-                        const uint8_t code = q4_0_code(qs, e + b);
-                        out[b] = u & 1 ? (uint8_t)(out[b] | code << 4) : code;
+                        const uint8_t low = low_bits(qs, e + b);
+                        out[b] = u & 1 ? (uint8_t)(out[b] | low << 4) : low;
+                        if (q5) plane[4 * l + b] |= (uint8_t)((qh >> (e + b) & 1) << u);
                     }
                 }
         }

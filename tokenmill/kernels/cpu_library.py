@@ -56,10 +56,10 @@ QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _p
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
-# GGUF types relay_gguf re-lays at load: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K
-RELAID_TYPES = (2, 8, 12, 13, 14)
-# Q4_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
-Q32_KINDS = {2: ("q4", 8), 8: ("q8", 0)}
+# GGUF types relay_gguf re-lays at load: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
+RELAID_TYPES = (2, 6, 8, 12, 13, 14)
+# Q4_0, Q5_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
+Q32_KINDS = {2: ("q4", 8), 6: ("q5", 16), 8: ("q8", 0)}
 
 
 @functools.cache
@@ -251,7 +251,7 @@ def qgemm(
 
 def relays(ggml_type: int, shape: tuple[int, int]) -> bool:
     """Whether relay_gguf re-lays a tensor of this type and shape [rows, cols]: RELAID_TYPES,
-    with the C library built, and rows in the kernel's lane order (Q4_0, Q8_0: cols a multiple
+    with the C library built, and rows in the kernel's lane order (Q4_0, Q5_0, Q8_0: cols a multiple
     of 64; the k-quants' whole super-blocks always are). Other rows the torch code packs."""
     if ggml_type not in RELAID_TYPES or library() is None:
         return False
@@ -267,8 +267,11 @@ def relayed_bytes(
 
     rows, cols = shape
     if ggml_type in Q32_KINDS:
-        codes = cols // 2 if Q32_KINDS[ggml_type][0] == "q4" else cols
-        return (rows, codes), (rows, cols // 32 * 2)
+        kind, chunks = Q32_KINDS[ggml_type][0], cols // 32
+        # "q5": a 32-byte plane a block of chunks (blocks of 8, then 4, then 2: csrc/lanes.h)
+        blocks = chunks // 8 + {0: 0, 2: 1, 4: 1, 6: 2}[chunks % 8]
+        codes = {"q4": cols // 2, "q5": cols // 2 + 32 * blocks, "q8": cols}[kind]
+        return (rows, codes), (rows, chunks * 2)
     kind = K_QUANT_TYPES[ggml_type]
     d_bytes = 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
     return (rows, cols // 256 * K_QUANT_KINDS[kind][0]), (rows, cols // 256 * d_bytes)
@@ -281,7 +284,7 @@ def relay_gguf(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
-    Q4_0 / Q8_0 as "q4" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k": what pack_gguf
+    Q4_0 / Q5_0 / Q8_0 as "q4" / "q5" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k": what pack_gguf
     builds, its twin, bit for bit; None where it does not re-lay the tensor (``relays``).
     ``out``: contiguous uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
     for a part of a joined weight), else new ones."""
