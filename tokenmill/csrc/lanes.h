@@ -11,6 +11,7 @@ static inline int block_chunks(int64_t nc, int64_t c0) {
     return left >= 8 ? 8 : left >= 4 ? 4 : 2;
 }
 
+/* Blocks in a row of nc chunks. */
 static inline int64_t num_blocks(int64_t nc) {
     int64_t n = 0;
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) n++;

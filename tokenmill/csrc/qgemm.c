@@ -326,7 +326,8 @@ TM_TARGET static void kq_row_d(int kind, int64_t K, const void *s, float *out) {
 
 /* A k-quant super-block's (src) sub-block scales by lane, float32 d · scale as ggml forms
  * them: G = 16 ("q2", "q3", "q6k"), lane l's chunk holds groups 2l (*a) and 2l + 1 (*b); G = 32
- * ("q4k"), group l (*a = *b). "q2" and "q4k" also give their offsets, dmin · min (*ma, *mb). d:
+ * ("q4k", "q5k"), group l (*a = *b). "q2", "q4k" and "q5k" also give their offsets, dmin · min
+ * (*ma, *mb). d:
  * the super-block's d as float32 (kq_row_d), dmin after it. */
 TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const float *d,
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
@@ -338,15 +339,22 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
                       * ending with the 12 (b[k] at byte 4 + k) put where each scale and min is
                       * made, masked and shifted into place. */
         const __m128i q = _mm_loadu_si128((const __m128i *)(src + KQ_SUB(KIND) - 4));
-        const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-        const __m128i top = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-        const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+        /* bytes 0-7: scales, 8-15: mins; low: the bytes holding their low bits (mins 4..7: the
+         * high nibbles of bytes 8..11), top: those holding the top 2 bits of scales / mins 4..7 */
+        const __m128i low = _mm_shuffle_epi8(
+            q, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+        const __m128i top = _mm_shuffle_epi8(
+            q, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+        const __m128i keep =
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
         const __m128i nib = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
-        __m128i v6 = _mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(low, 4), nib));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(low, 4), nib);
+        __m128i v6 = _mm_or_si128(_mm_and_si128(low, keep), high);
         v6 = _mm_or_si128(v6, _mm_srli_epi16(_mm_and_si128(top, _mm_set1_epi8((char)0xC0)), 2));
         const __m256 d8 = _mm256_broadcast_ss(d), dmin = _mm256_broadcast_ss(d + 1);
+        const __m256i mins = _mm256_cvtepu8_epi32(_mm_srli_si128(v6, 8));
         *a = *b = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v6)));
-        *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v6, 8))));
+        *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mins));
         return;
     }
     if (KIND == 10) { /* 16 int8 scales */
@@ -693,8 +701,8 @@ TM_TARGET TM_INLINE void prefetch_x(int on, const int8_t *p, int bytes) {
 TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16, const int F16,
                                     const int RA, const int t, int gshift, int64_t K, int64_t c0,
                                     int64_t b, int xpf, const uint8_t *row, const void *s,
-                                    const float *kd, const int8_t *xq, const float *xd8, const int32_t *xz,
-                                    const float *xg, __m256 *facc) {
+                                    const float *kd, const int8_t *xq, const float *xd8,
+                                    const int32_t *xz, const float *xg, __m256 *facc) {
     __m256i ia[RA_MAX], ib[RA_MAX];
     const int8_t *xb = xq + c0 * RA * 32; /* the block's activations: fixed offsets from here */
     if (xz) /* start from -z · sum x: the sums then come out for code, not code + z */
@@ -810,7 +818,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
     }
     if (G16) {
         __m256 sa, sb, ma, mb;
-        if (IS_KQ(KIND)) kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sa, &sb, &ma, &mb);
+        if (IS_KQ(KIND))
+            kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sa, &sb, &ma,
+                      &mb);
         else lane_scales16((const float *)s, c0, t, &sa, &sb);
         for (int i = 0; i < RA; i++) {
             __m256 dx = _mm256_loadu_ps(xd8 + (b * RA + i) * 8);
@@ -823,9 +833,10 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
             }
         }
-    } else if (KQ_G32(KIND)) { /* "q4k", "q5k": a scale and a min a chunk (lane), the mins as "q2"'s */
+    } else if (KQ_G32(KIND)) { /* "q4k", "q5k": a scale and a min a chunk (lane), mins as "q2"'s */
         __m256 sw, sw2, mn, mn2;
-        kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sw, &sw2, &mn, &mn2);
+        kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sw, &sw2, &mn,
+                  &mn2);
         for (int i = 0; i < RA; i++) {
             __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
             const __m256i sum = _mm256_add_epi32(ia[i], ib[i]);
@@ -864,19 +875,21 @@ TM_TARGET TM_INLINE void tile_int8(const int ISA, const int KIND, const int G16,
     __m256 facc[RA_MAX];
     for (int i = 0; i < RA; i++) facc[i] = _mm256_setzero_ps();
     float kd[IS_KQ(KIND) ? K / 128 : 1]; /* the k-quants' d (and dmin) as float32 */
-    if (IS_KQ(KIND)) kq_row_d(KIND, K, s, kd);
-    if (IS_KQ(KIND)) /* every block a super-block of 8 chunks: a plain count, which GCC turns
-                      * into pointer steps (the general loop below cost registers and time) */
-        for (int64_t b = 0; b < nc / 8; b++)
-            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, 8 * b, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
-    int64_t b = 0;
-    for (int64_t c0 = 0; !IS_KQ(KIND) && c0 < nc; c0 += block_chunks(nc, c0), b++) {
-        const int t = block_chunks(nc, c0);
-        if (t == 8)
-            tile_block(ISA, KIND, G16, F16, RA, 8, gshift, K, c0, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
-        else
-            tile_block(ISA, KIND, G16, F16, RA, t, gshift, K, c0, b, xpf, row, s, kd, xq, xd8, xz, xg, facc);
+#define TM_BLOCK(T, C0, B) \
+    tile_block(ISA, KIND, G16, F16, RA, T, gshift, K, C0, B, xpf, row, s, kd, xq, xd8, xz, xg, facc)
+    if (IS_KQ(KIND)) { /* every block a super-block of 8 chunks: a plain count, which GCC turns
+                        * into pointer steps (the general loop below cost registers and time) */
+        kq_row_d(KIND, K, s, kd);
+        for (int64_t b = 0; b < nc / 8; b++) TM_BLOCK(8, 8 * b, b);
+    } else {
+        int64_t b = 0;
+        for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
+            const int t = block_chunks(nc, c0);
+            if (t == 8) TM_BLOCK(8, c0, b);
+            else TM_BLOCK(t, c0, b);
+        }
     }
+#undef TM_BLOCK
     for (int i = 0; i < RA; i++) out[i * ostride] = tm_hsum8(facc[i]);
 }
 

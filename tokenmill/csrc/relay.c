@@ -2,11 +2,13 @@
  * GGUF blocks re-laid for the packed matmul at load (quant/packed.py: pack_gguf is the torch
  * twin and the oracle): the same bytes in another order, one pass over the file's bytes, in
  * parallel. Q4_K / Q5_K / Q6_K super-blocks (tm_relay_kquant, below), Q4_0 / Q5_0 / Q8_0
- * blocks of 32 (tm_relay_q32, at the end). At 1B-8B sizes the torch twin (codes unpacked to int16,
- * then gathered into lane order) took most of a first load; this is bound by the bytes it moves.
+ * blocks of 32 (tm_relay_q32, at the end). At 1B-8B sizes the torch twin (codes unpacked to
+ * int16, then gathered into lane order) took most of a first load; this is bound by the bytes it
+ * moves.
  *
  * A super-block's 256 codes go from the file's block to the kernel's lane order (csrc/qgemm.c):
- * code vector u (0..7), byte 4l + b holds element 32l + 4u + b (lane l is chunk l). Stored per super-block:
+ * code vector u (0..7), byte 4l + b holds element 32l + 4u + b (lane l is chunk l). Stored per
+ * super-block:
  *   "q4k" (GGUF Q4_K, 144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 of nibble pairs):
  *         the vectors in pairs (vector 2v in the low nibbles of the 32 bytes at 32v), then the
  *         12 scale bytes: 140 bytes; d and dmin to `d`.
@@ -22,7 +24,8 @@
 
 #include "lanes.h"
 
-enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8 };
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 /* Eight bytes at a time (a uint64, little-endian), as the re-lay's unit: a lane's 4 bytes of
  * two code vectors come from 8 consecutive bytes of the file. Bytewise, a 3B load spent over
@@ -39,7 +42,8 @@ static inline void store4(uint8_t *p, uint32_t x) { memcpy(p, &x, 4); }
 #define PAIRS 0x0303030303030303ULL
 
 /* Lane bytes of code vectors 2v, 2v + 1 from the 8 bytes s (elements 8v .. 8v + 7 of a chunk,
- * in the nibble at shift): byte b holds element 8v + b in its low nibble, 8v + 4 + b in its high. */
+ * in the nibble at shift): byte b holds element 8v + b in its low nibble, 8v + 4 + b in its
+ * high. */
 static inline uint32_t nibble_pair(uint64_t s, int shift) {
     const uint64_t n = s >> shift & NIBBLES;
     return (uint32_t)n | (uint32_t)(n >> 32) << 4;
@@ -48,10 +52,13 @@ static inline uint32_t nibble_pair(uint64_t s, int shift) {
 /* The file's nibbles (qs: 4 rows of 32 bytes) as "q4k" / "q6k" keep them: out byte 32v + 4c + b
  * holds chunk c's elements 8v + b (low nibble) and 8v + 4 + b (high). Chunk c is row
  * row_of[c]'s bytes, in the nibble at 4 · nib_of[c]. */
-static void nibble_pairs(const uint8_t *qs, const int row_of[8], const int nib_of[8], uint8_t *out) {
+static void nibble_pairs(const uint8_t *qs, const int row_of[8], const int nib_of[8],
+                         uint8_t *out) {
     for (int v = 0; v < 4; v++)
-        for (int c = 0; c < 8; c++)
-            store4(out + 32 * v + 4 * c, nibble_pair(load8(qs + 32 * row_of[c] + 8 * v), 4 * nib_of[c]));
+        for (int c = 0; c < 8; c++) {
+            const uint64_t s = load8(qs + 32 * row_of[c] + 8 * v);
+            store4(out + 32 * v + 4 * c, nibble_pair(s, 4 * nib_of[c]));
+        }
 }
 
 /* Q4_K: element 64j + i in the low nibble of qs byte 32j + i, element 64j + 32 + i in its high:
@@ -163,7 +170,9 @@ int tm_relay_q32(int ggml_type, const uint8_t *src, int64_t rows, int64_t cols, 
         for (int64_t c = 0; c < nc; c++) memcpy(d + (r * nc + c) * 2, row + c * in, 2);
         for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0)) {
             const int t = block_chunks(nc, c0), per = 8 / t;
-            uint8_t *plane = o + q5_block(c0), *nibbles = q4 ? o + c0 * 16 : plane + 32;
+            /* "q5": the block's plane, then its nibble pairs; "q4": the nibble pairs alone */
+            uint8_t *plane = q5 ? o + q5_block(c0) : NULL;
+            uint8_t *nibbles = q5 ? plane + 32 : o + c0 * 16;
             if (q5) memset(plane, 0, 32);
             for (int u = 0; u < t; u++)
                 for (int l = 0; l < 8; l++) {

@@ -204,8 +204,8 @@ def supports(w: PackedWeight) -> bool:
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
     bits 8-15, as "q3"'s, "q5"'s and "q6k"'s), bit 3 for "n4" indices (4-bit, into IQ4's
-    table), bits 4, 5, 7, 16 and 17 for "q2", "q3", "q4k", "q6k" and "q5k" super-blocks, bit 6 for "q5"
-    codes, bit 1 for float16 scales."""
+    table), bits 4, 5, 7, 16 and 17 for "q2", "q3", "q4k", "q6k" and "q5k" super-blocks, bit
+    6 for "q5" codes, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 
@@ -251,8 +251,9 @@ def qgemm(
 
 def relays(ggml_type: int, shape: tuple[int, int]) -> bool:
     """Whether relay_gguf re-lays a tensor of this type and shape [rows, cols]: RELAID_TYPES,
-    with the C library built, and rows in the kernel's lane order (Q4_0, Q5_0, Q8_0: cols a multiple
-    of 64; the k-quants' whole super-blocks always are). Other rows the torch code packs."""
+    with the C library built, and rows in the kernel's lane order (Q4_0, Q5_0, Q8_0: cols a
+    multiple of 64; the k-quants' whole super-blocks always are). Other rows the torch code
+    packs."""
     if ggml_type not in RELAID_TYPES or library() is None:
         return False
     return shape[1] % (64 if ggml_type in Q32_KINDS else 256) == 0
@@ -262,16 +263,22 @@ def relayed_bytes(
     ggml_type: int, shape: tuple[int, int]
 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes (uint8) of what relay_gguf makes of a tensor [rows, cols] of RELAID_TYPES: its
-    codes and its float16 scales (Q4_0, Q8_0: d a 32; the k-quants: d, and dmin, a 256)."""
-    from tokenmill.quant.packed import K_QUANT_KINDS, K_QUANT_KINDS_WITH_MIN, K_QUANT_TYPES
+    codes and its float16 scales (Q4_0, Q5_0, Q8_0: d a 32; the k-quants: d, and dmin, a
+    256)."""
+    from tokenmill.quant.packed import (
+        K_QUANT_KINDS,
+        K_QUANT_KINDS_WITH_MIN,
+        K_QUANT_TYPES,
+        lane_blocks,
+    )
 
     rows, cols = shape
     if ggml_type in Q32_KINDS:
-        kind, chunks = Q32_KINDS[ggml_type][0], cols // 32
-        # "q5": a 32-byte plane a block of chunks (blocks of 8, then 4, then 2: csrc/lanes.h)
-        blocks = chunks // 8 + {0: 0, 2: 1, 4: 1, 6: 2}[chunks % 8]
-        codes = {"q4": cols // 2, "q5": cols // 2 + 32 * blocks, "q8": cols}[kind]
-        return (rows, codes), (rows, chunks * 2)
+        kind = Q32_KINDS[ggml_type][0]
+        # "q5": its low 4 bits as "q4"'s and a 32-byte plane of fifth bits a block of chunks
+        planes = 32 * len(lane_blocks(cols)) if kind == "q5" else 0
+        codes = cols if kind == "q8" else cols // 2 + planes
+        return (rows, codes), (rows, cols // 32 * 2)
     kind = K_QUANT_TYPES[ggml_type]
     d_bytes = 4 if kind in K_QUANT_KINDS_WITH_MIN else 2
     return (rows, cols // 256 * K_QUANT_KINDS[kind][0]), (rows, cols // 256 * d_bytes)
@@ -284,10 +291,10 @@ def relay_gguf(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
-    Q4_0 / Q5_0 / Q8_0 as "q4" / "q5" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k": what pack_gguf
-    builds, its twin, bit for bit; None where it does not re-lay the tensor (``relays``).
-    ``out``: contiguous uint8 tensors of relayed_bytes' shapes to write the codes and d into (the loader's place
-    for a part of a joined weight), else new ones."""
+    Q4_0 / Q5_0 / Q8_0 as "q4" / "q5" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k":
+    what pack_gguf builds, its twin, bit for bit; None where it does not re-lay the tensor
+    (``relays``). ``out``: contiguous uint8 tensors of relayed_bytes' shapes to write the codes
+    and d into (the loader's place for a part of a joined weight), else new ones."""
     from tokenmill.quant.packed import K_QUANT_GROUP, K_QUANT_TYPES, K_QUANT_ZERO, PackedWeight
 
     if not relays(ggml_type, shape):

@@ -121,7 +121,7 @@ def model_key(
 def repacks_in_torch(path: Path) -> bool:
     """Whether some of the file's quantized tensors are repacked by the torch code, which an
     entry saves, rather than re-laid by the C kernels in one pass over their bytes
-    (cpu_library.relays: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) or kept as stored (floats). A Q4_K_M,
+    (cpu_library.relays: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) or kept as stored (floats). A Q4_K_M,
     Q5_K_M, Q4_0 or Q8_0 file needs no entry: its first load re-lays it about as fast as an
     entry maps (Llama 1B shape Q4_K_M, AMD EPYC Zen 4: 1.8 s whole), and an entry is a second
     copy of it on disk."""

@@ -22,12 +22,11 @@ from torch import nn
 from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
-from tokenmill.kernels.cpu_library import relay_gguf
 from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
-from tokenmill.models.gguf_file import GGUFFile, dequantize
+from tokenmill.models.gguf_file import GGUFFile, GGUFTensor, dequantize
 from tokenmill.models.registry import get_model_class
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
@@ -316,9 +315,8 @@ def _iter_gguf(
             else:  # in one pass in C where it re-lays the type, else by the torch code
                 shape = (rows, tensor.shape[-1])
                 place = places.pop(rename(name), None)
-                weight = relay_gguf(raw, tensor.ggml_type, shape, place) or pack_gguf(
-                    raw, tensor.ggml_type, shape
-                )
+                relaid = cpu_library.relay_gguf(raw, tensor.ggml_type, shape, place)
+                weight = relaid or pack_gguf(raw, tensor.ggml_type, shape)
         else:
             weight = dequantize(data, tensor.ggml_type, tensor.shape)
             if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
@@ -326,7 +324,7 @@ def _iter_gguf(
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
         if config.architecture in ("llama", "mistral", "mixtral"):
-            in_place = keep_packed and place is not None  # its place in the joined weight
+            in_place = place is not None  # its place in a joined weight
             if name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_attention_heads, in_place)
             elif name.endswith("k_proj.weight"):
@@ -352,7 +350,7 @@ def _joined_places(
     """Where to re-lay each part of a joined weight (q/k/v, gate/up) so the parts lie one after
     the other, and the join (quant/packed.concat_rows) is a view rather than a copy: an 8B
     load spent 2.6 s copying parts into joined weights. Within each group of ``joins``, each
-    run of two or more consecutive parts of one type the C re-lay takes (RELAID_TYPES, 2-D)
+    run of two or more consecutive parts of one type the C re-lay takes (``relays``, 2-D)
     goes side by side (_side_by_side); only parts of one layout join (q/k Q4_K beside a Q6_K v:
     q/k), and one tensor then holds codes of one dtype (torch.save of the model takes no
     storage viewed as two). Returns name -> the part's (codes, scales), as
@@ -383,7 +381,7 @@ def _joined_places(
 
 
 def _side_by_side(
-    names: tuple[str, ...], tensors: list
+    names: tuple[str, ...], tensors: list[GGUFTensor]
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One uint8 tensor for the re-laid codes of ``tensors`` (GGUF tensors of one type) and one
     for their scales, allocated now (pages come as they are written): name -> the part's
