@@ -313,7 +313,7 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q2_K": 84 / 256,  # the file's super-blocks, codes in planes (q2)
     "Q3_K": 110 / 256,  # the same (q3)
     "IQ4_NL": 0.5 + 2 / 32,  # 4-bit table indices, float16 scale / 32
-    "IQ4_XS": 0.5 + 4 / 32,  # 4-bit table indices, float32 scale / 32
+    "IQ4_XS": 136 / 256,  # the file's super-blocks, re-laid (n4k)
 }
 FLOAT32_BYTES = 4.0
 # Tensors kept float whatever their type (norms, biases: 1-D) count as float32.

@@ -64,7 +64,7 @@ def test_repacking_is_exact(name: str) -> None:
     assert torch.equal(w.dequantize(), ref)
     # 4-bit formats keep half a byte a weight (IQ4: the table's indices); 5-bit ones 4 bits and
     # a bit plane, Q8_0 int8; the k-quants their super-blocks, the file's bytes.
-    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4"}
+    kinds = {"Q4_0": "q4", "Q4_1": "q4", "Q8_0": "q8", "IQ4_NL": "n4", "IQ4_XS": "n4k"}
     kinds |= {"Q2_K": "q2", "Q3_K": "q3", "Q4_K": "q4k", "Q5_K": "q5k", "Q6_K": "q6k"}
     kinds |= {"Q5_0": "q5", "Q5_1": "q5"}
     assert w.kind == kinds[name]
@@ -74,11 +74,10 @@ def test_repacking_is_exact(name: str) -> None:
     else:
         per_row = {"q4": 256, "n4": 256, "q5": 256 + 2 * 32}.get(w.kind, 512)
         assert w.codes.numel() == 24 * per_row
-    # Scales stay float16 where the file's are (half the bytes), float32 for IQ4_XS (products
-    # of the super-block scale and a sub-block's); the k-quants keep the file's float16 d (and
-    # dmin) and form the products as they compute.
-    f16 = name != "IQ4_XS"
-    assert w.scales.dtype == (torch.float16 if f16 else torch.float32)
+    # Scales stay float16 where the file's are (half the bytes); the k-quants and IQ4_XS keep
+    # the file's float16 d (and dmin) and form the products with their sub-blocks' as they
+    # compute.
+    assert w.scales.dtype == torch.float16
     rows = torch.tensor([5, 0, 23])
     assert torch.equal(w.select_rows(rows).dequantize(), ref[rows])
     assert torch.equal(w.dequantize(rows), ref[rows])
@@ -127,10 +126,11 @@ def test_kernel_matches_reference(name: str, k: int, m: int) -> None:
     ("name", "cols"),
     [("Q4_0", 768), ("Q4_0", 448), ("Q5_0", 768), ("Q5_0", 448), ("Q5_0", 320)]
     + [("Q8_0", 768), ("Q8_0", 448)]
-    + [("Q4_K", 768), ("Q5_K", 768), ("Q6_K", 768)],
+    + [("Q4_K", 768), ("Q5_K", 768), ("Q6_K", 768), ("IQ4_XS", 768)],
 )
 def test_c_relay_of_gguf_blocks_equals_the_torch_twin(name: str, cols: int) -> None:
-    """At load the C kernels re-lay Q4_0 / Q8_0 blocks and Q4_K / Q5_K / Q6_K super-blocks
+    """At load the C kernels re-lay Q4_0 / Q8_0 blocks and Q4_K / Q5_K / Q6_K / IQ4_XS
+    super-blocks
     (csrc/relay.c) into the bytes the torch twin (pack_gguf) builds, bit for bit."""
     t = GGML_TYPES[name]
     raw = _random_blocks(t, 24, cols, seed=t + 1)
@@ -157,6 +157,7 @@ def test_rows_not_in_lane_order_are_left_to_the_torch_code(name: str) -> None:
 
 # K-quant kind -> (codes' range, sub-block scale bytes a super-block)
 K_QUANT_RANGES = {"q2": (4, 16), "q3": (8, 12), "q4k": (16, 12), "q5k": (32, 12), "q6k": (64, 16)}
+K_QUANT_RANGES["n4k"] = (16, 6)  # IQ4's table indices
 
 
 @pytest.mark.parametrize("kind", sorted(K_QUANT_RANGES))
@@ -172,7 +173,7 @@ def test_k_quant_codes_and_scale_bytes_round_trip(kind: str) -> None:
     back, back_sub = unpack_k_quant(stored, kind, 768)
     assert torch.equal(back, codes.to(torch.int16)) and torch.equal(back_sub, sub)
     # Byte 5 of the first 32 holds lane 1 (chunk 1 of 8) of vectors 0..3, elements 4u + 1 of
-    # chunk 1: "q2" / "q3" their low 2-bit pairs; "q4k" / "q5k" / "q6k" vectors 0 and 1 in its
+    # chunk 1: "q2" / "q3" their low 2-bit pairs; "q4k" / "q5k" / "q6k" / "n4k" vectors 0 and 1 in its
     # nibbles.
     first = codes[0, [32 + 4 * u + 1 for u in range(4)]]
     if kind in ("q2", "q3"):
@@ -224,7 +225,8 @@ def test_five_bit_codes_round_trip_through_their_planes(k: int) -> None:
 @needs_kernel
 @pytest.mark.parametrize("act_int8", [True, False])
 @pytest.mark.parametrize(
-    ("ggml_type", "k"), [(8, 640), (6, 640), (12, 768), (14, 512), (10, 512), (11, 512)]
+    ("ggml_type", "k"),
+    [(8, 640), (6, 640), (12, 768), (14, 512), (10, 512), (11, 512), (23, 768)],
 )
 @pytest.mark.parametrize("batch", [13, 37, 77])
 def test_a_rows_result_does_not_depend_on_its_batch(
@@ -633,6 +635,7 @@ def _write_k_quant_gguf(path, layers=K_QUANT_LAYERS, embd: int = 10, head: int =
 
 # The types a model holds at the file's bytes (the weights' bytes equal the GGUF tensors').
 FILE_BYTES_TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
+FILE_BYTES_TYPES += ["IQ4_XS"]
 
 
 @needs_kernel

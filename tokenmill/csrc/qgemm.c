@@ -6,11 +6,11 @@
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0, IQ4_NL) and optionally a float32
  * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes + z, 0..15 ("q4", z
  * as "u8"'s: GGUF Q4_0's 8); bit 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit
- * 3: 4-bit indices, stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL,
- * IQ4_XS); bits 4 and 5: GGUF
- * Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z, 0..31, in a nibble and
- * a bit plane ("q5", below, z as "u8"'s); bits 7, 16, 17: GGUF Q4_K / Q6_K / Q5_K super-blocks
- * ("q4k", "q6k", "q5k", below); else int8 codes ("q8"); bit 1: float16 scales.
+ * 3: 4-bit indices, stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL);
+ * bits 4 and 5: GGUF Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z,
+ * 0..31, in a nibble and a bit plane ("q5", below, z as "u8"'s); bits 7, 16, 17, 18: GGUF Q4_K
+ * / Q6_K / Q5_K / IQ4_XS super-blocks ("q4k", "q6k", "q5k", "n4k", below); else int8 codes
+ * ("q8"); bit 1: float16 scales.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -51,8 +51,9 @@
  * code + 4, a zero point as "u8"'s). "q4k" (G = 32): the 8 code vectors as "q4" keeps them;
  * "q5k" (G = 32): those, then a plane of their fifth bits as "q5"'s.
  * "q6k" (G = 16): their low 4 bits so, then their top 2 bits in 2 planes as "q2"'s (code + 32).
+ * "n4k" (G = 32): "n4"'s indices as "q4k" keeps its codes, then IQ4_XS's 6 scale bytes.
  * The codes come out in registers (kq_code: a shift and a mask or two), unsigned and small as
- * "u8"'s, and take its dot products; the sub-block scales (kq_scales) are formed as float32 d ·
+ * "u8"'s, and take its dot products ("n4k": looked up, signed, see dot_n4k); the sub-block scales (kq_scales) are formed as float32 d ·
  * scale, as ggml does, and the mins ("q2", "q4k"), dmin · min, meet the float sums of x over
  * their groups (xg). At batch 1, which reads every weight byte once a token, Q4_K then reads
  * 0.5625 bytes a weight where a float32 scale and offset a group took 0.75, Q6_K 0.82 for 1.25.
@@ -183,14 +184,14 @@ __attribute__((constructor)) static void choose_isa(void) {
 /* Which of ISA_NAMES the int8 mode runs. */
 const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
 
-/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k", 11 "q5k": the k-quants' super-blocks, codes and
- * sub-block scales together. */
-#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || (KIND) == 9 || (KIND) == 10 || (KIND) == 11)
-/* "q4k", "q5k": a 6-bit scale and min a 32-element sub-block (Q4_K's 12 bytes, Q5_K's the
- * same), a sub-block a lane. */
-#define KQ_G32(KIND) ((KIND) == 9 || (KIND) == 11)
+/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k", 11 "q5k", 12 "n4k": the k-quants' super-blocks,
+ * codes and sub-block scales together. */
+#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || ((KIND) >= 9 && (KIND) <= 12))
+/* "q4k", "q5k", "n4k": a 6-bit scale (and "q4k", "q5k": min) a 32-element sub-block (Q4_K's
+ * 12 bytes, Q5_K's the same; IQ4_XS's 6), a sub-block a lane. */
+#define KQ_G32(KIND) ((KIND) == 9 || (KIND) == 11 || (KIND) == 12)
 /* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
-#define KQ_MINS(KIND) ((KIND) == 6 || KQ_G32(KIND))
+#define KQ_MINS(KIND) ((KIND) == 6 || (KIND) == 9 || (KIND) == 11)
 /* Float16 scales a k-quant super-block has in `scales`: d, and dmin (KQ_MINS). */
 #define KQ_DS(KIND) (KQ_MINS(KIND) ? 2 : 1)
 
@@ -233,12 +234,16 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
 
 /* The k-quants (IS_KQ): bytes of a stored super-block; its sub-block scales start at byte 64
  * ("q2": 16 bytes, scale | min << 4), 96 ("q3": Q3_K's 12 bytes of 6-bit scales), 128 ("q4k":
- * Q4_K's 12 bytes of 6-bit scales and mins), 160 ("q5k": Q5_K's, as Q4_K's) or 192 ("q6k": 16
- * int8 scales). */
-#define KQ_BYTES(KIND) \
-    ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : (KIND) == 11 ? 172 : 208)
-#define KQ_SUB(KIND) \
-    ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 ? 128 : (KIND) == 11 ? 160 : 192)
+ * Q4_K's 12 bytes of 6-bit scales and mins), 160 ("q5k": Q5_K's, as Q4_K's), 192 ("q6k": 16
+ * int8 scales) or 128 ("n4k": IQ4_XS's 2 + 4 bytes of 6-bit scales). */
+#define KQ_BYTES(KIND)                                                                   \
+    ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : (KIND) == 11 ? 172       \
+     : (KIND) == 12                                             ? 134                    \
+                                                                : 208)
+#define KQ_SUB(KIND)                                                                     \
+    ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 || (KIND) == 12 ? 128             \
+     : (KIND) == 11                                               ? 160                  \
+                                                                  : 192)
 
 /* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
@@ -247,9 +252,9 @@ static inline int64_t row_bytes(int kind, int64_t K) {
     return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
 }
 
-/* Scales a row has: one a group, or ("q2", "q4k") d and dmin, ("q3", "q6k") d, a super-block. */
+/* Scales a row has: one a group, or (the k-quants) d, and dmin (KQ_MINS), a super-block. */
 static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
-    return kind == 6 || KQ_G32(kind) ? K / 128 : kind == 7 || kind == 10 ? K / 256 : K / G;
+    return IS_KQ(kind) ? K / 256 * KQ_DS(kind) : K / G;
 }
 
 /* Float sums of x a row has for the mins (KQ_MINS): "q2" one a 16-element group, "q4k" and
@@ -257,7 +262,7 @@ static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
 static inline int64_t xg_len(int kind, int64_t K) { return KQ_G32(kind) ? K / 32 : K / 16; }
 
 /* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3", 8 "q5", 9 "q4k",
- * 10 "q6k" or 11 "q5k" (the weight's layout). */
+ * 10 "q6k", 11 "q5k" or 12 "n4k" (the weight's layout). */
 static inline int layout_kind(int kind) {
     return kind & 1           ? 1
            : kind & 4         ? 2
@@ -268,6 +273,7 @@ static inline int layout_kind(int kind) {
            : kind & 128       ? 9
            : kind & (1 << 16) ? 10
            : kind & (1 << 17) ? 11
+           : kind & (1 << 18) ? 12
                               : 0;
 }
 
@@ -300,7 +306,8 @@ TM_TARGET TM_INLINE void kq_planes(const int KIND, const uint8_t *src, __m256i *
 /* Code vector u (0..7) of a k-quant super-block (src, its planes from kq_planes): "q2" 0..3,
  * "q3" 0..7, "q4k" 0..15 (the nibbles of the 32 bytes at 32 · (u / 2)), "q5k" 0..31 (those
  * nibbles, and the fifth bits as "q5"'s plane keeps them), "q6k" 0..63 (those nibbles, and its
- * planes' 2 bits above them: a 16-bit shift of values <= 3 by 4 stays in their bytes). */
+ * planes' 2 bits above them: a 16-bit shift of values <= 3 by 4 stays in their bytes), "n4k"
+ * IQ4's int8 codes (those nibbles looked up, signed). */
 TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i p0, __m256i p1,
                                     __m256i hb, int u) {
     if (KIND == 6 || KIND == 7) return kq_vector(KIND, p0, p1, hb, u);
@@ -309,6 +316,7 @@ TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i 
     b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
     if (KIND == 10) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
     if (KIND == 11) b = _mm256_or_si256(b, q5_high(hb, u));
+    if (KIND == 12) b = iq4_codes(b);
     return b;
 }
 
@@ -333,6 +341,24 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m128i v;
+    if (KIND == 12) { /* IQ4_XS: scale j's top 2 bits at bits 2j of the uint16 h, its low 4 in
+                       * nibble j of the uint32 l after it; less 32. Each field spread to a
+                       * byte of a word, halving the spacing thrice (no mins). */
+        uint16_t h16;
+        uint32_t l32;
+        memcpy(&h16, src + KQ_SUB(12), 2);
+        memcpy(&l32, src + KQ_SUB(12) + 2, 4);
+        uint64_t lo = l32, hi = h16;
+        lo = (lo | lo << 16) & 0x0000FFFF0000FFFFULL;
+        lo = (lo | lo << 8) & 0x00FF00FF00FF00FFULL;
+        lo = (lo | lo << 4) & 0x0F0F0F0F0F0F0F0FULL;
+        hi = (hi | hi << 24) & 0x000000FF000000FFULL;
+        hi = (hi | hi << 12) & 0x000F000F000F000FULL;
+        hi = (hi | hi << 6) & 0x0303030303030303ULL;
+        v = _mm_sub_epi8(_mm_cvtsi64_si128((long long)(lo | hi << 4)), _mm_set1_epi8(32));
+        *a = *b = _mm256_mul_ps(_mm256_broadcast_ss(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+        return;
+    }
     if (KQ_G32(KIND)) { /* 8 scales, then 8 mins, 6 bits each: j < 4 in bytes j, 4 + j; j >= 4 low
                       * 4 bits in byte 8 + j - 4 (mins: its high nibble), top 2 in bits 6, 7 of
                       * bytes j - 4, j (as ggml's get_scale_min_k4). In one vector: the 16 bytes
@@ -542,12 +568,14 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
 }
 
 /* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5", 9 "q4k", 10 "q6k"; G16
+ * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5", 9 "q4k", 10 "q6k",
+ * 11 "q5k", 12 "n4k"; G16
  * for 16-element groups (float32 scales, or the k-quants' own; never "q4", "n4", "q5", "q4k");
  * F16 for float16 scales (the k-quants: always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
         if ((kind) == 9) EXPAND(9, 0, 1)                                                      \
+        else if ((kind) == 12) EXPAND(12, 0, 1)                                               \
         else if ((kind) == 11) EXPAND(11, 0, 1)                                               \
         else if ((kind) == 10) EXPAND(10, 1, 1)                                               \
         else if ((kind) == 6) EXPAND(6, 1, 1)                                                 \
@@ -591,7 +619,7 @@ static inline int64_t tile_start(int64_t M, int64_t m, int most) {
 TM_TARGET TM_INLINE void widen_codes(int kind, int z, __m256i codes, __m256i wi[4]) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const int is_signed = kind == 0 || kind == 4 || kind == 5;
+    const int is_signed = kind == 0 || kind == 4 || kind == 5 || kind == 12;
     for (int k = 0; k < 4; k++) {
         wi[k] = is_signed ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
         if (z) wi[k] = _mm256_sub_epi32(wi[k], _mm256_set1_epi32(z));
@@ -685,6 +713,20 @@ TM_TARGET TM_INLINE __m256i dot2(const int ISA, __m256i acc, __m256i u0, __m256i
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
+/* "n4k": acc + code · x in each lane for a vector of IQ4's signed codes w (once a vector, for
+ * every activation row: VNNI's w + 128 as an unsigned byte, its top bit flipped, or AVX2's |w|
+ * in wu and w itself in ws to move the sign onto x). VNNI: dpbusd's int32 sums take the codes
+ * + 128, and the zero point leaves as "q8" run unsigned's does (the sums start from -128 ·
+ * sum x: qgemm_rows); AVX2: a maddubs pair of |w| · |x| <= 2 · 127 · 127 < 2^15. The same
+ * integer sums, against 8-bit activations on both. */
+TM_TARGET TM_INLINE void n4k_weights(const int ISA, __m256i w, __m256i *wu, __m256i *ws) {
+    *ws = w;
+    *wu = ISA == ISA_AVX2 ? _mm256_sign_epi8(w, w) : _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+}
+TM_TARGET TM_INLINE __m256i dot_n4k(const int ISA, __m256i acc, __m256i wu, __m256i ws, __m256i x) {
+    return dot1(ISA, acc, wu, ISA == ISA_AVX2 ? _mm256_sign_epi8(x, ws) : x);
+}
+
 /* A tile's activations are one stream of RA · K bytes, read again for each weight row: past
  * 32 KiB (K > 4096 at 8 rows) they come from L2 each time, where the VNNI loops, denser in
  * loads, stall on them: prefetched TM_XPREFETCH ahead, 1.2x there (K = 7168, "q4"), AVX2 about
@@ -725,12 +767,18 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
         for (int u = 0; u < 8; u += 2) {
             const __m256i w0 = kq_code(KIND, src, p0, p1, hb, u);
             const __m256i w1 = kq_code(KIND, src, p0, p1, hb, u + 1);
+            __m256i u0, s0, u1, s1; /* "n4k": dot_n4k's forms of w0, w1 */
+            if (KIND == 12) {
+                n4k_weights(ISA, w0, &u0, &s0);
+                n4k_weights(ISA, w1, &u1, &s1);
+            }
             for (int i = 0; i < RA; i++) {
                 const int8_t *xv = xb + (u * RA + i) * 32;
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
-                if ((G16 || KQ_G32(KIND)) && u >= 4) ib[i] = dot2(ISA, ib[i], w0, x0, w1, x1);
-                else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
+                __m256i *acc = (G16 || KQ_G32(KIND)) && u >= 4 ? &ib[i] : &ia[i];
+                if (KIND == 12) *acc = dot_n4k(ISA, dot_n4k(ISA, *acc, u0, s0, x0), u1, s1, x1);
+                else *acc = dot2(ISA, *acc, w0, x0, w1, x1);
             }
         }
     } else if (KIND == 8) { /* "q5": "q4"'s nibble pairs, each code's fifth bit from the plane */
@@ -833,7 +881,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
             }
         }
-    } else if (KQ_G32(KIND)) { /* "q4k", "q5k": a scale and a min a chunk (lane), mins as "q2"'s */
+    } else if (KQ_G32(KIND)) { /* "q4k", "q5k", "n4k": a scale (and a min) a chunk (lane) */
         __m256 sw, sw2, mn, mn2;
         kq_scales(KIND, row + c0 / 8 * KQ_BYTES(KIND), kd + b * KQ_DS(KIND), &sw, &sw2, &mn,
                   &mn2);
@@ -841,8 +889,10 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
             __m256 dd = _mm256_mul_ps(sw, _mm256_loadu_ps(xd8 + (b * RA + i) * 8));
             const __m256i sum = _mm256_add_epi32(ia[i], ib[i]);
             facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), dd, facc[i]);
-            const float *g = xg + i * xg_len(KIND, K) + b * 8;
-            facc[i] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(g), facc[i]);
+            if (KQ_MINS(KIND)) { /* mins as "q2"'s */
+                const float *g = xg + i * xg_len(KIND, K) + b * 8;
+                facc[i] = _mm256_fnmadd_ps(mn, _mm256_loadu_ps(g), facc[i]);
+            }
         }
     } else {
         __m256 sw = lane_scales(s, c0, t, F16, gshift);
@@ -859,9 +909,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
  * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
  * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4), 8 "q5"
- * (z as "u8"'s), 9 "q4k", 10 "q6k" (z = 32). "q2", "q4k": the float sums of x_i for the mins at
- * xg + i · xg_len: "q2" over its groups, 16 a block as the lanes' halves; "q4k" over its chunks,
- * 8 a block.
+ * (z as "u8"'s), 9 "q4k", 10 "q6k" (z = 32), 11 "q5k", 12 "n4k" (z = 128 on VNNI, dot_n4k).
+ * "q2", "q4k", "q5k": the float sums of x_i for the mins at xg + i · xg_len: "q2" over its
+ * groups, 16 a block as the lanes' halves; "q4k", "q5k" over their chunks, 8 a block.
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
  * them; ISA picks the instructions of the dot products (dot1, dot2), nothing else.
  */
@@ -947,7 +997,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
             acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
         }
-        for (int i = 0; KQ_G32(KIND) && i < RA; i++) {
+        for (int i = 0; KQ_G32(KIND) && KQ_MINS(KIND) && i < RA; i++) {
             const float *g = xg + i * xg_len(KIND, K) + c0;
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
         }
@@ -1528,7 +1578,10 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     const int int8_codes = kind == 0 || kind == 4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
     const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
-    const int zx = unsig ? 128 : kind == 1 || kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z : 0; /* the sums' zero point */
+    /* the sums' zero point ("n4k" on VNNI: codes + 128, dot_n4k) */
+    const int zx = unsig || (kind == 12 && vnni_isa != ISA_AVX2) ? 128
+                   : kind == 1 || kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z
+                                                                                    : 0;
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
     int8_t *xq = NULL;

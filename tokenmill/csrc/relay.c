@@ -18,6 +18,8 @@
  *   "q6k" (GGUF Q6_K, 210 bytes: 128 of low nibbles, 64 of top 2-bit pairs, 16 int8 scales,
  *         f16 d): the codes' low 4 bits as "q4k"'s, their top 2 bits in two planes (vector
  *         4p + s in bits 2s of plane p's bytes), then the 16 scales: 208 bytes; d to `d`.
+ *   "n4k" (GGUF IQ4_XS, 136 bytes: f16 d, 2 + 4 bytes of 6-bit scales, 128 of index nibbles):
+ *         the indices as "q4k" keeps its codes, then the 6 scale bytes: 134 bytes; d to `d`.
  */
 #include <stdint.h>
 #include <string.h>
@@ -25,7 +27,7 @@
 #include "lanes.h"
 
 enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8 };
-enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_XS = 23 };
 
 /* Eight bytes at a time (a uint64, little-endian), as the re-lay's unit: a lane's 4 bytes of
  * two code vectors come from 8 consecutive bytes of the file. Bytewise, a 3B load spent over
@@ -58,6 +60,17 @@ static void nibble_pairs(const uint8_t *qs, const int row_of[8], const int nib_o
         for (int c = 0; c < 8; c++) {
             const uint64_t s = load8(qs + 32 * row_of[c] + 8 * v);
             store4(out + 32 * v + 4 * c, nibble_pair(s, 4 * nib_of[c]));
+        }
+}
+
+/* IQ4_XS's indices, as Q4_0's nibbles a 32-element chunk: chunk c's element i < 16 in the low
+ * nibble of qs byte 16c + i, element 16 + i in its high. Vector pair v's 8 elements 8v .. 8v + 7
+ * (v < 2: low nibbles) or 8(v - 2) + 16 .. (high) are 8 consecutive bytes' nibbles. */
+static void iq4_xs_pairs(const uint8_t *qs, uint8_t *out) {
+    for (int v = 0; v < 4; v++)
+        for (int c = 0; c < 8; c++) {
+            const uint64_t s = load8(qs + 16 * c + 8 * (v & 1));
+            store4(out + 32 * v + 4 * c, nibble_pair(s, 4 * (v >> 1)));
         }
 }
 
@@ -108,14 +121,18 @@ static void q5_k_plane(const uint8_t *qh, uint8_t *out) {
     }
 }
 
-/* num_blocks super-blocks of ggml_type (Q4_K, Q5_K or Q6_K) at src -> codes (140, 172 or 208
- * bytes a block) and their float16 d (and dmin) at d (4, 4 or 2 bytes a block). Returns 0, or
- * -1 for a type it does not re-lay. */
+/* num_blocks super-blocks of ggml_type (Q4_K, Q5_K, Q6_K or IQ4_XS) at src -> codes (140, 172,
+ * 208 or 134 bytes a block) and their float16 d (and dmin) at d (4, 4, 2 or 2 bytes a block).
+ * Returns 0, or -1 for a type it does not re-lay. */
 int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8_t *codes,
                     uint8_t *d) {
-    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q5_K && ggml_type != GGML_Q6_K) return -1;
+    if (ggml_type != GGML_Q4_K && ggml_type != GGML_Q5_K && ggml_type != GGML_Q6_K &&
+        ggml_type != GGML_IQ4_XS)
+        return -1;
     const int q4 = ggml_type == GGML_Q4_K, q5 = ggml_type == GGML_Q5_K;
-    const int64_t in = q4 ? 144 : q5 ? 176 : 210, out = q4 ? 140 : q5 ? 172 : 208;
+    const int n4 = ggml_type == GGML_IQ4_XS;
+    const int64_t in = q4 ? 144 : q5 ? 176 : n4 ? 136 : 210;
+    const int64_t out = q4 ? 140 : q5 ? 172 : n4 ? 134 : 208;
     const int64_t dn = q4 || q5 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (num_blocks >= 1024)
     for (int64_t i = 0; i < num_blocks; i++) {
@@ -130,6 +147,10 @@ int tm_relay_kquant(int ggml_type, const uint8_t *src, int64_t num_blocks, uint8
             q5_k_plane(b + 16, o + 128);
             memcpy(o + 160, b + 4, 12);
             memcpy(d + i * dn, b, 4);
+        } else if (n4) { /* d, 6 scale bytes, 128 of index nibbles */
+            iq4_xs_pairs(b + 8, o);
+            memcpy(o + 128, b + 2, 6);
+            memcpy(d + i * dn, b, 2);
         } else {
             nibble_pairs(b, Q6K_ROW, Q6K_NIB, o);
             q6_k_planes(b + 128, o + 128);

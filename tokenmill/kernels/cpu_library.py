@@ -49,15 +49,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64, "q4k": 128}
-_KINDS |= {"q6k": 1 << 16, "q5k": 1 << 17}  # bits 8-15 hold the zero point
+_KINDS |= {"q6k": 1 << 16, "q5k": 1 << 17, "n4k": 1 << 18}  # bits 8-15 hold the zero point
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
 QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
 MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
 MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
-# GGUF types relay_gguf re-lays at load: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K
-RELAID_TYPES = (2, 6, 8, 12, 13, 14)
+# GGUF types relay_gguf re-lays at load: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
+RELAID_TYPES = (2, 6, 8, 12, 13, 14, 23)
 # Q4_0, Q5_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
 Q32_KINDS = {2: ("q4", 8), 6: ("q5", 16), 8: ("q8", 0)}
 
@@ -204,8 +204,8 @@ def supports(w: PackedWeight) -> bool:
 def kind_code(w: PackedWeight) -> int:
     """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
     bits 8-15, as "q3"'s, "q5"'s and "q6k"'s), bit 3 for "n4" indices (4-bit, into IQ4's
-    table), bits 4, 5, 7, 16 and 17 for "q2", "q3", "q4k", "q6k" and "q5k" super-blocks, bit
-    6 for "q5" codes, bit 1 for float16 scales."""
+    table), bits 4, 5, 7, 16, 17 and 18 for "q2", "q3", "q4k", "q6k", "q5k" and "n4k"
+    super-blocks, bit 6 for "q5" codes, bit 1 for float16 scales."""
     return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
 
 
@@ -291,7 +291,8 @@ def relay_gguf(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PackedWeight | None:
     """A GGUF tensor of RELAID_TYPES (raw: its uint8 bytes) re-laid in one pass (csrc/relay.c):
-    Q4_0 / Q5_0 / Q8_0 as "q4" / "q5" / "q8", Q4_K / Q5_K / Q6_K as "q4k" / "q5k" / "q6k":
+    Q4_0 / Q5_0 / Q8_0 as "q4" / "q5" / "q8", Q4_K / Q5_K / Q6_K / IQ4_XS as "q4k" / "q5k" /
+    "q6k" / "n4k":
     what pack_gguf builds, its twin, bit for bit; None where it does not re-lay the tensor
     (``relays``). ``out``: contiguous uint8 tensors of relayed_bytes' shapes to write the codes
     and d into (the loader's place for a part of a joined weight), else new ones."""

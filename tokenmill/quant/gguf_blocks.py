@@ -187,13 +187,18 @@ def codes_iq4_nl(blocks: torch.Tensor) -> BlockCodes:
     return BlockCodes(q, _f16(blocks[:, :2]), None, 32)
 
 
-def codes_iq4_xs(blocks: torch.Tensor) -> BlockCodes:
-    low = _nibbles(blocks[:, 4:8], 1).to(torch.int32)  # [n, 8]: sub-block j in byte j / 2
-    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]: 2 bits each
+def iq4_xs_scales(sub: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's 6 sub-block scale bytes [n, 6] (scales_h, a little-endian uint16 of 2 bits a
+    sub-block; scales_l, 4 bytes of 4 bits a sub-block) -> its 8 signed scales, int32 [n, 8]."""
+    low = _nibbles(sub[:, 2:6], 1).to(torch.int32)  # [n, 8]: sub-block j in byte j / 2
+    high = sub[:, 0:2].contiguous().view(torch.int16).to(torch.int32)  # [n, 1]: 2 bits each
     high = (high >> torch.arange(0, 16, 2, dtype=torch.int32).view(1, 8)) & 3
-    ls = (low | (high << 4)) - 32
+    return (low | (high << 4)) - 32
+
+
+def codes_iq4_xs(blocks: torch.Tensor) -> BlockCodes:
     q = iq4_values(_nibbles(blocks[:, 8:], 16))
-    return BlockCodes(q, _f16(blocks[:, :2]) * ls.float(), None, 32)
+    return BlockCodes(q, _f16(blocks[:, :2]) * iq4_xs_scales(blocks[:, 2:8]).float(), None, 32)
 
 
 # ggml type id -> (elements per block, bytes per block, code unpacker)

@@ -16,11 +16,12 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
         bound by the bytes it reads, turns into speed;
   "q4": 4-bit codes + ``zero``, 0..15, two per byte [N, K/2] (GGUF Q4_0: zero 8, Q4_1; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
-        (GGUF IQ4_NL, IQ4_XS); the kernel looks the codes up and multiplies them as "q8";
-  "q2", "q3", "q4k", "q5k", "q6k": GGUF Q2_K / Q3_K / Q4_K / Q5_K / Q6_K kept as their
-        256-element super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS): the codes
-        ("q2": 2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit 0..15; "q5k":
-        5-bit 0..31; "q6k": 4 bits and 2 more, code + ``zero`` 32) and the file's own sub-block
+        (GGUF IQ4_NL); the kernel looks the codes up and multiplies them as "q8";
+  "q2", "q3", "q4k", "q5k", "q6k", "n4k": GGUF Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS kept
+        as their 256-element super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS):
+        the codes ("q2": 2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit
+        0..15; "q5k": 5-bit 0..31; "q6k": 4 bits and 2 more, code + ``zero`` 32; "n4k": "n4"'s
+        4-bit indices into IQ4_KVALUES) and the file's own sub-block
         scale bytes in ``codes``, the float16 d (and "q2", "q4k", "q5k": dmin) of each
         super-block in ``scales`` [N, K/256] ([N, K/128], d and dmin in turn); ``group`` is the
         sub-block's (16, "q4k" and "q5k" 32), and
@@ -36,8 +37,8 @@ lengths stay "u8"). ``codes_int`` gives codes in element order
 ("n4": the table's codes, not the indices). K-quant rows (K_QUANT_KINDS), whole super-blocks,
 always fill blocks of 8 chunks, one a super-block. "q2" and "q3": its 8 code vectors' low 2-bit
 pairs go in two 32-byte planes (vectors 0..3, the first halves of the 8 chunks, then 4..7;
-vector 4p + s in bits 2s of plane p), "q3"'s third bits in one more (vector u in bit u). "q4k":
-its 8 code vectors as "q4" keeps them (pairs in 32 bytes, the first in the low nibbles). "q5k":
+vector 4p + s in bits 2s of plane p), "q3"'s third bits in one more (vector u in bit u). "q4k",
+"n4k": its 8 code vectors as "q4" keeps them (pairs in 32 bytes, the first in the low nibbles). "q5k":
 their low 4 bits so, then their fifth bits in one plane (vector u in bit u). "q6k": their low 4
 bits so, then their top 2 bits in two planes as "q2"'s. Then the sub-block scale bytes.
 The matmul runs in the C kernel (kernels/cpu_library.py) where it is built;
@@ -58,6 +59,7 @@ from tokenmill.quant.gguf_blocks import (
     QK_K,
     BlockCodes,
     iq4_values,
+    iq4_xs_scales,
     k_scales,
     q2_k_scales,
     q3_k_scales,
@@ -71,7 +73,7 @@ TORCH_INT4_KIND = "t4"
 
 @dataclass(slots=True)
 class PackedWeight:
-    # "q8" | "u8" | "q5" | "q4" | "n4" | "q2" | "q3" | "q4k" | "q6k" | "f16" | "bf16" | "t4"
+    # "q8" | "u8" | "q5" | "q4" | "n4" | K_QUANT_KINDS | "f16" | "bf16" | "t4"
     kind: str
     # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), uint8 [N, K // 2 + 32 ·
     # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] (K_QUANT_KINDS)
@@ -143,6 +145,9 @@ class PackedWeight:
                 sc = q3_k_scales(sub.reshape(-1, 12))
             scales = d[:, :, :1] * sc.float().reshape(n, -1, per)
             return scales.reshape(n, -1), None
+        if self.kind == "n4k":  # IQ4_XS: signed 6-bit scales, no mins
+            sc = iq4_xs_scales(sub.reshape(-1, 6)).float().reshape(n, -1, per)
+            return (d[:, :, :1] * sc).reshape(n, -1), None
         if self.kind in ("q4k", "q5k"):  # Q5_K's scales and mins are Q4_K's
             sc, mn = k_scales(sub.reshape(-1, 12))
         else:
@@ -302,7 +307,8 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
         raise ValueError("a weight in torch's int4 tiles (CUDA) has no portable codes")
     n = stored.shape[0]
     if kind in K_QUANT_KINDS:
-        return unpack_k_quant(stored, kind, k)[0] - zero
+        codes = unpack_k_quant(stored, kind, k)[0] - zero
+        return iq4_values(codes) if kind == "n4k" else codes
     if kind == "q5":
         codes = _unpack_q5(stored, k) - zero
     elif kind not in ("q4", "n4"):
@@ -362,16 +368,20 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
 # file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110),
 # "q4k" 128 bytes of nibble pairs and Q4_K's 12 bytes of 6-bit scales and mins (with d and
 # dmin: 144), "q5k" those 128, a plane of fifth bits and Q5_K's 12 bytes, as Q4_K's (176), "q6k"
-# 128 of nibble pairs, 2 planes of top 2-bit pairs and Q6_K's 16 int8 scales (with d: 210).
+# 128 of nibble pairs, 2 planes of top 2-bit pairs and Q6_K's 16 int8 scales (with d: 210),
+# "n4k" 128 bytes of index pairs and IQ4_XS's 6 bytes of 6-bit scales (with d: 136).
 K_QUANT_KINDS = {"q2": (80, 64), "q3": (108, 96), "q4k": (140, 128), "q5k": (172, 160)}
-K_QUANT_KINDS["q6k"] = (208, 192)
-K_QUANT_TYPES = {10: "q2", 11: "q3", 12: "q4k", 13: "q5k", 14: "q6k"}  # ggml type id -> kind
-K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q5k": 0, "q6k": 32}  # stored code = code + zero
-K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q5k": 32, "q6k": 16}  # elements a sub-block
+K_QUANT_KINDS |= {"q6k": (208, 192), "n4k": (134, 128)}
+# ggml type id -> kind
+K_QUANT_TYPES = {10: "q2", 11: "q3", 12: "q4k", 13: "q5k", 14: "q6k", 23: "n4k"}
+# stored code = code + zero ("n4k": its indices, the table's codes once looked up)
+K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q5k": 0, "q6k": 32, "n4k": 0}
+# elements a sub-block
+K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q5k": 32, "q6k": 16, "n4k": 32}
 K_QUANT_KINDS_WITH_MIN = ("q2", "q4k", "q5k")  # their scales: d and dmin a super-block
 # Where the file's float16 d (and dmin) and sub-block scale bytes lie in a block of each type.
 _K_QUANT_FILE = {10: ((80, 84), (0, 16)), 11: ((108, 110), (96, 108)), 12: ((0, 4), (4, 16))}
-_K_QUANT_FILE |= {13: ((0, 4), (4, 16)), 14: ((208, 210), (192, 208))}
+_K_QUANT_FILE |= {13: ((0, 4), (4, 16)), 14: ((208, 210), (192, 208)), 23: ((0, 2), (2, 8))}
 
 
 def _pairs(c: torch.Tensor, shift: int) -> torch.Tensor:
@@ -404,12 +414,12 @@ def _unbit_plane(b: torch.Tensor) -> torch.Tensor:
 
 
 def pack_k_quant(codes: torch.Tensor, sub: torch.Tensor, kind: str) -> torch.Tensor:
-    """Stored codes [N, K] (code + zero: "q2" 0..3, "q3" 0..7, "q4k" 0..15, "q5k" 0..31, "q6k" 0..63) in
-    element order and each super-block's sub-block scale bytes [N, K / 256, bytes] -> the
+    """Stored codes [N, K] (code + zero: "q2" 0..3, "q3" 0..7, "q4k" 0..15, "q5k" 0..31, "q6k"
+    0..63; "n4k" indices 0..15) in element order and each super-block's sub-block scale bytes [N, K / 256, bytes] -> the
     kind's codes [N, K / 256 · super-block bytes]."""
     n, k = codes.shape
     c = codes[:, lane_order(k).to(codes.device)].to(torch.uint8).reshape(n, k // QK_K, 8, 32)
-    if kind == "q4k":
+    if kind in ("q4k", "n4k"):
         parts = [_pairs(c, 0)]
     elif kind == "q5k":
         parts = [_pairs(c, 0), _bit_plane(c, 4)]
@@ -441,7 +451,7 @@ def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tenso
     n, num_super = stored.shape[0], k // QK_K
     sb_bytes, sub_at = K_QUANT_KINDS[kind]
     blocks = stored.reshape(n, num_super, sb_bytes)
-    if kind == "q4k":
+    if kind in ("q4k", "n4k"):
         c = _unpairs(blocks[:, :, :128])
     elif kind == "q5k":
         c = _unpairs(blocks[:, :, :128]) | _unbit_plane(blocks[:, :, 128:160]) << 4
@@ -458,11 +468,13 @@ def unpack_k_quant(stored: torch.Tensor, kind: str, k: int) -> tuple[torch.Tenso
 def _from_k_quant_blocks(
     blocks: torch.Tensor, ggml_type: int, rows: int, cols: int
 ) -> PackedWeight:
-    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K blocks [rows · cols / 256, bytes] of a [rows, cols] tensor ->
-    their kind (K_QUANT_TYPES), the file's bytes rearranged."""
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS blocks [rows · cols / 256, bytes] of a
+    [rows, cols] tensor -> their kind (K_QUANT_TYPES), the file's bytes rearranged."""
     kind = K_QUANT_TYPES[ggml_type]
     zero, num_super = K_QUANT_ZERO[kind], cols // QK_K
     codes = (BLOCK_CODES[ggml_type][2](blocks).codes + zero).reshape(rows, cols)
+    if kind == "n4k":  # the file's indices, not the codes they stand for
+        codes = _iq4_indices(codes)
     (d0, d1), (s0, s1) = _K_QUANT_FILE[ggml_type]
     stored = pack_k_quant(codes, blocks[:, s0:s1].reshape(rows, num_super, -1), kind)
     scales = blocks[:, d0:d1].contiguous().view(torch.float16).reshape(rows, -1)
@@ -473,11 +485,11 @@ def _from_k_quant_blocks(
 # ggml types whose codes are 4-bit (Q4_0 signed -8..7, Q4_1 unsigned 0..15): packed two a
 # byte. (The k-quants keep their super-blocks: K_QUANT_TYPES.)
 FOUR_BIT_TYPES = (2, 3)
-# ggml types whose 4-bit indices pick a code from a table (IQ4_NL, IQ4_XS): "n4".
-IQ4_TYPES = (20, 23)
+# ggml types whose 4-bit indices pick a code from a table, in blocks of 32 (IQ4_NL): "n4".
+# (IQ4_XS keeps its super-blocks: "n4k".)
+IQ4_TYPES = (20,)
 # ggml types whose block scale is a float16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): kept
 # float16, exactly (Q4_1's and Q5_1's float16 mins become float32 offsets, exactly too).
-# Q5_K's and IQ4_XS's scales are products (super-block scale times a small integer): float32.
 FLOAT16_SCALE_TYPES = (2, 3, 6, 7, 8, 20)
 # ggml types whose codes fit 5 bits, stored as code + zero: Q5_0 (-16..15), Q5_1 and Q5_K
 # (0..31); "q5" (rows of a multiple of 64), else "u8" bytes.
