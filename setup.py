@@ -28,7 +28,11 @@ setup(
                 "tokenmill/csrc/prefill_attn.c",
                 "tokenmill/csrc/relay.c",
             ],
-            depends=["tokenmill/csrc/simd.h", "tokenmill/csrc/lanes.h"],
+            depends=[
+                "tokenmill/csrc/simd.h",
+                "tokenmill/csrc/lanes.h",
+                "tokenmill/csrc/tokenmill.h",
+            ],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=os.environ.get("TOKENMILL_REQUIRE_EXTENSION") != "1",

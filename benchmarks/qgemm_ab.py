@@ -34,7 +34,7 @@ import torch
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
-from tokenmill.kernels import cpu_library
+from tokenmill.kernels import abi, cpu_library
 from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.quant.packed import PackedWeight
 
@@ -46,13 +46,12 @@ def build(source: str, out_dir: Path, name: str) -> ctypes.CDLL:
     src, lib = out_dir / f"{name}.c", out_dir / f"{name}.so"
     src.write_text(source)
     include = sysconfig.get_paths()["include"]
-    headers = SOURCE.parent.resolve()  # simd.h, beside qgemm.c
+    headers = SOURCE.parent.resolve()  # simd.h and tokenmill.h, beside qgemm.c
     cmd = ["gcc", "-O3", "-fopenmp", "-fPIC", "-shared", f"-I{include}", f"-I{headers}", str(src)]
     cmd += ["-o", str(lib)]
     subprocess.run(cmd, check=True)
     dll = ctypes.CDLL(str(lib))
-    dll.tm_qgemm.argtypes = cpu_library.QGEMM_ARGTYPES
-    dll.tm_qgemm.restype = ctypes.c_int
+    abi.bind(dll, ["tm_qgemm"])
     return dll
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from qgemm_ab import call  # the engine's tm_qgemm call into a given copy of the kernel
 
-from tokenmill.kernels import cpu_library
+from tokenmill.kernels import abi, cpu_library
 from tokenmill.quant.packed import PackedWeight, pack_codes
 
 # name -> (N, K); the head only up to HEAD_MAX_ROWS rows (one a sampling request)
@@ -77,9 +77,7 @@ def load(isa: str, tmp: Path) -> ctypes.CDLL:
             del os.environ["TOKENMILL_ISA"]
         else:
             os.environ["TOKENMILL_ISA"] = saved
-    dll.tm_qgemm.argtypes = cpu_library.QGEMM_ARGTYPES
-    dll.tm_qgemm.restype = ctypes.c_int
-    dll.tm_qgemm_isa.restype = ctypes.c_char_p
+    abi.bind(dll)
     if dll.tm_qgemm_isa().decode() != isa:
         raise SystemExit(f"this CPU does not run {isa} (runs {dll.tm_qgemm_isa().decode()})")
     return dll

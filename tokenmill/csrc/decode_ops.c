@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -82,7 +83,6 @@ TM_TARGET static inline __m256 load8(const void *base, int64_t idx, int bytes, c
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-#define TM_MAX_GROUP 16 /* query heads per KV head handled in one pass over its K/V */
 
 /* One job: the `group` query heads of KV head kvh over context positions [lo, hi) of one
  * sequence. Each K and V row is read once for all of them (GQA). Leaves the unnormalized

@@ -25,56 +25,9 @@
 #include <time.h>
 
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
-#define TM_OP_WIDTH 20
-
-enum {
-    OP_QGEMM = 1,
-    OP_RMSNORM,
-    OP_ROPE,
-    OP_ATTN,
-    OP_EMBED,
-    OP_ACT_MUL,
-    OP_KV_WRITE,
-    OP_ADD,
-    OP_GATHER,
-    OP_KV_WRITE_Q8,
-    OP_MOE_ROUTE,
-    OP_MOE_EXPERTS,
-    OP_HALF_GEMM,
-    OP_HALF_ROWS,
-};
-enum { ACT_GELU_TANH = 0, ACT_SILU = 1 };
-
-/* half.c's float16 / bfloat16 weights. */
-void tm_half_gemm(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *w, int bf16,
-                  const float *bias, float *y);
-void tm_half_rows(const int64_t *ids, int64_t n, int64_t K, const uint16_t *table, int bf16,
-                  float mult, float *out);
-/* The kernels of qgemm.c, decode_ops.c and moe.c. */
-int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
-             const void *scales, const float *offsets, int64_t G, const float *bias, float *y,
-             int act_int8);
-void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
-                     const void *scales, const float *offsets, int64_t G, float *out);
-void tm_rmsnorm(const float *x, int64_t outer_stride, int64_t inner, const float *weight,
-                float weight_offset, const float *residual, float *out, int64_t rows, int64_t dim,
-                float eps);
-void tm_rope_neox(float *x, int64_t token_stride, const int64_t *positions, const float *cos_t,
-                  const float *sin_t, int64_t tokens, int64_t heads, int64_t dim);
-int tm_decode_attn(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                   const float *k_scales, const float *v_scales, const float *fp8_lut,
-                   const int64_t *block_table, const int64_t *seq_lens, int64_t nd, int64_t H,
-                   int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t window,
-                   float scale, float *out, int kv_f16);
-void tm_moe_route(const float *x, int64_t T, int64_t H, const float *router, int64_t E,
-                  int64_t k, int renorm, float *weights, int64_t *ids);
-int tm_moe_experts(int64_t T, int64_t H, const float *x, int64_t k, const float *weights,
-                   const int64_t *ids, const int64_t *desc, int act, int act_mode,
-                   int64_t *counts, const float *shared, const float *shared_gate, float *out,
-                   uint8_t *work);
-
 /* out[i] = table row ids[i] (dequantized) * mult; K-element rows. */
 TM_TARGET void tm_embed_rows(const int64_t *ids, int64_t n, int64_t K, int kind,
                              const uint8_t *w, const void *scales, const float *offsets,
@@ -127,7 +80,7 @@ TM_TARGET void tm_act_mul(const float *gu, int64_t n, int64_t d, int64_t ld, int
         float *o = out + r * d;
         for (int64_t i = 0; i < d; i += 8) {
             __m256 x = _mm256_loadu_ps(g + i);
-            __m256 a = act == ACT_SILU ? silu8(x) : gelu_tanh8(x);
+            __m256 a = act == TM_ACT_SILU ? silu8(x) : gelu_tanh8(x);
             _mm256_storeu_ps(o + i, _mm256_mul_ps(a, _mm256_loadu_ps(u + i)));
         }
     }
@@ -259,50 +212,50 @@ int tm_graph_run(const int64_t *ops, int64_t n_ops, double *times) {
         const int64_t *a = ops + i * TM_OP_WIDTH + 1;
         int rc = 0;
         switch (ops[i * TM_OP_WIDTH]) {
-        case OP_QGEMM:
+        case TM_OP_QGEMM:
             rc = tm_qgemm(a[0], a[1], a[2], P(3), (int)a[4], P(5), P(6), P(7), a[8], P(9), P(10),
                           (int)a[11]);
             break;
-        case OP_RMSNORM:
+        case TM_OP_RMSNORM:
             tm_rmsnorm(P(0), a[1], a[2], P(3), f32(a[4]), P(5), P(6), a[7], a[8], f32(a[9]));
             break;
-        case OP_ROPE:
+        case TM_OP_ROPE:
             tm_rope_neox(P(0), a[1], P(2), P(3), P(4), a[5], a[6], a[7]);
             break;
-        case OP_ATTN:
+        case TM_OP_ATTN:
             rc = tm_decode_attn(P(0), a[1], P(2), P(3), P(4), P(5), P(6), P(7), P(8), a[9], a[10],
                                 a[11], a[12], a[13], a[14], a[15], f32(a[16]), P(17), (int)a[18]);
             break;
-        case OP_EMBED:
+        case TM_OP_EMBED:
             tm_embed_rows(P(0), a[1], a[2], (int)a[3], P(4), P(5), P(6), a[7], f32(a[8]), P(9));
             break;
-        case OP_ACT_MUL:
+        case TM_OP_ACT_MUL:
             tm_act_mul(P(0), a[1], a[2], a[3], (int)a[4], P(5));
             break;
-        case OP_GATHER:
+        case TM_OP_GATHER:
             tm_gather_rows(P(0), a[1], a[2], P(3), f32(a[4]), P(5));
             break;
-        case OP_KV_WRITE_Q8:
+        case TM_OP_KV_WRITE_Q8:
             tm_kv_write_q8(P(0), a[1], P(2), a[3], P(4), a[5], a[6], a[7], (int)a[8], P(9), P(10),
                            P(11), P(12));
             break;
-        case OP_ADD:
+        case TM_OP_ADD:
             tm_add(P(0), P(1), P(2), a[3]);
             break;
-        case OP_KV_WRITE:
+        case TM_OP_KV_WRITE:
             tm_kv_write(P(0), a[1], P(2), a[3], P(4), a[5], a[6], P(7), P(8), (int)a[9]);
             break;
-        case OP_MOE_ROUTE:
+        case TM_OP_MOE_ROUTE:
             tm_moe_route(P(0), a[1], a[2], P(3), a[4], a[5], (int)a[6], P(7), P(8));
             break;
-        case OP_MOE_EXPERTS:
+        case TM_OP_MOE_EXPERTS:
             rc = tm_moe_experts(a[0], a[1], P(2), a[3], P(4), P(5), P(6), (int)a[7], (int)a[8],
                                 P(9), P(10), P(11), P(12), P(13));
             break;
-        case OP_HALF_GEMM:
+        case TM_OP_HALF_GEMM:
             tm_half_gemm(a[0], a[1], a[2], P(3), P(4), (int)a[5], P(6), P(7));
             break;
-        case OP_HALF_ROWS:
+        case TM_OP_HALF_ROWS:
             tm_half_rows(P(0), a[1], a[2], P(3), (int)a[4], f32(a[5]), P(6));
             break;
         default:

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 

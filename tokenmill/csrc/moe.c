@@ -26,19 +26,13 @@
 #include <string.h>
 
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
-#define TM_MOE_DESC_LEN 18
-#define TM_MOE_MAX_EXPERTS 1024 /* the router's per-token buffer (cpu_library.MOE_MAX_EXPERTS) */
 
 enum { D_EXPERTS, D_INTER, D_GATE_UP, D_DOWN = D_GATE_UP + 8 };
 enum { W_KIND, W_CODES, W_SCALES, W_OFFSETS, W_GROUP, W_CODES_STRIDE, W_SCALES_STRIDE,
        W_OFFSETS_STRIDE };
-
-int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind, const uint8_t *w,
-             const void *scales, const float *offsets, int64_t G, const float *bias, float *y,
-             int act_int8);
-void tm_act_mul(const float *gu, int64_t n, int64_t d, int64_t ld, int act, float *out);
 
 TM_TARGET static float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 #define KB 64 /* keys a block */

@@ -4,13 +4,13 @@
  *
  * W stays packed with a scale per group of G elements (G = 16 or 32 · 2^j; float32, or float16
  * where the file's own scales are float16: Q8_0, Q5_0, Q4_0, IQ4_NL) and optionally a float32
- * offset per group: w = scale · code - offset. `kind` bit 0: 4-bit codes + z, 0..15 ("q4", z
- * as "u8"'s: GGUF Q4_0's 8); bit 2: bytes holding code + z, 0..63 ("u8", z in bits 8-15); bit
- * 3: 4-bit indices, stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL);
- * bits 4 and 5: GGUF Q2_K / Q3_K super-blocks ("q2", "q3", below); bit 6: 5-bit codes + z,
- * 0..31, in a nibble and a bit plane ("q5", below, z as "u8"'s); bits 7, 16, 17, 18: GGUF Q4_K
- * / Q6_K / Q5_K / IQ4_XS super-blocks ("q4k", "q6k", "q5k", "n4k", below); else int8 codes
- * ("q8"); bit 1: float16 scales.
+ * offset per group: w = scale · code - offset. `kind` (tokenmill.h: TM_KIND_*) holds the
+ * weight's layout (enum tm_layout, TM_LAYOUTS): int8 codes ("q8"); 4-bit codes + z, 0..15
+ * ("q4", z as "u8"'s: GGUF Q4_0's 8); bytes holding code + z, 0..63 ("u8"); 4-bit indices,
+ * stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL); 5-bit codes + z,
+ * 0..31, in a nibble and a bit plane ("q5", below, z as "u8"'s); GGUF Q2_K / Q3_K / Q4_K /
+ * Q5_K / Q6_K / IQ4_XS super-blocks ("q2", "q3", "q4k", "q5k", "q6k", "n4k", below); and
+ * whether the scales are float16, and z.
  *
  * Codes are stored in "lane order" (quant/packed.py: lane_order), built so that integer dot
  * products of many chunks accumulate side by side. A row's 32-element chunks go in blocks of
@@ -73,7 +73,7 @@
  * result never depends on the batch it is in (same operations in the same order).
  *
  * Parallel over blocks of output rows with OpenMP; torch's CPU build ships the same libgomp
- * soname, so both share one thread pool. Called through ctypes (tokenmill/kernels.py); the
+ * soname, so both share one thread pool. Called through ctypes (kernels/cpu_library.py); the
  * pure-torch reference of each function is in quant/packed.py.
  */
 #include <Python.h>
@@ -86,6 +86,7 @@
 
 #include "lanes.h"
 #include "simd.h"
+#include "tokenmill.h"
 
 #define TM_TARGET __attribute__((target("avx2,fma,f16c")))
 /* The VNNI paths need a compiler that knows them (AVX-VNNI: GCC 11, AVX512-VNNI: GCC 8); an
@@ -184,20 +185,21 @@ __attribute__((constructor)) static void choose_isa(void) {
 /* Which of ISA_NAMES the int8 mode runs. */
 const char *tm_qgemm_isa(void) { return ISA_NAMES[qgemm_isa]; }
 
-/* KIND 6 "q2", 7 "q3", 9 "q4k", 10 "q6k", 11 "q5k", 12 "n4k": the k-quants' super-blocks,
- * codes and sub-block scales together. */
-#define IS_KQ(KIND) ((KIND) == 6 || (KIND) == 7 || ((KIND) >= 9 && (KIND) <= 12))
+/* The k-quants ("q2", "q3", "q4k", "q5k", "q6k", "n4k"): the file's super-blocks, codes and
+ * sub-block scales together (tokenmill.h: TM_LAYOUTS). Their traits are constants wherever
+ * KIND is (the kernels are inlined once per layout), so these fold away. */
+#define IS_KQ(KIND) (TM_LAYOUT_TRAITS[KIND].block_bytes > 0)
 /* "q4k", "q5k", "n4k": a 6-bit scale (and "q4k", "q5k": min) a 32-element sub-block (Q4_K's
  * 12 bytes, Q5_K's the same; IQ4_XS's 6), a sub-block a lane. */
-#define KQ_G32(KIND) ((KIND) == 9 || (KIND) == 11 || (KIND) == 12)
-/* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
-#define KQ_MINS(KIND) ((KIND) == 6 || (KIND) == 9 || (KIND) == 11)
+#define KQ_G32(KIND) (IS_KQ(KIND) && TM_LAYOUT_TRAITS[KIND].group == 32)
 /* Float16 scales a k-quant super-block has in `scales`: d, and dmin (KQ_MINS). */
-#define KQ_DS(KIND) (KQ_MINS(KIND) ? 2 : 1)
+#define KQ_DS(KIND) (TM_LAYOUT_TRAITS[KIND].ds)
+/* The k-quants with mins (dmin · min a group, against the float sums of x over it: xg). */
+#define KQ_MINS(KIND) (KQ_DS(KIND) == 2)
 
-/* Code vector u of the block starting at chunk c0 (q4: unsigned 0..15). */
-TM_TARGET TM_INLINE __m256i code_vector(int kind, const uint8_t *row, int64_t c0, int u) {
-    if (kind == 0) return _mm256_loadu_si256((const __m256i *)(row + c0 * 32 + u * 32));
+/* Code vector u of the block starting at chunk c0: bytes, or (four_bit: "q4") unsigned 0..15. */
+TM_TARGET TM_INLINE __m256i code_vector(int four_bit, const uint8_t *row, int64_t c0, int u) {
+    if (!four_bit) return _mm256_loadu_si256((const __m256i *)(row + c0 * 32 + u * 32));
     __m256i b = _mm256_loadu_si256((const __m256i *)(row + c0 * 16 + (u >> 1) * 32));
     if (u & 1) b = _mm256_srli_epi16(b, 4);
     return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
@@ -218,38 +220,33 @@ TM_TARGET TM_INLINE __m256i q5_high(__m256i plane, int u) {
     return _mm256_and_si256(h, _mm256_set1_epi8(0x10));
 }
 
-/* Code vector u as bytes for tile_int8 / widen_codes' KIND (0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned, 4 "n4", 5 "n4" run unsigned, 8 "q5"): "n4" indices looked up, signed like "q8". */
+/* Code vector u as bytes for tile_int8 / widen_codes' KIND ("q8", "q4", "u8", "n4", "q5", and
+ * the forms run unsigned, TM_Q8_UNSIGNED and TM_N4_UNSIGNED): "n4" indices looked up, signed
+ * like "q8". */
 TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0, int u) {
-    if (kind == 4 || kind == 5) return iq4_codes(code_vector(1, row, c0, u));
-    if (kind == 8) {
+    if (kind == TM_N4 || kind == TM_N4_UNSIGNED) return iq4_codes(code_vector(1, row, c0, u));
+    if (kind == TM_Q5) {
         const uint8_t *src = row + q5_block(c0);
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32 + (u >> 1) * 32));
         if (u & 1) b = _mm256_srli_epi16(b, 4);
         b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
         return _mm256_or_si256(b, q5_high(_mm256_loadu_si256((const __m256i *)src), u));
     }
-    return code_vector(kind == 1, row, c0, u);
+    return code_vector(kind == TM_Q4, row, c0, u);
 }
 
-/* The k-quants (IS_KQ): bytes of a stored super-block; its sub-block scales start at byte 64
+/* The k-quants (IS_KQ): bytes of a stored super-block; where its sub-block scales start: 64
  * ("q2": 16 bytes, scale | min << 4), 96 ("q3": Q3_K's 12 bytes of 6-bit scales), 128 ("q4k":
  * Q4_K's 12 bytes of 6-bit scales and mins), 160 ("q5k": Q5_K's, as Q4_K's), 192 ("q6k": 16
  * int8 scales) or 128 ("n4k": IQ4_XS's 2 + 4 bytes of 6-bit scales). */
-#define KQ_BYTES(KIND)                                                                   \
-    ((KIND) == 6 ? 80 : (KIND) == 7 ? 108 : (KIND) == 9 ? 140 : (KIND) == 11 ? 172       \
-     : (KIND) == 12                                             ? 134                    \
-                                                                : 208)
-#define KQ_SUB(KIND)                                                                     \
-    ((KIND) == 6 ? 64 : (KIND) == 7 ? 96 : (KIND) == 9 || (KIND) == 12 ? 128             \
-     : (KIND) == 11                                               ? 160                  \
-                                                                  : 192)
+#define KQ_BYTES(KIND) (TM_LAYOUT_TRAITS[KIND].block_bytes)
+#define KQ_SUB(KIND) (TM_LAYOUT_TRAITS[KIND].scales_at)
 
 /* Bytes a row of K codes takes for a KIND (kind_vector; "q2", "q3": with the sub-block scales). */
 static inline int64_t row_bytes(int kind, int64_t K) {
     if (IS_KQ(kind)) return K / 256 * KQ_BYTES(kind);
-    if (kind == 8) return K / 2 + 32 * num_blocks(K / 32);
-    return kind == 1 || kind == 4 || kind == 5 ? K / 2 : K;
+    if (kind == TM_Q5) return K / 2 + 32 * num_blocks(K / 32);
+    return kind == TM_Q4 || kind == TM_N4 || kind == TM_N4_UNSIGNED ? K / 2 : K;
 }
 
 /* Scales a row has: one a group, or (the k-quants) d, and dmin (KQ_MINS), a super-block. */
@@ -261,29 +258,13 @@ static inline int64_t row_scale_count(int kind, int64_t K, int64_t G) {
  * "q5k" one a 32-element chunk. */
 static inline int64_t xg_len(int kind, int64_t K) { return KQ_G32(kind) ? K / 32 : K / 16; }
 
-/* `kind` (the header) -> KIND 0 "q8", 1 "q4", 2 "u8", 4 "n4", 6 "q2", 7 "q3", 8 "q5", 9 "q4k",
- * 10 "q6k", 11 "q5k" or 12 "n4k" (the weight's layout). */
-static inline int layout_kind(int kind) {
-    return kind & 1           ? 1
-           : kind & 4         ? 2
-           : kind & 8         ? 4
-           : kind & 16        ? 6
-           : kind & 32        ? 7
-           : kind & 64        ? 8
-           : kind & 128       ? 9
-           : kind & (1 << 16) ? 10
-           : kind & (1 << 17) ? 11
-           : kind & (1 << 18) ? 12
-                              : 0;
-}
-
 /* Code vector u (0..7) of a "q2" / "q3" super-block from its planes p0, p1 (and hb: "q3"'s
  * third bits): codes 0..3, "q3" 0..7. A 16-bit shift moves no bit of one byte into the two
  * (three) bits kept of the other. */
 TM_TARGET TM_INLINE __m256i kq_vector(const int KIND, __m256i p0, __m256i p1, __m256i hb, int u) {
     __m256i c = _mm256_srli_epi16(u < 4 ? p0 : p1, 2 * (u & 3));
     c = _mm256_and_si256(c, _mm256_set1_epi8(3));
-    if (KIND == 7) {
+    if (KIND == TM_Q3) {
         __m256i h = u < 2 ? _mm256_slli_epi16(hb, 2 - u) : _mm256_srli_epi16(hb, u - 2);
         c = _mm256_or_si256(c, _mm256_and_si256(h, _mm256_set1_epi8(4)));
     }
@@ -294,13 +275,13 @@ TM_TARGET TM_INLINE __m256i kq_vector(const int KIND, __m256i p0, __m256i p1, __
  * third bits hb and "q5k"'s fifth bits hb (at 128; zero where it has none). */
 TM_TARGET TM_INLINE void kq_planes(const int KIND, const uint8_t *src, __m256i *p0, __m256i *p1,
                                    __m256i *hb) {
-    const int at = KIND == 10 ? 128 : 0;
+    const int at = KIND == TM_Q6K ? 128 : 0;
     *p0 = *p1 = *hb = _mm256_setzero_si256();
-    if (KIND == 11) *hb = _mm256_loadu_si256((const __m256i *)(src + 128));
+    if (KIND == TM_Q5K) *hb = _mm256_loadu_si256((const __m256i *)(src + 128));
     if (KQ_G32(KIND)) return;
     *p0 = _mm256_loadu_si256((const __m256i *)(src + at));
     *p1 = _mm256_loadu_si256((const __m256i *)(src + at + 32));
-    if (KIND == 7) *hb = _mm256_loadu_si256((const __m256i *)(src + 64));
+    if (KIND == TM_Q3) *hb = _mm256_loadu_si256((const __m256i *)(src + 64));
 }
 
 /* Code vector u (0..7) of a k-quant super-block (src, its planes from kq_planes): "q2" 0..3,
@@ -310,13 +291,13 @@ TM_TARGET TM_INLINE void kq_planes(const int KIND, const uint8_t *src, __m256i *
  * IQ4's int8 codes (those nibbles looked up, signed). */
 TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i p0, __m256i p1,
                                     __m256i hb, int u) {
-    if (KIND == 6 || KIND == 7) return kq_vector(KIND, p0, p1, hb, u);
+    if (KIND == TM_Q2 || KIND == TM_Q3) return kq_vector(KIND, p0, p1, hb, u);
     __m256i b = _mm256_loadu_si256((const __m256i *)(src + (u >> 1) * 32));
     if (u & 1) b = _mm256_srli_epi16(b, 4);
     b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
-    if (KIND == 10) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
-    if (KIND == 11) b = _mm256_or_si256(b, q5_high(hb, u));
-    if (KIND == 12) b = iq4_codes(b);
+    if (KIND == TM_Q6K) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
+    if (KIND == TM_Q5K) b = _mm256_or_si256(b, q5_high(hb, u));
+    if (KIND == TM_N4K) b = iq4_codes(b);
     return b;
 }
 
@@ -341,7 +322,7 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
                                    __m256 *a, __m256 *b, __m256 *ma, __m256 *mb) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m128i v;
-    if (KIND == 12) { /* IQ4_XS: scale j's top 2 bits at bits 2j of the uint16 h, its low 4 in
+    if (KIND == TM_N4K) { /* IQ4_XS: scale j's top 2 bits at bits 2j of the uint16 h, its low 4 in
                        * nibble j of the uint32 l after it; less 32. Each field spread to a
                        * byte of a word, halving the spacing thrice (no mins). */
         uint16_t h16;
@@ -383,9 +364,9 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
         *ma = *mb = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mins));
         return;
     }
-    if (KIND == 10) { /* 16 int8 scales */
+    if (KIND == TM_Q6K) { /* 16 int8 scales */
         v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + KQ_SUB(10))), split);
-    } else if (KIND == 6) {
+    } else if (KIND == TM_Q2) {
         const __m128i low = _mm_set1_epi8(0x0F);
         v = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(src + KQ_SUB(6))), split);
         const __m128i mn = _mm_and_si128(_mm_srli_epi16(v, 4), low);
@@ -407,8 +388,8 @@ TM_TARGET TM_INLINE void kq_scales(const int KIND, const uint8_t *src, const flo
     }
     const __m256 d8 = _mm256_broadcast_ss(d);
     const __m128i hi = _mm_srli_si128(v, 8);
-    const __m256i ia = KIND == 6 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
-    const __m256i ib = KIND == 6 ? _mm256_cvtepu8_epi32(hi) : _mm256_cvtepi8_epi32(hi);
+    const __m256i ia = KIND == TM_Q2 ? _mm256_cvtepu8_epi32(v) : _mm256_cvtepi8_epi32(v);
+    const __m256i ib = KIND == TM_Q2 ? _mm256_cvtepu8_epi32(hi) : _mm256_cvtepi8_epi32(hi);
     *a = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(ia));
     *b = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(ib));
 }
@@ -567,36 +548,34 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
     }
 }
 
-/* EXPAND(KIND, G16, F16) for the weight's layout: KIND 0 "q8", 1 "q4", 2 "u8", 3 "q8" run
- * unsigned (below), 4 "n4", 5 "n4" run unsigned, 6 "q2", 7 "q3", 8 "q5", 9 "q4k", 10 "q6k",
- * 11 "q5k", 12 "n4k"; G16
- * for 16-element groups (float32 scales, or the k-quants' own; never "q4", "n4", "q5", "q4k");
+/* EXPAND(KIND, G16, F16) for the weight's layout (KIND: enum tm_layout, with "q8" and "n4" run
+ * unsigned as TM_Q8_UNSIGNED, TM_N4_UNSIGNED, below); G16 for 16-element groups (float32 scales, or the k-quants' own; never "q4", "n4", "q5", "q4k");
  * F16 for float16 scales (the k-quants: always, d and dmin). */
 #define TM_BY_LAYOUT(EXPAND, kind, f16, G)                                                    \
     do {                                                                                      \
-        if ((kind) == 9) EXPAND(9, 0, 1)                                                      \
-        else if ((kind) == 12) EXPAND(12, 0, 1)                                               \
-        else if ((kind) == 11) EXPAND(11, 0, 1)                                               \
-        else if ((kind) == 10) EXPAND(10, 1, 1)                                               \
-        else if ((kind) == 6) EXPAND(6, 1, 1)                                                 \
-        else if ((kind) == 7) EXPAND(7, 1, 1)                                                 \
-        else if ((kind) == 8 && (f16)) EXPAND(8, 0, 1)                                        \
-        else if ((kind) == 8) EXPAND(8, 0, 0)                                                 \
-        else if ((kind) == 1 && (f16)) EXPAND(1, 0, 1)                                        \
-        else if ((kind) == 1) EXPAND(1, 0, 0)                                                 \
-        else if ((kind) == 2 && (G) == 16) EXPAND(2, 1, 0)                                    \
-        else if ((kind) == 2 && (f16)) EXPAND(2, 0, 1)                                        \
-        else if ((kind) == 2) EXPAND(2, 0, 0)                                                 \
-        else if ((kind) == 3 && (G) == 16) EXPAND(3, 1, 0)                                    \
-        else if ((kind) == 3 && (f16)) EXPAND(3, 0, 1)                                        \
-        else if ((kind) == 3) EXPAND(3, 0, 0)                                                 \
-        else if ((kind) == 4 && (f16)) EXPAND(4, 0, 1)                                        \
-        else if ((kind) == 4) EXPAND(4, 0, 0)                                                 \
-        else if ((kind) == 5 && (f16)) EXPAND(5, 0, 1)                                        \
-        else if ((kind) == 5) EXPAND(5, 0, 0)                                                 \
-        else if ((G) == 16) EXPAND(0, 1, 0)                                                   \
-        else if (f16) EXPAND(0, 0, 1)                                                         \
-        else EXPAND(0, 0, 0)                                                                  \
+        if ((kind) == TM_Q4K) EXPAND(TM_Q4K, 0, 1)                                                      \
+        else if ((kind) == TM_N4K) EXPAND(TM_N4K, 0, 1)                                               \
+        else if ((kind) == TM_Q5K) EXPAND(TM_Q5K, 0, 1)                                               \
+        else if ((kind) == TM_Q6K) EXPAND(TM_Q6K, 1, 1)                                               \
+        else if ((kind) == TM_Q2) EXPAND(TM_Q2, 1, 1)                                                 \
+        else if ((kind) == TM_Q3) EXPAND(TM_Q3, 1, 1)                                                 \
+        else if ((kind) == TM_Q5 && (f16)) EXPAND(TM_Q5, 0, 1)                                        \
+        else if ((kind) == TM_Q5) EXPAND(TM_Q5, 0, 0)                                                 \
+        else if ((kind) == TM_Q4 && (f16)) EXPAND(TM_Q4, 0, 1)                                        \
+        else if ((kind) == TM_Q4) EXPAND(TM_Q4, 0, 0)                                                 \
+        else if ((kind) == TM_U8 && (G) == 16) EXPAND(TM_U8, 1, 0)                                    \
+        else if ((kind) == TM_U8 && (f16)) EXPAND(TM_U8, 0, 1)                                        \
+        else if ((kind) == TM_U8) EXPAND(TM_U8, 0, 0)                                                 \
+        else if ((kind) == TM_Q8_UNSIGNED && (G) == 16) EXPAND(TM_Q8_UNSIGNED, 1, 0)                                    \
+        else if ((kind) == TM_Q8_UNSIGNED && (f16)) EXPAND(TM_Q8_UNSIGNED, 0, 1)                                        \
+        else if ((kind) == TM_Q8_UNSIGNED) EXPAND(TM_Q8_UNSIGNED, 0, 0)                                                 \
+        else if ((kind) == TM_N4 && (f16)) EXPAND(TM_N4, 0, 1)                                        \
+        else if ((kind) == TM_N4) EXPAND(TM_N4, 0, 0)                                                 \
+        else if ((kind) == TM_N4_UNSIGNED && (f16)) EXPAND(TM_N4_UNSIGNED, 0, 1)                                        \
+        else if ((kind) == TM_N4_UNSIGNED) EXPAND(TM_N4_UNSIGNED, 0, 0)                                                 \
+        else if ((G) == 16) EXPAND(TM_Q8, 1, 0)                                                   \
+        else if (f16) EXPAND(TM_Q8, 0, 1)                                                         \
+        else EXPAND(TM_Q8, 0, 0)                                                                  \
     } while (0)
 
 /* Activation rows go in tiles of `most` rows (8, or 4 for G = 16), then 4, 2, 1: tile_rows gives
@@ -619,7 +598,7 @@ static inline int64_t tile_start(int64_t M, int64_t m, int most) {
 TM_TARGET TM_INLINE void widen_codes(int kind, int z, __m256i codes, __m256i wi[4]) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const int is_signed = kind == 0 || kind == 4 || kind == 5 || kind == 12;
+    const int is_signed = TM_LAYOUT_TRAITS[kind].is_signed || kind == TM_N4_UNSIGNED;
     for (int k = 0; k < 4; k++) {
         wi[k] = is_signed ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
         if (z) wi[k] = _mm256_sub_epi32(wi[k], _mm256_set1_epi32(z));
@@ -768,7 +747,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
             const __m256i w0 = kq_code(KIND, src, p0, p1, hb, u);
             const __m256i w1 = kq_code(KIND, src, p0, p1, hb, u + 1);
             __m256i u0, s0, u1, s1; /* "n4k": dot_n4k's forms of w0, w1 */
-            if (KIND == 12) {
+            if (KIND == TM_N4K) {
                 n4k_weights(ISA, w0, &u0, &s0);
                 n4k_weights(ISA, w1, &u1, &s1);
             }
@@ -777,11 +756,11 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)xv);
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xv + RA * 32));
                 __m256i *acc = (G16 || KQ_G32(KIND)) && u >= 4 ? &ib[i] : &ia[i];
-                if (KIND == 12) *acc = dot_n4k(ISA, dot_n4k(ISA, *acc, u0, s0, x0), u1, s1, x1);
+                if (KIND == TM_N4K) *acc = dot_n4k(ISA, dot_n4k(ISA, *acc, u0, s0, x0), u1, s1, x1);
                 else *acc = dot2(ISA, *acc, w0, x0, w1, x1);
             }
         }
-    } else if (KIND == 8) { /* "q5": "q4"'s nibble pairs, each code's fifth bit from the plane */
+    } else if (KIND == TM_Q5) { /* "q5": "q4"'s nibble pairs, each code's fifth bit from the plane */
         const uint8_t *src = row + q5_block(c0);
         const __m256i low = _mm256_set1_epi8(0x0F);
         const __m256i plane = _mm256_loadu_si256((const __m256i *)src);
@@ -801,7 +780,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                              _mm256_loadu_si256((const __m256i *)(xv + RA * 32)));
             }
         }
-    } else if (KIND == 2 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
+    } else if (KIND == TM_U8 && !(G16 && t == 2)) { /* vectors in pairs (G = 16: never across halves) */
         #pragma GCC unroll 8
         for (int u = 0; u < t; u += 2) {
             const uint8_t *src = row + c0 * 32 + u * 32;
@@ -820,7 +799,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 else ia[i] = dot2(ISA, ia[i], w0, x0, w1, x1);
             }
         }
-    } else if (KIND == 2) { /* G = 16 over 2 chunks: one vector a half */
+    } else if (KIND == TM_U8) { /* G = 16 over 2 chunks: one vector a half */
         for (int u = 0; u < 2; u++) {
             __m256i w = code_vector(0, row, c0, u);
             for (int i = 0; i < RA; i++) {
@@ -829,8 +808,8 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 else ia[i] = dot1(ISA, ia[i], w, x);
             }
         }
-    } else if (KIND != 1) { /* int8 codes: "q8", or "n4" looked up */
-        const int unsig = KIND == 3 || KIND == 5, vbytes = KIND >= 4 ? 16 : 32;
+    } else if (KIND != TM_Q4) { /* int8 codes: "q8", or "n4" looked up */
+        const int unsig = KIND == TM_Q8_UNSIGNED || KIND == TM_N4_UNSIGNED, vbytes = KIND == TM_N4 || KIND == TM_N4_UNSIGNED ? 16 : 32;
         #pragma GCC unroll 8
         for (int u = 0; u < t; u++) {
             if (RA == 1) _mm_prefetch((const char *)(row + (c0 + u) * vbytes + TM_PREFETCH), _MM_HINT_T0);
@@ -875,7 +854,7 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
             __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sa,
                                        _mm256_mul_ps(_mm256_cvtepi32_ps(ib[i]), sb));
             facc[i] = _mm256_fmadd_ps(v, dx, facc[i]);
-            if (KIND == 6) { /* the mins' share: dmin · min times the group's sum of x */
+            if (KIND == TM_Q2) { /* the mins' share: dmin · min times the group's sum of x */
                 const float *g = xg + i * xg_len(KIND, K) + b * 16;
                 facc[i] = _mm256_fnmadd_ps(ma, _mm256_loadu_ps(g), facc[i]);
                 facc[i] = _mm256_fnmadd_ps(mb, _mm256_loadu_ps(g + 8), facc[i]);
@@ -907,9 +886,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
  * out[i · ostride] = row · x_i for a tile of RA activation rows x_i: int8 codes in lane order,
  * vector v of row i at xq + (v · RA + i) · 32, lane scales of block b at xd8 + (b · RA + i) · 8
  * and (a zero point z > 0) its zero-point terms at xz + (b · RA + i) · 16 (G = 16: two halves of
- * 8), else at xz + (b · RA + i) · 8. KIND: 0 "q8", 1 "q4", 2 "u8", 3 "q8" run unsigned (z = 128),
- * 4 "n4" (as "q8" once looked up), 5 "n4" run unsigned (as 3), 6 "q2", 7 "q3" (z = 4), 8 "q5"
- * (z as "u8"'s), 9 "q4k", 10 "q6k" (z = 32), 11 "q5k", 12 "n4k" (z = 128 on VNNI, dot_n4k).
+ * 8), else at xz + (b · RA + i) · 8. KIND: enum tm_layout; TM_Q8_UNSIGNED is "q8" run
+ * unsigned (z = 128), "n4" runs as "q8" once looked up (TM_N4_UNSIGNED as TM_Q8_UNSIGNED), "q3"
+ * has z = 4, "q5" z as "u8"'s, "q6k" z = 32, "n4k" z = 128 on VNNI (dot_n4k).
  * "q2", "q4k", "q5k": the float sums of x_i for the mins at xg + i · xg_len: "q2" over its
  * groups, 16 a block as the lanes' halves; "q4k", "q5k" over their chunks, 8 a block.
  * Inlined into one copy per (ISA, KIND, G16, F16, RA), so the inner loops have no branches on
@@ -983,7 +962,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
             __m256i wi[4];
             const __m256i codes =
                 IS_KQ(KIND) ? kq_code(KIND, src, p0, p1, hb, u) : kind_vector(KIND, row, c0, u);
-            widen_codes(KIND, KIND == 1 || KIND == 2 || KIND == 7 || KIND == 8 || KIND == 10 ? z : 0, codes, wi);
+            widen_codes(KIND, KIND == TM_Q4 || KIND == TM_U8 || KIND == TM_Q3 || KIND == TM_Q5 || KIND == TM_Q6K ? z : 0, codes, wi);
             const int h = G16 && u >= t / 2;
             __m256 wf[4];
             for (int k = 0; k < 4; k++) wf[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(wi[k]), sk[h][k]);
@@ -992,7 +971,7 @@ TM_TARGET TM_INLINE void row_float(const int KIND, const int G16, const int F16,
                     acc[i] = _mm256_fmadd_ps(wf[k], _mm256_loadu_ps(xp + i * K + (c0 + u) * 32 + 8 * k),
                                              acc[i]);
         }
-        for (int i = 0; KIND == 6 && i < RA; i++) { /* the mins' share, as tile_int8's */
+        for (int i = 0; KIND == TM_Q2 && i < RA; i++) { /* the mins' share, as tile_int8's */
             const float *g = xg + i * xg_len(KIND, K) + c0 / 8 * 16;
             acc[i] = _mm256_fnmadd_ps(mn[0], _mm256_loadu_ps(g), acc[i]);
             acc[i] = _mm256_fnmadd_ps(mn[1], _mm256_loadu_ps(g + 8), acc[i]);
@@ -1077,10 +1056,10 @@ TM_TARGET TM_INLINE void block_int8(const int ISA, TM_BLOCK_INT8_ARGS) {
      * qgemm_rows unpacks whole): the block's weight rows are unpacked once, as "u8" bytes, rather
      * than once a tile of 8 rows (1.15x at 512 rows); the same integer sums, so the same bits.
      * Batch-1 steps, bound by the bytes they read, keep the planes. */
-    uint8_t *bytes = kind == 8 && m1 - m0 > 8 ? malloc((size_t)((n1 - n0) * K)) : NULL;
+    uint8_t *bytes = kind == TM_Q5 && m1 - m0 > 8 ? malloc((size_t)((n1 - n0) * K)) : NULL;
     if (bytes) {
         for (int64_t n = n0; n < n1; n++) q5_to_bytes(w + n * wrow, K, bytes + (n - n0) * K);
-        w = bytes, wrow = K, wn0 = n0, kind = 2;
+        w = bytes, wrow = K, wn0 = n0, kind = TM_U8;
     }
     TM_BY_LAYOUT(TM_TILES, kind, f16, G);
     free(bytes);
@@ -1188,8 +1167,8 @@ TM_TARGET static void finish_tile(const float *src, int64_t nb, const float *off
 #define AMX_MIN_ROWS 32
 
 static int amx_takes(int kind, int64_t G, int64_t nc) {
-    if (kind != 0 && kind != 1 && kind != 2 && kind != 4) return 0;
-    if (G == 16) return (kind == 0 || kind == 2) && nc % 8 == 0;
+    if (kind != TM_Q8 && kind != TM_Q4 && kind != TM_U8 && kind != TM_N4) return 0;
+    if (G == 16) return (kind == TM_Q8 || kind == TM_U8) && nc % 8 == 0;
     return nc % 8 == 0 || nc % 8 == 4;
 }
 
@@ -1287,7 +1266,7 @@ TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, c
     for (int64_t c0 = 0; c0 < nc; c0 += block_chunks(nc, c0), b++) {
         const int t = block_chunks(nc, c0);
         __m512i vec[8][8]; /* [vector u][lane l]: the 16 rows' 4 bytes */
-        if (kind == 0 || kind == 2) /* a byte a code: vector u at 32 · (c0 + u) */
+        if (kind == TM_Q8 || kind == TM_U8) /* a byte a code: vector u at 32 · (c0 + u) */
             for (int u = 0; u < t; u++) amx_transpose(base + 32 * (c0 + u), wrow, nn, vec[u]);
         else /* "q4", "n4": the 32 bytes at 16 · c0 + 32v hold vectors 2v, 2v + 1 */
             for (int v = 0; v < t / 2; v++) {
@@ -1297,7 +1276,7 @@ TM_TARGET_AMX static void amx_prepare(int kind, int f16, int64_t G, int64_t K, c
                     const __m512i p = packed[l];
                     __m512i lo = _mm512_and_si512(p, low);
                     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
-                    if (kind == 4) {
+                    if (kind == TM_N4) {
                         lo = _mm512_shuffle_epi8(iq4, lo);
                         hi = _mm512_shuffle_epi8(iq4, hi);
                     }
@@ -1407,7 +1386,7 @@ TM_TARGET_AMX static int block_amx(int kind, int f16, int64_t G, int64_t K, cons
                                    int64_t m1, const int8_t *xq, const float *xd8,
                                    const int32_t *xz, int64_t nblk, float *out, int64_t ostride) {
     const int64_t nc = K / 32, zw = G == 16 ? 16 : 8, S = amx_steps(G), nsteps = nblk * 8;
-    const int is_signed = kind == 0 || kind == 4, g16 = G == 16, per = g16 ? 2 : 1;
+    const int is_signed = kind == TM_Q8 || kind == TM_N4, g16 = G == 16, per = g16 ? 2 : 1;
     const size_t tiles = (size_t)(nblk * S);
     uint8_t *bt = aligned_alloc(64, 2 * tiles * 512);
     float *sc = aligned_alloc(64, sizeof(float) * 2 * tiles * 16);
@@ -1552,17 +1531,17 @@ TM_TARGET int tm_qgemm(int64_t M, int64_t N, int64_t K, const float *x, int kind
 TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x, int kind,
                                 const uint8_t *w, const void *scales, const float *offsets,
                                 int64_t G, const float *bias, float *y, int act_int8) {
-    const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
-    kind = layout_kind(kind);
+    const int f16 = TM_KIND_F16(kind), z = TM_KIND_ZERO(kind);
+    kind = TM_KIND_LAYOUT(kind);
     /* "q5" against more activation rows than a tile of work takes: the whole weight is unpacked
      * to "u8" bytes once (in parallel), rather than once for each tile of MCHUNK rows
      * (block_int8); the same integer sums, so the same bits. */
-    uint8_t *bytes = kind == 8 && act_int8 && M > MCHUNK ? malloc((size_t)(N * K)) : NULL;
+    uint8_t *bytes = kind == TM_Q5 && act_int8 && M > MCHUNK ? malloc((size_t)(N * K)) : NULL;
     if (bytes) {
         const int64_t wrow = row_bytes(8, K);
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) q5_to_bytes(w + n * wrow, K, bytes + n * K);
-        w = bytes, kind = 2;
+        w = bytes, kind = TM_U8;
     }
     /* act_int8 = 2: "q8" codes run as unsigned bytes code + 128 (KIND 3, zero point 128, as
      * "u8"): maddubs then needs no sign flip per product pair (an isolated loop: 1.32 cycles a
@@ -1575,12 +1554,12 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
     /* AMX multiplies signed "q8" and "n4" codes as they are (block_amx): no code + 128. */
     const int amx = qgemm_isa == ISA_AMX && act_int8 && M >= AMX_MIN_ROWS && amx_takes(kind, G, nc);
     const int vnni_isa = qgemm_isa == ISA_AMX ? ISA_AVX512VNNI : qgemm_isa;
-    const int int8_codes = kind == 0 || kind == 4;
+    const int int8_codes = kind == TM_Q8 || kind == TM_N4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
-    const int ikind = !unsig ? kind : kind == 4 ? 5 : 3;
+    const int ikind = !unsig ? kind : kind == TM_N4 ? TM_N4_UNSIGNED : TM_Q8_UNSIGNED;
     /* the sums' zero point ("n4k" on VNNI: codes + 128, dot_n4k) */
-    const int zx = unsig || (kind == 12 && vnni_isa != ISA_AVX2) ? 128
-                   : kind == 1 || kind == 2 || kind == 7 || kind == 8 || kind == 10 ? z
+    const int zx = unsig || (kind == TM_N4K && vnni_isa != ISA_AVX2) ? 128
+                   : kind == TM_Q4 || kind == TM_U8 || kind == TM_Q3 || kind == TM_Q5 || kind == TM_Q6K ? z
                                                                                     : 0;
     const float qmax = int8_codes && act_int8 == 2 ? 64.0f : 127.0f;
     const int64_t zw = G == 16 ? 16 : 8; /* zero-point terms a row and block: 8 lanes a half */
@@ -1638,7 +1617,7 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
         xg = malloc(sizeof(float) * (size_t)(M * len));
         if (!xg) goto fail;
         for (int64_t m = 0; m < M; m++) {
-            if (kind == 6) group_sums16_lanes(x + m * K, K, xg + m * len);
+            if (kind == TM_Q2) group_sums16_lanes(x + m * K, K, xg + m * len);
             else group_sums(x + m * K, K, 32, xg + m * len); /* a block's 8 chunks, its lanes */
         }
     }
@@ -1724,8 +1703,8 @@ fail:
 TM_TARGET void tm_dequant_rows(int64_t n0, int64_t n1, int64_t K, int kind, const uint8_t *w,
                                const void *scales, const float *offsets, int64_t G,
                                float *out) {
-    const int f16 = kind >> 1 & 1, z = kind >> 8 & 0xFF;
-    kind = layout_kind(kind);
+    const int f16 = TM_KIND_F16(kind), z = TM_KIND_ZERO(kind);
+    kind = TM_KIND_LAYOUT(kind);
     const int64_t ng = row_scale_count(kind, K, G), wrow = row_bytes(kind, K);
 #pragma omp parallel for schedule(static) if (n1 - n0 > 1)
     for (int64_t n = n0; n < n1; n++)

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "lanes.h"
+#include "tokenmill.h"
 
 enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8 };
 enum { GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_IQ4_XS = 23 };

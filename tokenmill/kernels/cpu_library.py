@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.kernels import abi
 from tokenmill.kernels.recording import (
     OP_ACT_MUL,
     OP_ADD,
@@ -48,14 +49,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = {"q8": 0, "q4": 1, "u8": 4, "n4": 8, "q2": 16, "q3": 32, "q5": 64, "q4k": 128}
-_KINDS |= {"q6k": 1 << 16, "q5k": 1 << 17, "n4k": 1 << 18}  # bits 8-15 hold the zero point
-_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-# tm_qgemm(M, N, K, x, kind, codes, scales, offsets, G, bias, y, act_int8)
-QGEMM_ARGTYPES = [_i64, _i64, _i64, _ptr, _int, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int]
-ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}  # what act_mul computes
-MAX_ATTENTION_GROUP = 16  # query heads per KV head decode_attention takes (TM_MAX_GROUP)
-MOE_MAX_EXPERTS = 1024  # experts moe_route takes (TM_MOE_MAX_EXPERTS)
+ACTIVATIONS = {  # what act_mul computes: "silu" for TM_ACT_SILU
+    name.removeprefix("TM_ACT_").lower(): code for name, code in abi.enum("tm_act").items()
+}
+MAX_ATTENTION_GROUP = abi.define("TM_MAX_GROUP")  # query heads per KV head decode_attention takes
+MOE_MAX_EXPERTS = abi.define("TM_MOE_MAX_EXPERTS")  # experts moe_route takes
 # GGUF types relay_gguf re-lays at load: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
 RELAID_TYPES = (2, 6, 8, 12, 13, 14, 23)
 # Q4_0, Q5_0, Q8_0 (csrc/relay.c: tm_relay_q32) -> their kind and zero point, float16 scales a 32
@@ -72,86 +70,16 @@ def library() -> ctypes.CDLL | None:
         logger.info("C kernels not built; the torch backends compute")
         return None
     lib = ctypes.CDLL(_qgemm.__file__)
+    abi.bind(lib)
+    check_layouts()
     if not lib.tm_cpu_supported():
         logger.info("CPU lacks AVX2/FMA; the torch backends compute")
         return None
-    lib.tm_qgemm.argtypes = QGEMM_ARGTYPES
-    lib.tm_qgemm.restype = _int
-    lib.tm_qgemm_isa.argtypes = []
-    lib.tm_qgemm_isa.restype = ctypes.c_char_p
     isa = lib.tm_qgemm_isa().decode()
     logger.info("packed matmul: int8 dot products on %s", isa)
     wanted = os.environ.get("TOKENMILL_ISA")
     if wanted and wanted != isa:
         logger.warning("TOKENMILL_ISA=%s is not a path this CPU runs; %s runs", wanted, isa)
-    lib.tm_dequant_rows.argtypes = [_i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _i64, _ptr]
-    lib.tm_dequant_rows.restype = None
-    lib.tm_rmsnorm.argtypes = [
-        _ptr,
-        _i64,
-        _i64,
-        _ptr,
-        ctypes.c_float,
-        _ptr,
-        _ptr,
-        _i64,
-        _i64,
-        ctypes.c_float,
-    ]
-    lib.tm_rmsnorm.restype = None
-    lib.tm_rope_neox.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-    lib.tm_rope_neox.restype = None
-    lib.tm_decode_attn.argtypes = (
-        [_ptr, _i64] + [_ptr] * 7 + [_i64] * 7 + [ctypes.c_float, _ptr, _int]
-    )
-    lib.tm_decode_attn.restype = _int
-    lib.tm_prefill_attn.argtypes = [_ptr] * 3 + [_i64] * 8 + [ctypes.c_float, _ptr]
-    lib.tm_prefill_attn.restype = _int
-    lib.tm_embed_rows.argtypes = [
-        _ptr,
-        _i64,
-        _i64,
-        _int,
-        _ptr,
-        _ptr,
-        _ptr,
-        _i64,
-        ctypes.c_float,
-        _ptr,
-    ]
-    lib.tm_embed_rows.restype = None
-    lib.tm_act_mul.argtypes = [_ptr, _i64, _i64, _i64, _int, _ptr]
-    lib.tm_act_mul.restype = None
-    lib.tm_kv_write.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _int]
-    lib.tm_kv_write.restype = None
-    lib.tm_gather_rows.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr]
-    lib.tm_gather_rows.restype = None
-    lib.tm_kv_write_q8.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _int]
-    lib.tm_kv_write_q8.argtypes += [_ptr] * 4
-    lib.tm_kv_write_q8.restype = None
-    lib.tm_add.argtypes = [_ptr, _ptr, _ptr, _i64]
-    lib.tm_add.restype = None
-    lib.tm_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
-    lib.tm_argmax_rows.restype = _int
-    lib.tm_apply_bitmask.argtypes = [_ptr, _ptr, _i64]
-    lib.tm_apply_bitmask.restype = None
-    lib.tm_moe_route.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _int, _ptr, _ptr]
-    lib.tm_moe_route.restype = None
-    lib.tm_moe_experts.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _int, _int]
-    lib.tm_moe_experts.argtypes += [_ptr] * 5
-    lib.tm_moe_experts.restype = _int
-    lib.tm_moe_work_bytes.argtypes = [_i64] * 5
-    lib.tm_moe_work_bytes.restype = _i64
-    lib.tm_half_gemm.argtypes = [_i64, _i64, _i64, _ptr, _ptr, _int, _ptr, _ptr]
-    lib.tm_half_gemm.restype = None
-    lib.tm_half_rows.argtypes = [_ptr, _i64, _i64, _ptr, _int, ctypes.c_float, _ptr]
-    lib.tm_half_rows.restype = None
-    lib.tm_relay_kquant.argtypes = [_int, _ptr, _i64, _ptr, _ptr]
-    lib.tm_relay_kquant.restype = _int
-    lib.tm_relay_q32.argtypes = [_int, _ptr, _i64, _i64, _ptr, _ptr]
-    lib.tm_relay_q32.restype = _int
-    lib.tm_graph_run.argtypes = [_ptr, _i64, _ptr]
-    lib.tm_graph_run.restype = _int
     _fp8_table()  # built now: a decode step being recorded must not compute it
     return lib
 
@@ -202,11 +130,40 @@ def supports(w: PackedWeight) -> bool:
 
 
 def kind_code(w: PackedWeight) -> int:
-    """The kernels' ``kind``: bit 0 for 4-bit codes, bit 2 for "u8" bytes (their zero point in
-    bits 8-15, as "q3"'s, "q5"'s and "q6k"'s), bit 3 for "n4" indices (4-bit, into IQ4's
-    table), bits 4, 5, 7, 16, 17 and 18 for "q2", "q3", "q4k", "q6k", "q5k" and "n4k"
-    super-blocks, bit 6 for "q5" codes, bit 1 for float16 scales."""
-    return _KINDS[w.kind] | (2 if w.scales.dtype == torch.float16 else 0) | w.zero << 8
+    """The kernels' ``kind`` argument for ``w``: its layout, float16 scales, zero point
+    (csrc/tokenmill.h: TM_KIND_*)."""
+    return abi.kind_code(w.kind, w.scales.dtype == torch.float16, w.zero)
+
+
+def check_layouts() -> None:
+    """quant/packed.py's k-quant tables against the header's TM_LAYOUTS, whose rows the C
+    kernels read: a super-block's bytes, where its scale bytes start, its sub-blocks and its
+    float16 scales. A disagreement would have the kernels read the weights' bytes wrong, so it
+    stops the load (RuntimeError) instead."""
+    from tokenmill.quant.packed import (
+        K_QUANT_GROUP,
+        K_QUANT_KINDS,
+        K_QUANT_KINDS_WITH_MIN,
+        PACKED_KINDS,
+    )
+
+    layouts = abi.layouts()
+    wrong = sorted(set(PACKED_KINDS) ^ set(layouts))
+    for kind, (block_bytes, scales_at) in K_QUANT_KINDS.items():
+        c = layouts.get(kind)
+        ds = 2 if kind in K_QUANT_KINDS_WITH_MIN else 1
+        if c is None or (c.block_bytes, c.scales_at, c.group, c.ds) != (
+            block_bytes,
+            scales_at,
+            K_QUANT_GROUP[kind],
+            ds,
+        ):
+            wrong.append(kind)
+    wrong += [k for k, c in layouts.items() if c.block_bytes and k not in K_QUANT_KINDS]
+    if wrong:
+        raise RuntimeError(
+            f"csrc/tokenmill.h's TM_LAYOUTS and quant/packed.py disagree on {sorted(set(wrong))}"
+        )
 
 
 def qgemm(

@@ -13,24 +13,25 @@ from typing import Any
 
 import torch
 
-# Op kinds and row width of a recorded call (tokenmill/csrc/graph.c).
-(
-    OP_QGEMM,
-    OP_RMSNORM,
-    OP_ROPE,
-    OP_ATTN,
-    OP_EMBED,
-    OP_ACT_MUL,
-    OP_KV_WRITE,
-    OP_ADD,
-    OP_GATHER,
-    OP_KV_WRITE_Q8,
-    OP_MOE_ROUTE,
-    OP_MOE_EXPERTS,
-    OP_HALF_GEMM,
-    OP_HALF_ROWS,
-) = range(1, 15)
-OP_WIDTH = 20
+from tokenmill.kernels import abi
+
+# Op kinds and row width of a recorded call (csrc/tokenmill.h: enum tm_op, TM_OP_WIDTH).
+_OPS = abi.enum("tm_op")
+OP_QGEMM = _OPS["TM_OP_QGEMM"]
+OP_RMSNORM = _OPS["TM_OP_RMSNORM"]
+OP_ROPE = _OPS["TM_OP_ROPE"]
+OP_ATTN = _OPS["TM_OP_ATTN"]
+OP_EMBED = _OPS["TM_OP_EMBED"]
+OP_ACT_MUL = _OPS["TM_OP_ACT_MUL"]
+OP_KV_WRITE = _OPS["TM_OP_KV_WRITE"]
+OP_ADD = _OPS["TM_OP_ADD"]
+OP_GATHER = _OPS["TM_OP_GATHER"]
+OP_KV_WRITE_Q8 = _OPS["TM_OP_KV_WRITE_Q8"]
+OP_MOE_ROUTE = _OPS["TM_OP_MOE_ROUTE"]
+OP_MOE_EXPERTS = _OPS["TM_OP_MOE_EXPERTS"]
+OP_HALF_GEMM = _OPS["TM_OP_HALF_GEMM"]
+OP_HALF_ROWS = _OPS["TM_OP_HALF_ROWS"]
+OP_WIDTH = abi.define("TM_OP_WIDTH")
 OP_NAMES = {
     OP_QGEMM: "matmul",
     OP_RMSNORM: "rmsnorm",

@@ -73,7 +73,7 @@ TORCH_INT4_KIND = "t4"
 
 @dataclass(slots=True)
 class PackedWeight:
-    # "q8" | "u8" | "q5" | "q4" | "n4" | K_QUANT_KINDS | "f16" | "bf16" | "t4"
+    # PACKED_KINDS | "f16" | "bf16" | "t4"
     kind: str
     # int8 [N, K], uint8 [N, K] ("u8"), uint8 [N, K // 2] ("q4", "n4"), uint8 [N, K // 2 + 32 ·
     # blocks] ("q5"), or uint8 [N, K / 256 · super-block bytes] (K_QUANT_KINDS)
@@ -379,6 +379,9 @@ K_QUANT_ZERO = {"q2": 0, "q3": 4, "q4k": 0, "q5k": 0, "q6k": 32, "n4k": 0}
 # elements a sub-block
 K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q5k": 32, "q6k": 16, "n4k": 32}
 K_QUANT_KINDS_WITH_MIN = ("q2", "q4k", "q5k")  # their scales: d and dmin a super-block
+# The kinds the packed matmul computes (csrc/qgemm.c), a row each of csrc/tokenmill.h's
+# TM_LAYOUTS (kernels/cpu_library.check_layouts holds the two to each other).
+PACKED_KINDS = ("q8", "q4", "u8", "n4", "q5", *K_QUANT_KINDS)
 # Where the file's float16 d (and dmin) and sub-block scale bytes lie in a block of each type.
 _K_QUANT_FILE = {10: ((80, 84), (0, 16)), 11: ((108, 110), (96, 108)), 12: ((0, 4), (4, 16))}
 _K_QUANT_FILE |= {13: ((0, 4), (4, 16)), 14: ((208, 210), (192, 208)), 23: ((0, 2), (2, 8))}
