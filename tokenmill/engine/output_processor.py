@@ -7,7 +7,6 @@ A request with ``n > 1`` runs as ``n`` sequences in the scheduler (ids ``<id>`` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
@@ -87,14 +86,12 @@ class OutputProcessor:
         state = self.states.get(request_id)
         return [s.request.req_id for s in state.seqs] if state else []
 
-    def process(
-        self, updates: list[RequestUpdate], fault_hook: Callable[[str], None] | None = None
-    ) -> list[str]:
+    def process(self, updates: list[RequestUpdate]) -> list[str]:
         """Apply one step's updates; returns the sequences a stop string ended (the scheduler
         must finish them). ``collect`` then builds the outputs.
 
-        An update that raises (``fault_hook``, the engine's test-only hook, or a bug in
-        detokenizing one request) fails its request alone: ``pop_failed`` names it.
+        An update that raises (a bug in detokenizing one request, say) fails its request alone:
+        ``pop_failed`` names it.
         """
         changed = self._changed
         stopped_seqs: list[str] = []
@@ -106,8 +103,6 @@ class OutputProcessor:
             if state.request_id in self._failed:
                 continue
             try:
-                if fault_hook is not None:
-                    fault_hook(update.req_id)
                 # n > 1 siblings compute the same prompt: only the first sequence's are kept.
                 if update.prompt_logprobs is not None and seq.index == 0:
                     self._append_prompt_logprobs(state, update.prompt_logprobs)

@@ -16,17 +16,9 @@ from pathlib import Path
 from typing import TextIO
 
 from tokenmill.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, resolve_model
-from tokenmill.modelfile import (
-    PACKED_CACHE_ENTRIES,
-    ModelSummary,
-    aliases,
-    available_memory,
-    cache_dir,
-    human_bytes,
-    model_dir,
-    model_files,
-    summarize,
-)
+from tokenmill.memory import available_memory, human_bytes
+from tokenmill.modelfile import ModelSummary, summarize
+from tokenmill.store import PACKED_CACHE_ENTRIES, aliases, cache_dir, model_dir, model_files
 
 # GGUF / Hugging Face architecture names tokenmill runs (ModelConfig's names, and the GGUF
 # spellings that differ).

@@ -60,7 +60,7 @@ class MultiProcExecutor(Executor):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         self.worker: Worker | None = None
-        port = _free_port()
+        port = free_port()
         authkey = secrets.token_bytes(16)
         try:
             with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
@@ -177,9 +177,10 @@ class MultiProcExecutor(Executor):
         )
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (on ``host``; "" for every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import socket
 from typing import Any
 
 from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
-from tokenmill.executor.multiproc import TensorParallelWorkerError
+from tokenmill.executor.multiproc import TensorParallelWorkerError, free_port
 from tokenmill.worker.distributed import destroy_distributed
 from tokenmill.worker.torchrun import LaunchEnv, join, local_args, publish_args, send, store
 from tokenmill.worker.worker import Worker, check_tensor_parallel_args
@@ -42,7 +41,7 @@ class TorchrunExecutor(Executor):
         self.worker: Worker | None = None
         self.control: Any = None
         args = local_args(args, env)
-        port = _free_port()
+        port = free_port("")
         publish_args(store(env), args, port)
         try:
             self.control = join(env, args, port)
@@ -91,9 +90,3 @@ class TorchrunExecutor(Executor):
                 f"tensor-parallel {kind} failed on torchrun's rank 0 (a rank that died fails "
                 f"the others' collectives): {e}"
             ) from e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

@@ -41,17 +41,11 @@ from pathlib import Path
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.modelfile import (
-    PACKED_CACHE_ENTRIES,
-    cache_dir,
-    evict_lru,
-    file_identity,
-    human_bytes,
-    read_gguf,
-    write_atomic,
-)
+from tokenmill.memory import human_bytes
+from tokenmill.modelfile import read_gguf
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.base import QuantMethod
+from tokenmill.store import PACKED_CACHE_ENTRIES, cache_dir, evict_lru, file_identity, write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from tokenmill.config import ModelConfig, ModelSource
 from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
 from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.memory import release_freed_memory
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, GGUFTensor, dequantize
@@ -131,7 +132,7 @@ def load_model(
         if key is not None:
             gguf_cache.save(key, model)
     model.bind_kernels(create_kernel_backend(backend), create_attention_backend(backend))
-    _release_freed_memory()
+    release_freed_memory()
     if _keeps_gguf_packed(config, quant_method) and config.tp.size == 1:
         held, stored = model.weight_nbytes(), gguf_weight_bytes(config)
         logger.info(
@@ -199,22 +200,11 @@ def _build_and_load(
             module.stack_()
         else:
             continue
-        _release_freed_memory()  # the parts just joined: holes the next join cannot fill
+        release_freed_memory()  # the parts just joined: holes the next join cannot fill
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
     return model
-
-
-def _release_freed_memory() -> None:
-    """Hand the float temporaries of loading back to the OS (glibc keeps freed heap otherwise)."""
-    import contextlib
-    import ctypes
-    import sys
-
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class _StreamingQuantizer:
@@ -337,7 +327,7 @@ def _iter_gguf(
         gguf_file.release(tensor)
         since_trim += tensor.num_bytes
         if since_trim >= TRIM_BYTES:
-            _release_freed_memory()
+            release_freed_memory()
             since_trim = 0
 
 

@@ -35,7 +35,9 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from tokenmill.modelfile import cache_dir, evict_lru, read_gguf, write_atomic
+from tokenmill.memory import release_freed_memory
+from tokenmill.modelfile import read_gguf
+from tokenmill.store import cache_dir, evict_lru, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -297,20 +299,8 @@ def load_gguf_tokenizer_spec(path: str | Path) -> GGUFTokenizerSpec:
     metadata = read_gguf_metadata(path)
     spec = build_gguf_tokenizer_spec(metadata)
     del metadata
-    _release_freed_memory()
+    release_freed_memory()
     return spec
-
-
-def _release_freed_memory() -> None:
-    """Hand the build's temporaries back to the OS: the metadata's Python lists and the merges
-    (~45 MiB for a 262k vocabulary) stay in glibc's heap otherwise, resident for the process's
-    life."""
-    import ctypes
-    import sys
-
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def build_gguf_tokenizer_spec(metadata: dict[str, Any]) -> GGUFTokenizerSpec:

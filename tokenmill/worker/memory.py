@@ -31,7 +31,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardBatch, PrefillSeq
 from tokenmill.config import DEFAULT_KV_CACHE_FRACTION, CacheConfig
-from tokenmill.modelfile import human_bytes
+from tokenmill.memory import human_bytes
 from tokenmill.models.base import CausalLM
 from tokenmill.worker.model_runner import allocate_kv_caches
 

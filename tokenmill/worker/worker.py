@@ -28,14 +28,8 @@ from tokenmill.config import (
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
 from tokenmill.kv_layout import plan_kv_layout
-from tokenmill.modelfile import (
-    available_memory,
-    human_bytes,
-    read_gguf,
-    resident_bytes,
-    resident_weight_bytes,
-    summarize,
-)
+from tokenmill.memory import available_memory, human_bytes, resident_bytes
+from tokenmill.modelfile import read_gguf, resident_weight_bytes, summarize
 from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method

@@ -1,0 +1,45 @@
+"""The machine's and this process's memory, as /proc tells it, and handing freed heap back."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+
+
+def available_memory() -> int | None:
+    """Bytes the system can still give (MemAvailable), or None where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (VmRSS), or None where /proc is absent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS: glibc keeps it otherwise, resident for the process's life
+    (a load's packing temporaries, a tokenizer build's lists and merges)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
