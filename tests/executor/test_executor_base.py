@@ -1,7 +1,10 @@
 """Executor's default launch / collect: an executor without async scheduling (its ranks run
-elsewhere) runs each launched step whole, and collect hands the outputs back in launch order."""
+elsewhere) runs each launched step whole, and collect hands the outputs back in launch order;
+initialize and execute are calls of the workers' methods (collective_rpc)."""
 
 from __future__ import annotations
+
+import pytest
 
 from tokenmill.config import CacheConfig, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
@@ -20,15 +23,13 @@ class CountingExecutor(Executor):
     def info(self) -> WorkerInfo:
         raise AssertionError("launch / collect must not need the worker's info")
 
-    def initialize(self, cache_config: CacheConfig) -> None:
-        self.cache_config = cache_config
-
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+    def collective_rpc(self, method: str, *args: object, timeout: float = 1.0) -> object:
+        if method == "initialize":
+            (self.cache_config,) = args
+            return None
+        assert method == "execute"
         self.executed.append(len(self.executed))
         return RunnerOutput(sampled_token_ids={"r": [self.executed[-1]]})
-
-    def router_stats(self) -> None:
-        return None
 
     def shutdown(self) -> None:
         self.closed = True
@@ -49,3 +50,28 @@ def test_default_launch_runs_the_step_and_collect_returns_outputs_in_order():
     assert executor.collect().sampled_token_ids == {"r": [2]}
     executor.shutdown()
     assert executor.closed
+
+
+def test_initialize_and_execute_are_worker_calls():
+    executor = CountingExecutor()
+    cache = CacheConfig(block_size=16, num_blocks=4)
+    executor.initialize(cache)
+    assert executor.cache_config is cache
+    assert executor.execute(step(1)).sampled_token_ids == {"r": [0]}
+
+
+def test_a_call_names_a_public_worker_method():
+    """What every rank does with a collective_rpc: the Worker's public method of that name."""
+    from tokenmill.worker.worker import call_worker
+
+    class Stub:
+        def execute(self, x: int) -> int:
+            return x + 1
+
+        def _private(self) -> None:
+            raise AssertionError("never called")
+
+    assert call_worker(Stub(), "execute", (2,)) == 3
+    for name in ("_private", "missing"):
+        with pytest.raises(ValueError, match=name):
+            call_worker(Stub(), name, ())

@@ -306,7 +306,7 @@ class LLMEngine:
             spec_decode=dataclasses.replace(
                 sched.spec, accepted_per_pos=list(sched.spec.accepted_per_pos)
             ),
-            expert_tokens=self.executor.router_stats(),
+            expert_tokens=self.executor.collective_rpc("router_stats"),
         )
 
     def shutdown(self) -> None:

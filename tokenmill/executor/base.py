@@ -13,16 +13,27 @@ gathering rank 0's output) or one that also drives a draft model fit beside it u
     execute(sched_out)     --->  run the step             --->  RunnerOutput
     launch(sched_out)      --->  queue the step           --->  (async scheduling:
     collect()              <---  its RunnerOutput         <---   WorkerInfo.async_scheduling)
+    collective_rpc(m, ...) --->  every rank's Worker.m    --->  rank 0's result
     shutdown()             --->  release
+
+``initialize`` and ``execute`` are calls of the workers' methods of those names on every rank
+(``collective_rpc``), the one thing each executor implements: in the engine's process, over
+a connection to each rank process, over torchrun's control group, or as a Ray actor's call.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Any
 
 from tokenmill.config import CacheConfig, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+
+# How long the ranks may take to start and load their shards (and allocate their KV caches);
+# and to answer one step.
+START_TIMEOUT_S = 300.0
+STEP_TIMEOUT_S = 60.0
 
 
 class Executor(ABC):
@@ -34,12 +45,19 @@ class Executor(ABC):
         """The loaded model and the KV blocks its memory budget allows."""
 
     @abstractmethod
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+        """Call ``method`` of every rank's Worker with ``args``, all ranks together (their
+        collectives pair them up), and return rank 0's result: the ranks compute the same
+        step, so the others' results stay with them. A rank that dies, fails or is silent past
+        ``timeout`` seconds raises (executor/multiproc.py: TensorParallelWorkerError)."""
+
     def initialize(self, cache_config: CacheConfig) -> None:
         """Allocate the KV cache the engine settled on (``cache_config.num_blocks``)."""
+        self.collective_rpc("initialize", cache_config, timeout=START_TIMEOUT_S)
 
-    @abstractmethod
     def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         """Run one step: forward pass, logits, sampling."""
+        return self.collective_rpc("execute", sched_out)
 
     def launch(self, sched_out: SchedulerOutput) -> None:
         """Start a step; ``collect`` returns its output, steps in launch order. With
@@ -58,11 +76,6 @@ class Executor(ABC):
         if not hasattr(self, "_launched_outputs"):
             self._launched_outputs: deque[RunnerOutput] = deque()
         return self._launched_outputs
-
-    @abstractmethod
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        """Mixtures of experts with EngineArgs.moe_router_stats: layer -> tokens per expert
-        so far; None otherwise."""
 
     @abstractmethod
     def shutdown(self) -> None:

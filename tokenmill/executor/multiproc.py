@@ -8,9 +8,12 @@ in the engine; each step's SchedulerOutput is pickled to every rank over its own
 its shard of the model (the layers' all-reduces and the logits' all-gather pair the ranks up
 through torch.distributed), and rank 0's RunnerOutput is the step's.
 
-    engine --execute--> rank 1..N-1 (conn)   rank 0 (in process)
-                           \\______ torch.distributed collectives ______/
-    engine <--RunnerOutput-- rank 0;  <--("ok")-- each other rank
+    engine --(method, args)--> rank 1..N-1 (conn)   rank 0 (in process)
+                                 \\______ torch.distributed collectives ______/
+    engine <--rank 0's result--;  <--("ok")-- each other rank
+
+(``collective_rpc``: every step is ("execute", (SchedulerOutput,)); worker/distributed.py runs
+the ranks' side.)
 
 A rank that dies or fails makes ``execute`` raise TensorParallelWorkerError within a few
 seconds: every wait polls the rank processes' liveness, and a dead peer's closed socket fails
@@ -29,9 +32,8 @@ import time
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
+from tokenmill.config import EngineArgs, WorkerInfo
+from tokenmill.executor.base import START_TIMEOUT_S, STEP_TIMEOUT_S, Executor
 from tokenmill.worker.distributed import (
     ADDRESS_ENV,
     AUTHKEY_ENV,
@@ -39,11 +41,8 @@ from tokenmill.worker.distributed import (
     init_distributed,
     rank_args,
 )
-from tokenmill.worker.worker import Worker, check_tensor_parallel_args
+from tokenmill.worker.worker import Worker, call_worker, check_tensor_parallel_args
 
-# How long the ranks may take to start and load their shards; and to answer one step.
-START_TIMEOUT_S = 300.0
-STEP_TIMEOUT_S = 60.0
 _POLL_S = 0.05
 # How long rank 0 waits, after its collective failed, for the rank that broke it to be seen dead.
 _DEATH_GRACE_S = 3.0
@@ -87,24 +86,17 @@ class MultiProcExecutor(Executor):
     def info(self) -> WorkerInfo:
         return self._worker.info
 
-    def initialize(self, cache_config: CacheConfig) -> None:
-        self._broadcast("initialize", cache_config)
-        self._run(self._worker.initialize, cache_config)
-        self._wait_all(START_TIMEOUT_S)
-
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        self._broadcast("execute", sched_out)
-        out = self._run(self._worker.execute, sched_out)
-        self._wait_all(STEP_TIMEOUT_S)
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+        worker = self._worker
+        self._broadcast(method, args)
+        out = self._run(worker, method, args)
+        self._wait_all(timeout)
         return out
-
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        return self._worker.router_stats()
 
     def shutdown(self) -> None:
         for conn in self.conns:
             with contextlib.suppress(OSError):
-                conn.send(("shutdown", None))
+                conn.send(("shutdown", ()))
         for proc in self.procs:
             try:
                 proc.wait(timeout=5)
@@ -122,17 +114,17 @@ class MultiProcExecutor(Executor):
             raise RuntimeError("the executor was shut down")
         return self.worker
 
-    def _broadcast(self, kind: str, payload: Any) -> None:
+    def _broadcast(self, method: str, args: tuple[Any, ...]) -> None:
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                conn.send((kind, payload))
+                conn.send((method, args))
             except OSError as e:
                 raise self._rank_error(rank, "its connection broke") from e
 
-    def _run(self, fn: Any, arg: Any) -> Any:
+    def _run(self, worker: Worker, method: str, args: tuple[Any, ...]) -> Any:
         """Rank 0's part; a failure is blamed on a dead rank when one has died."""
         try:
-            return fn(arg)
+            return call_worker(worker, method, args)
         except Exception as e:
             # NOTE: a killed peer's socket closes before its exit status can be read: a
             # collective fails first, so wait a moment for the status.

@@ -8,9 +8,11 @@ GPU (a cluster's head node), its process holds no torch.distributed group, and e
 gets its device and CPUs from Ray the same way. The cost is rank 0's RunnerOutput crossing
 Ray's object store each step (a few token ids and logprobs).
 
-    engine --ray.put(SchedulerOutput)--> execute.remote on rank 0..N-1 (actors, one bundle each)
+    engine --ray.put(args)--> call.remote(method, ...) on rank 0..N-1 (actors, a bundle each)
                             \\______ torch.distributed collectives ______/
-    engine <--RunnerOutput-- rank 0;  <--None-- each other rank
+    engine <--rank 0's result--;  <--None-- each other rank
+
+(``collective_rpc``: every step is ("execute", SchedulerOutput).)
 
 The placement group has one bundle per rank: {"CPU": threads} on CPU, {"GPU": 1} on CUDA;
 strategy PACK by default (one node while the ranks fit on it, spread over nodes when they
@@ -35,14 +37,9 @@ import threading
 import time
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
-from tokenmill.executor.multiproc import (
-    START_TIMEOUT_S,
-    STEP_TIMEOUT_S,
-    TensorParallelWorkerError,
-)
+from tokenmill.config import EngineArgs, WorkerInfo
+from tokenmill.executor.base import START_TIMEOUT_S, STEP_TIMEOUT_S, Executor
+from tokenmill.executor.multiproc import TensorParallelWorkerError
 from tokenmill.worker.ray_actor import RankActor
 from tokenmill.worker.worker import check_tensor_parallel_args
 
@@ -130,15 +127,10 @@ class RayExecutor(Executor):
             raise RuntimeError("the executor was shut down")
         return self._info
 
-    def initialize(self, cache_config: CacheConfig) -> None:
-        self._gather([a.initialize.remote(cache_config) for a in self._live()], START_TIMEOUT_S)
-
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        ref = self._ray.put(sched_out)  # pickled once, fetched by every rank
-        return self._gather([a.execute.remote(ref) for a in self._live()], STEP_TIMEOUT_S)[0]
-
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        return self._gather([self._live()[0].router_stats.remote()], STEP_TIMEOUT_S)[0]
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+        actors = self._live()
+        refs = [self._ray.put(a) for a in args]  # pickled once, fetched by every rank
+        return self._gather([a.call.remote(method, *refs) for a in actors], timeout)[0]
 
     def shutdown(self) -> None:
         ray = getattr(self, "_ray", None)

@@ -16,13 +16,12 @@ import atexit
 import contextlib
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
+from tokenmill.config import EngineArgs, WorkerInfo
+from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
 from tokenmill.executor.multiproc import TensorParallelWorkerError, free_port
 from tokenmill.worker.distributed import destroy_distributed
 from tokenmill.worker.torchrun import LaunchEnv, join, local_args, publish_args, send, store
-from tokenmill.worker.worker import Worker, check_tensor_parallel_args
+from tokenmill.worker.worker import Worker, call_worker, check_tensor_parallel_args
 
 
 class TorchrunExecutor(Executor):
@@ -57,21 +56,23 @@ class TorchrunExecutor(Executor):
     def info(self) -> WorkerInfo:
         return self._worker.info
 
-    def initialize(self, cache_config: CacheConfig) -> None:
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+        """Broadcast the call, then make it here. No rank answers: one that fails exits, and
+        its closed sockets fail this rank's next collective (torchrun stops the rest)."""
         worker = self._worker
-        self._run("initialize", cache_config, worker.initialize)
-
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        worker = self._worker
-        return self._run("execute", sched_out, worker.execute)
-
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        return self._worker.router_stats()
+        try:
+            send(self.control, method, args)
+            return call_worker(worker, method, args)
+        except Exception as e:
+            raise TensorParallelWorkerError(
+                f"tensor-parallel {method} failed on torchrun's rank 0 (a rank that died fails "
+                f"the others' collectives): {e}"
+            ) from e
 
     def shutdown(self) -> None:
         if self.control is not None:
             with contextlib.suppress(Exception):
-                send(self.control, "shutdown", None)
+                send(self.control, "shutdown", ())
         self.control, self.worker = None, None
         destroy_distributed()
 
@@ -80,13 +81,3 @@ class TorchrunExecutor(Executor):
         if self.worker is None:
             raise RuntimeError("the executor was shut down")
         return self.worker
-
-    def _run(self, kind: str, payload: Any, fn: Any) -> Any:
-        try:
-            send(self.control, kind, payload)
-            return fn(payload)
-        except Exception as e:
-            raise TensorParallelWorkerError(
-                f"tensor-parallel {kind} failed on torchrun's rank 0 (a rank that died fails "
-                f"the others' collectives): {e}"
-            ) from e

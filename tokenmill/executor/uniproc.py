@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
+from typing import Any
+
+from tokenmill.config import EngineArgs, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
-from tokenmill.worker.worker import Worker
+from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
+from tokenmill.worker.worker import Worker, call_worker
 
 
 class UniProcExecutor(Executor):
@@ -16,20 +18,14 @@ class UniProcExecutor(Executor):
     def info(self) -> WorkerInfo:
         return self._worker.info
 
-    def initialize(self, cache_config: CacheConfig) -> None:
-        self._worker.initialize(cache_config)
-
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
-        return self._worker.execute(sched_out)
+    def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
+        return call_worker(self._worker, method, args)
 
     def launch(self, sched_out: SchedulerOutput) -> None:
         self._worker.launch(sched_out)
 
     def collect(self) -> RunnerOutput:
         return self._worker.collect()
-
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        return self._worker.router_stats()
 
     def shutdown(self) -> None:
         self.worker = None

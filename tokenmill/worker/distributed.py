@@ -3,12 +3,13 @@
 Ranks 1..N-1 run ``python -m tokenmill.worker.distributed`` (started by
 executor/multiproc.py); rank 0 is a Worker in the engine's process. Each rank joins
 torch.distributed's default group (gloo on CPU, NCCL on CUDA) over a loopback TCP port,
-loads its shard of the model, then answers the executor's messages on a connection:
+loads its shard of the model, then answers the executor's messages on a connection
+(``serve_messages``, the rank loop the torchrun executor's ranks run too):
 
-    ("initialize", CacheConfig) -> ("ok", None)
-    ("execute", SchedulerOutput) -> ("ok", None)   the step's collectives pair it with rank 0
-    ("shutdown", None)           -> exits
-    any failure                  -> ("error", traceback text), then exits
+    (method, args)     -> ("ok", None)   Worker.method(*args), e.g. ("execute", (sched_out,)):
+                                         the step's collectives pair it with rank 0
+    ("shutdown", ())   -> exits
+    any failure        -> ("error", traceback text), then exits
 
 Only rank 0's RunnerOutput reaches the engine; the others sample the same tokens from the
 same gathered logits and the same seed, so their per-request state stays in step.
@@ -23,12 +24,17 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineArgs
+
+if TYPE_CHECKING:
+    from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +80,22 @@ def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
     return args
 
 
+def serve_messages(
+    worker: Worker, receive: Callable[[], tuple[str, tuple[Any, ...]]], done: Callable[[], None]
+) -> None:
+    """A rank's loop (ranks 1..N-1 of the multiprocess and torchrun executors): each message
+    from rank 0 is a (method, args) call of this rank's Worker (call_worker), ``done`` after
+    it, until ("shutdown", ())."""
+    from tokenmill.worker.worker import call_worker
+
+    while True:
+        method, args = receive()
+        if method == "shutdown":
+            return
+        call_worker(worker, method, args)
+        done()
+
+
 def serve_rank(conn: Connection, args: EngineArgs, rank: int, port: int) -> None:
     """Load rank ``rank``'s shard and run the executor's messages until shutdown."""
     from tokenmill.worker.worker import Worker
@@ -83,17 +105,7 @@ def serve_rank(conn: Connection, args: EngineArgs, rank: int, port: int) -> None
     try:
         worker = Worker(args, tp_rank=rank)
         conn.send(("ok", None))
-        while True:
-            kind, payload = conn.recv()
-            if kind == "shutdown":
-                return
-            if kind == "initialize":
-                worker.initialize(payload)
-            elif kind == "execute":
-                worker.execute(payload)
-            else:
-                raise ValueError(f"unknown message {kind!r}")
-            conn.send(("ok", None))
+        serve_messages(worker, conn.recv, lambda: conn.send(("ok", None)))
     finally:
         destroy_distributed()
 

@@ -7,8 +7,8 @@ node address, then a ``Worker`` of its shard. The executor calls its methods rem
 
     address()            -> (node IP, free port)   rank 0 only: where the group meets
     start(args, host, port) -> WorkerInfo          every rank at once (the group's rendezvous)
-    initialize(CacheConfig) -> None
-    execute(SchedulerOutput) -> RunnerOutput       every rank; only rank 0's is used
+    call(method, *args)  -> rank 0's result        every rank: Worker.method(*args), e.g.
+                                                   ("execute", SchedulerOutput); others None
 
 This module imports no Ray: it is a plain class, so it stays importable (and testable)
 without it; Ray pickles it by reference to its module on each node.
@@ -19,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.config import CacheConfig, EngineArgs, WorkerInfo
-    from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+    from tokenmill.config import EngineArgs, WorkerInfo
     from tokenmill.worker.worker import Worker
 
 
@@ -62,15 +61,13 @@ class RankActor:
         self.worker = Worker(args, tp_rank=self.rank)
         return self.worker.info
 
-    def initialize(self, cache_config: CacheConfig) -> None:
-        self._worker.initialize(cache_config)
+    def call(self, method: str, *args: Any) -> Any:
+        """The executor's ``collective_rpc`` on this rank: rank 0's result; the others' are
+        the same or unused, and not sent back."""
+        from tokenmill.worker.worker import call_worker
 
-    def execute(self, sched_out: SchedulerOutput) -> RunnerOutput | None:
-        out = self._worker.execute(sched_out)
-        return out if self.rank == 0 else None  # the others' outputs are the same; not sent
-
-    def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        return self._worker.router_stats()
+        out = call_worker(self._worker, method, args)
+        return out if self.rank == 0 else None
 
     def stop(self) -> None:
         """Leave the group and drop the model (the executor kills the actor right after)."""

@@ -11,8 +11,8 @@ with the same code as the multiprocess executor's rank processes (worker/distrib
 
     rendezvous        torchrun's store: rank 0 publishes (EngineArgs, port), the others wait
     init_distributed  every rank at MASTER_ADDR:port (gloo on CPU, NCCL on CUDA)
-    control group     a gloo group of the same ranks: rank 0 broadcasts each message
-        ("initialize", CacheConfig) / ("execute", SchedulerOutput) / ("shutdown", None)
+    control group     a gloo group of the same ranks: rank 0 broadcasts each message, a
+        (method, args) call of the Worker, then ("shutdown", ()) (distributed.serve_messages)
 
 A rank that fails exits; its closed sockets fail the others' next collective, and torchrun
 stops the remaining ranks (its usual policy for a failed worker).
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineArgs
-from tokenmill.worker.distributed import destroy_distributed, init_distributed
+from tokenmill.worker.distributed import destroy_distributed, init_distributed, serve_messages
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +104,12 @@ def join(env: LaunchEnv, args: EngineArgs, port: int) -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
-def send(group: dist.ProcessGroup, kind: str, payload: Any) -> None:
-    """Rank 0: one message to every other rank."""
-    dist.broadcast_object_list([(kind, payload)], src=0, group=group)
+def send(group: dist.ProcessGroup, method: str, args: tuple[Any, ...]) -> None:
+    """Rank 0: one message, a call of the Worker's ``method``, to every other rank."""
+    dist.broadcast_object_list([(method, args)], src=0, group=group)
 
 
-def _receive(group: dist.ProcessGroup) -> tuple[str, Any]:
+def _receive(group: dist.ProcessGroup) -> tuple[str, tuple[Any, ...]]:
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
@@ -125,16 +125,7 @@ def serve_rank(env: LaunchEnv) -> None:
     control = join(env, args, port)
     try:
         worker = Worker(args, tp_rank=env.rank)
-        while True:
-            kind, payload = _receive(control)
-            if kind == "shutdown":
-                return
-            if kind == "initialize":
-                worker.initialize(payload)
-            elif kind == "execute":
-                worker.execute(payload)
-            else:
-                raise ValueError(f"unknown message {kind!r}")
+        serve_messages(worker, lambda: _receive(control), lambda: None)
     finally:
         destroy_distributed()
 

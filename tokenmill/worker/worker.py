@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,6 +58,15 @@ from tokenmill.worker.model_runner import (
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def call_worker(worker: Worker, method: str, args: tuple[Any, ...]) -> Any:
+    """``worker.method(*args)``: what every executor's rank does with a ``collective_rpc``
+    (ValueError for a name that is not one of the Worker's public methods)."""
+    fn = None if method.startswith("_") else getattr(worker, method, None)
+    if not callable(fn):
+        raise ValueError(f"the Worker has no method {method!r}")
+    return fn(*args)
 
 
 class Worker:
@@ -197,7 +207,8 @@ class Worker:
         )
 
     def router_stats(self) -> dict[int, tuple[int, ...]] | None:
-        """Layer -> tokens each expert has run, with EngineArgs.moe_router_stats."""
+        """Mixtures of experts with EngineArgs.moe_router_stats: layer -> tokens each expert
+        has run so far; None otherwise (the engine asks through ``collective_rpc``)."""
         if not self._expert_counts:
             return None
         return {layer: tuple(c.tolist()) for layer, c in self._expert_counts.items()}
