@@ -14,49 +14,18 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.architectures import (
+    BY_NAME,
+    GGUF_ARCHITECTURES,
+    HF_MODEL_TYPES,
+    SUPPORTED_ARCHITECTURES,
+)
 from tokenmill.kv_layout import KVLayout, uniform_layout
 from tokenmill.modelfile import GGUF_FILE_TYPES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gemma-3-270m"
-SUPPORTED_ARCHITECTURES = (
-    "gemma3",
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-)
-# Hugging Face model_type -> architecture.
-_HF_MODEL_TYPES = {
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mixtral": "mixtral",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-    "olmoe": "olmoe",
-}
-# GGUF general.architecture -> architecture (llama.cpp writes Mixtral as "llama" with experts).
-_GGUF_ARCHITECTURES = {
-    "gemma3": "gemma3",
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    "olmoe": "olmoe",
-}
-# Whether the top-k routing weights are rescaled to sum to 1 where a GGUF does not say (llama.cpp
-# fixes it per architecture, as the families' configs do: Mixtral and Qwen3-MoE yes).
-_GGUF_NORM_TOPK = {"llama": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 # "auto": the model dtype; "int8" / "fp8": quantized, one float32 scale per token per KV head.
@@ -230,7 +199,7 @@ class ModelConfig:
         if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma3ForConditionalGeneration)
             cfg = {**cfg["text_config"], "eos_token_id": cfg.get("eos_token_id")}
         model_type = cfg.get("model_type", "")
-        arch = _HF_MODEL_TYPES.get(model_type)
+        arch = HF_MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(
                 f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
@@ -301,12 +270,12 @@ class ModelConfig:
     def from_gguf(cls, path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
         """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it."""
         gguf_arch = metadata.get("general.architecture")
-        if gguf_arch not in _GGUF_ARCHITECTURES:
+        if gguf_arch not in GGUF_ARCHITECTURES:
             raise ValueError(
                 f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: "
-                "gemma3, llama (incl. Mistral and Mixtral), qwen2, qwen3, qwen2moe, qwen3moe, olmoe"
+                f"{', '.join(GGUF_ARCHITECTURES)} (llama also Mistral, and Mixtral with experts)"
             )
-        arch = _GGUF_ARCHITECTURES[gguf_arch]
+        arch = GGUF_ARCHITECTURES[gguf_arch]
 
         def get(key: str, default: Any = None) -> Any:
             return metadata.get(f"{gguf_arch}.{key}", default)
@@ -454,7 +423,7 @@ def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> M
         num_experts=num_experts,
         top_k=int(get("expert_used_count")),
         intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
-        renormalize=_GGUF_NORM_TOPK[arch] if norm is None else bool(norm),
+        renormalize=bool(BY_NAME[arch].gguf_norm_topk) if norm is None else bool(norm),
         sparse_layers=sparse,
         shared_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
     )

@@ -15,14 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tokenmill.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, resolve_model
+from tokenmill.architectures import CHECKPOINT_NAMES, SUPPORTED_ARCHITECTURES
+from tokenmill.config import DEFAULT_MODEL, resolve_model
 from tokenmill.memory import available_memory, human_bytes
 from tokenmill.modelfile import ModelSummary, summarize
 from tokenmill.store import PACKED_CACHE_ENTRIES, aliases, cache_dir, model_dir, model_files
-
-# GGUF / Hugging Face architecture names tokenmill runs (ModelConfig's names, and the GGUF
-# spellings that differ).
-_RUNNABLE = set(SUPPORTED_ARCHITECTURES) | {"qwen2moe", "qwen3moe", "gemma3_text"}
 
 
 @dataclass(slots=True)
@@ -74,7 +71,11 @@ def print_models(out: TextIO, directory: Path | None = None) -> None:
         if s is None:
             rows.append((e.name, "-", "-", "-", "-", "-", f"{e.path or ''}  ({e.error})"))
             continue
-        arch = s.architecture if s.architecture in _RUNNABLE else f"{s.architecture} (unsupported)"
+        arch = (
+            s.architecture
+            if s.architecture in CHECKPOINT_NAMES
+            else f"{s.architecture} (unsupported)"
+        )
         rows.append(
             (
                 e.name,
@@ -112,7 +113,7 @@ def print_show(out: TextIO, spec: str, context: int | None = None) -> None:
     """ValueError for a model that cannot be found or read."""
     s = summarize(resolve_model(spec).path)
     ctx = min(context or s.context_length or 4096, s.context_length or context or 4096)
-    runnable = s.architecture in _RUNNABLE
+    runnable = s.architecture in CHECKPOINT_NAMES
     lines = [
         f"model         {spec}",
         f"path          {s.path}",

@@ -1,0 +1,55 @@
+"""The architectures tokenmill runs: one row each, with the names checkpoints give them and the
+model class that computes them. Every list of architectures is derived from ARCHITECTURES: the
+config parsers' maps (config.py: ModelConfig.from_hf / from_gguf), the model registry
+(models/registry.py), what ``tokenmill models`` calls runnable (entrypoints/models.py).
+
+To add an architecture: a row here; its model file under models/ (or flags of an existing
+one); its checkpoint quirks, if any, in ModelConfig.from_hf / from_gguf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str  # ModelConfig.architecture
+    model_class: str  # "module:Class", imported when a model of it loads (models/registry.py)
+    hf_model_types: tuple[str, ...] = ()  # the model_type values of its config.json
+    gguf_names: tuple[str, ...] = ()  # the general.architecture values of its GGUFs
+    # Mixtures of experts: whether the top-k routing weights are rescaled to sum to 1 where a
+    # GGUF does not say (llama.cpp fixes it per architecture, as the families' configs do).
+    gguf_norm_topk: bool | None = None
+
+
+# Mistral, Qwen2 and Qwen3 differ from Llama only in flags ModelConfig carries (window, q/k/v
+# bias, QK-norm), so they share its file; the mixtures of experts share theirs.
+_LLAMA = "tokenmill.models.llama:LlamaForCausalLM"
+_MOE = "tokenmill.models.moe:MoeForCausalLM"
+ARCHITECTURES = (
+    Architecture(
+        "gemma3",
+        "tokenmill.models.gemma3:Gemma3ForCausalLM",
+        ("gemma3_text", "gemma3"),
+        ("gemma3",),
+    ),
+    # llama.cpp writes Mistral as "llama" and Mixtral as "llama" with experts (from_gguf).
+    Architecture("llama", _LLAMA, ("llama",), ("llama",), gguf_norm_topk=True),
+    Architecture("mistral", _LLAMA, ("mistral",)),
+    Architecture("qwen2", _LLAMA, ("qwen2",), ("qwen2",)),
+    Architecture("qwen3", _LLAMA, ("qwen3",), ("qwen3",)),
+    Architecture("mixtral", _MOE, ("mixtral",)),
+    Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
+    Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),
+    Architecture("olmoe", _MOE, ("olmoe",), ("olmoe",), gguf_norm_topk=False),
+)
+
+BY_NAME = {a.name: a for a in ARCHITECTURES}
+SUPPORTED_ARCHITECTURES = tuple(BY_NAME)
+# config.json model_type -> architecture
+HF_MODEL_TYPES = {t: a.name for a in ARCHITECTURES for t in a.hf_model_types}
+# GGUF general.architecture -> architecture
+GGUF_ARCHITECTURES = {g: a.name for a in ARCHITECTURES for g in a.gguf_names}
+# Every name a checkpoint may give an architecture tokenmill runs (``tokenmill models``).
+CHECKPOINT_NAMES = frozenset(BY_NAME) | frozenset(HF_MODEL_TYPES) | frozenset(GGUF_ARCHITECTURES)
