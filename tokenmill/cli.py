@@ -16,101 +16,30 @@ from pathlib import Path
 
 from tokenmill.config import (
     DEFAULT_MODEL,
-    DISTRIBUTED_EXECUTORS,
-    KV_CACHE_DTYPES,
-    PACKED_ACTIVATIONS,
-    QUANTIZATION_METHODS,
-    SPECULATIVE_METHODS,
     EngineArgs,
 )
 
-_ENGINE_FLAG_HELP = {
-    "dtype": "weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, "
-    "bfloat16, float16",
-    "device": "auto, cpu or cuda[:N]",
-    "max_model_len": "context length (prompt + output); default: the model's",
-    "block_size": "tokens per KV block",
-    "kv_cache_memory": "KV cache budget: bytes ('2GiB', '512MB') or a fraction of the memory "
-    "free after loading; unset: 0.15 of free memory on CPU, on CUDA what "
-    "--gpu-memory-utilization leaves after the weights and a profiled step's activations",
-    "gpu_memory_utilization": "CUDA: the share of the device's memory the engine may use "
-    "(weights, activations and KV cache; in (0, 1])",
-    "kv_cache_dtype": "KV cache storage: auto (the model dtype), float16, int8 or fp8 (e4m3); the "
-    "last two with a float32 scale per token and KV head (about 2x the tokens of bfloat16)",
-    "max_num_seqs": "most requests in one step",
-    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "seed": "seed of the sampler for requests without their own seed",
-    "num_threads": "torch intra-op threads (default: torch's choice)",
-    "quantization": "weights in memory: gguf (a GGUF's quantized tensors stay packed; the "
-    "default for .gguf), none (dequantize to dtype), int8 (per-channel) or int4 (group-wise) "
-    "quantized at load",
-    "packed_activations": "activations of packed-weight matmuls at small batch: int8 per 32 "
-    "elements (fast, as llama.cpp) or float32 (exact)",
-    "int4_group_size": "input elements per int4 scale: 32 or 128",
-    "int4_calibration": "a UTF-8 text file: int4 weights each layer's rounding error by its "
-    "inputs' mean squares over this text, run through the float model at load (llama.cpp's "
-    "imatrix; a few thousand tokens of text like the expected prompts, not the text you score)",
-    "enforce_eager": "run every step op by op (no replayed decode-step graphs on CPU)",
-    "speculative_method": "propose draft tokens and verify them losslessly: ngram (prompt "
-    "lookup), suffix (frequent continuations in the request and in recent outputs) or draft "
-    "(a draft model)",
-    "num_speculative_tokens": "draft tokens proposed per step (1-16)",
-    "prompt_lookup_min": "ngram: shortest suffix of the request's tokens to look up",
-    "prompt_lookup_max": "ngram: longest suffix of the request's tokens to look up",
-    "speculative_max_batch": "speculate only in steps of at most this many requests",
-    "draft_model": "draft: the proposing model (alias, .gguf or HF dir; the target's vocabulary)",
-    "draft_num_layers": "draft: keep only the draft model's first N layers (early exit); "
-    "without --draft-model, the target's own first N layers",
-    "moe_router_stats": "mixtures of experts: count the tokens each expert runs, per layer, "
-    "in /metrics (tokenmill:moe_expert_tokens)",
-    "tensor_parallel_size": "split the model over N processes on this machine (tensor "
-    "parallelism over torch.distributed: gloo on CPU, NCCL on CUDA); float or GGUF weights, "
-    "run eagerly",
-    "async_scheduling": "schedule each step while the device runs the one before it "
-    "(default: on with CUDA); --no-async-scheduling runs steps one at a time",
-    "distributed_executor": "where tensor-parallel ranks run: mp (processes on this machine), "
-    "ray (Ray actors, one node or several) or torchrun (set by tokenmill.worker.torchrun)",
-}
-
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, so CLI and Python API never drift apart."""
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="alias, .gguf or HF dir")
-    defaults = EngineArgs()
+    """One flag per EngineArgs field, made from its declaration (config.option: help, choices,
+    metavar), so CLI and Python API never drift apart; EngineArgs checks the values."""
     for f in dataclasses.fields(EngineArgs):
-        if f.name in ("model", "extra"):
+        meta, default = f.metadata, f.default
+        help_text = meta["help"]
+        if f.name == "model":
+            parser.add_argument("model", nargs="?", default=default, help=help_text)
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = f"{_ENGINE_FLAG_HELP.get(f.name, '')} (default: {default})"
-        if isinstance(default, bool) or f.name == "async_scheduling":
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-            )
-        elif f.name == "kv_cache_memory":
-            parser.add_argument(flag, default=default, help=help_text)
-        elif f.name == "distributed_executor":
-            parser.add_argument(
-                flag, choices=DISTRIBUTED_EXECUTORS, default=default, help=help_text
-            )
-        elif f.name == "kv_cache_dtype":
-            parser.add_argument(flag, choices=KV_CACHE_DTYPES, default=default, help=help_text)
-        elif f.name == "quantization":
-            parser.add_argument(flag, choices=QUANTIZATION_METHODS, default=None, help=help_text)
-        elif f.name == "packed_activations":
-            parser.add_argument(flag, choices=PACKED_ACTIVATIONS, default=default, help=help_text)
-        elif f.name == "int4_group_size":
-            parser.add_argument(flag, type=int, choices=(32, 128), default=default, help=help_text)
-        elif f.name == "speculative_method":
-            parser.add_argument(flag, choices=SPECULATIVE_METHODS, default=None, help=help_text)
-        elif f.name == "int4_calibration":
-            parser.add_argument(flag, default=None, metavar="FILE", help=help_text)
-        elif f.name == "draft_model":
-            parser.add_argument(flag, default=None, metavar="MODEL", help=help_text)
-        else:
-            kind = type(default) if default is not None else int
-            parser.add_argument(flag, type=kind, default=default, help=help_text)
+        kwargs: dict = {"default": default, "help": f"{help_text} (default: {default})"}
+        if f.type in ("bool", "bool | None"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta["choices"] is not None:
+            kwargs |= {"choices": meta["choices"], "type": type(meta["choices"][-1])}
+        elif f.type.startswith(("int", "float")):
+            kwargs["type"] = float if f.type.startswith("float") else int
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        parser.add_argument(flag, **kwargs)
         if f.name == "enable_prefix_caching":  # the short spelling vLLM users know
             parser.add_argument(
                 "--no-prefix-caching",

@@ -111,9 +111,10 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:
-        known = {k: v for k, v in kwargs.items() if k in EngineArgs.field_names()}
-        extra = {k: v for k, v in kwargs.items() if k not in known}
-        return cls(EngineArgs(**known, extra=extra))  # type: ignore[arg-type]
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {', '.join(unknown)}")
+        return cls(EngineArgs(**kwargs))  # type: ignore[arg-type]
 
     @property
     def max_model_len(self) -> int:

@@ -16,17 +16,19 @@ import importlib
 
 import torch
 
+from tokenmill.config import KERNEL_BACKENDS
 from tokenmill.kernels.base import KernelBackend
 
 __all__ = ["KERNEL_BACKENDS", "KernelBackend", "create_kernel_backend", "default_kernel_backend"]
 
-# name -> (module, class), imported when created
+# name (config.KERNEL_BACKENDS, which EngineArgs.kernel_backend takes) -> (module, class),
+# imported when created
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("tokenmill.kernels.torch_backend", "TorchKernelBackend"),
     "cpu": ("tokenmill.kernels.cpu_backend", "CpuKernelBackend"),
     "triton": ("tokenmill.kernels.triton_backend", "TritonKernelBackend"),
 }
-KERNEL_BACKENDS = tuple(_BACKENDS)
+assert tuple(_BACKENDS) == KERNEL_BACKENDS, "config.KERNEL_BACKENDS names every backend"
 
 
 def create_kernel_backend(name: str) -> KernelBackend:

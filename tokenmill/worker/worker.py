@@ -27,7 +27,7 @@ from tokenmill.config import (
     resolve_model,
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
-from tokenmill.kernels import KERNEL_BACKENDS, default_kernel_backend
+from tokenmill.kernels import default_kernel_backend
 from tokenmill.kv_layout import plan_kv_layout
 from tokenmill.memory import available_memory, human_bytes, resident_bytes
 from tokenmill.modelfile import read_gguf, resident_weight_bytes, summarize
@@ -103,11 +103,6 @@ class Worker:
             check_tensor_parallel(args, model_config, quantization)
             model_config = dataclasses.replace(
                 model_config, tp=TensorParallel(tp_rank, args.tensor_parallel_size)
-            )
-        if args.kernel_backend not in ("auto", *KERNEL_BACKENDS):
-            raise ValueError(
-                f"kernel_backend must be auto or one of {', '.join(KERNEL_BACKENDS)}; "
-                f"got {args.kernel_backend!r}"
             )
         self.model = self._load(model_config, max_model_len, quantization)
         # Router statistics: each sparse layer counts its experts' tokens (before any decode
