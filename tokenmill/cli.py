@@ -20,17 +20,18 @@ from tokenmill.config import (
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, made from its declaration (config.option: help, choices,
-    metavar), so CLI and Python API never drift apart; EngineArgs checks the values."""
-    for f in dataclasses.fields(EngineArgs):
+def add_declared_flags(parser: argparse.ArgumentParser, settings: type) -> None:
+    """A flag for each field of the dataclass ``settings`` declared with config.option (its
+    help, choices, metavar, flag name), so CLI and Python API never drift apart; the dataclass
+    checks the values it is built with (``declared_values``)."""
+    for f in dataclasses.fields(settings):
         meta, default = f.metadata, f.default
-        help_text = meta["help"]
-        if f.name == "model":
-            parser.add_argument("model", nargs="?", default=default, help=help_text)
+        if "help" not in meta or f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict = {"default": default, "help": f"{help_text} (default: {default})"}
+        help_text = meta["help"]
+        if "(default:" not in help_text:
+            help_text += f" (default: {default})"
+        kwargs: dict = {"dest": f.name, "default": default, "help": help_text}
         if f.type in ("bool", "bool | None"):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif meta["choices"] is not None:
@@ -39,14 +40,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = float if f.type.startswith("float") else int
         if meta["metavar"]:
             kwargs["metavar"] = meta["metavar"]
-        parser.add_argument(flag, **kwargs)
-        if f.name == "enable_prefix_caching":  # the short spelling vLLM users know
-            parser.add_argument(
-                "--no-prefix-caching",
-                dest="enable_prefix_caching",
-                action="store_false",
-                help="same as --no-enable-prefix-caching",
-            )
+        parser.add_argument(meta["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
+
+
+def declared_values(ns: argparse.Namespace, settings: type) -> dict:
+    """The values of ``settings``' declared flags in ``ns`` (add_declared_flags)."""
+    return {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(settings) if "help" in f.metadata
+    }
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The model, then a flag per EngineArgs field (its declaration: config.option)."""
+    model = next(f for f in dataclasses.fields(EngineArgs) if f.name == "model")
+    parser.add_argument("model", nargs="?", default=model.default, help=model.metadata["help"])
+    add_declared_flags(parser, EngineArgs)
+    parser.add_argument(  # the short spelling vLLM users know
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="same as --no-enable-prefix-caching",
+    )
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -60,18 +74,12 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``tokenmill serve`` beyond the engine's (see ServerConfig)."""
+    """The flags of ``tokenmill serve`` beyond the engine's: ServerConfig's declared fields,
+    and those of a shape of their own (keys, the model's name, the queue, prices)."""
     from tokenmill.server.config import ServerConfig
 
+    add_declared_flags(parser, ServerConfig)
     d = ServerConfig(served_model_name="-")
-    parser.add_argument("--host", default=d.host, help=f"address to bind (default: {d.host})")
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=("hermes", "llama3_json", "mistral"),
-        default=None,
-        help="format of the model's tool calls (default: from its chat template, else hermes)",
-    )
-    parser.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port})")
     parser.add_argument(
         "--api-key",
         action="append",
@@ -88,74 +96,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="requests that may wait beyond --max-num-seqs running ones; more get 429 "
         f"(default: {d.max_queue}; -1: no limit)",
     )
-    parser.add_argument(
-        "--max-n", type=int, default=d.max_n, help=f"largest n (default: {d.max_n})"
-    )
-    parser.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=d.max_tokens,
-        help="largest max_tokens a request may ask for (default: the context length)",
-    )
-    parser.add_argument(
-        "--max-stop",
-        type=int,
-        default=d.max_stop,
-        help=f"most stop strings (default: {d.max_stop})",
-    )
-    parser.add_argument(
-        "--max-prompts",
-        type=int,
-        default=d.max_prompts,
-        help=f"most prompts in one /v1/completions request (default: {d.max_prompts})",
-    )
-    parser.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help=f"larger request bodies get 413 (default: {d.max_body_bytes})",
-    )
-    parser.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=d.shutdown_timeout,
-        help="seconds in-flight requests may run after SIGTERM before they are aborted "
-        f"(default: {d.shutdown_timeout:g})",
-    )
-    parser.add_argument(
-        "--log-stats-interval",
-        type=float,
-        default=d.log_stats_interval,
-        help=f"seconds between throughput log lines, 0: none (default: {d.log_stats_interval:g})",
-    )
-    parser.add_argument(
-        "--access-log", action=argparse.BooleanOptionalAction, default=d.access_log,
-        help="log every HTTP request",
-    )  # fmt: skip
-    parser.add_argument(
-        "--metrics-public",
-        action="store_true",
-        help="serve /metrics without an API key, for a scraper that sends none "
-        "(default: it needs one, as every route but /health)",
-    )
-    parser.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="a key that also reads every key's usage (/v1/usage) and resets the prefix cache",
-    )
-    parser.add_argument(
-        "--usage-db",
-        default=None,
-        metavar="PATH",
-        help="SQLite file that keeps per-key usage across restarts (default: in memory)",
-    )
-    parser.add_argument(
-        "--usage-flush-interval",
-        type=float,
-        default=d.usage_flush_interval,
-        help="seconds between batched usage writes: what a SIGKILL may lose "
-        f"(default: {d.usage_flush_interval:g})",
-    )
     for name, what in (("input", "prompt"), ("output", "completion")):
         parser.add_argument(
             f"--price-{name}-per-million",
@@ -168,24 +108,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="USD per million cached prompt tokens (default: as other prompt tokens)",
-    )
-    parser.add_argument(
-        "--price-per-hour",
-        type=float,
-        default=None,
-        help="USD an hour of this machine, for the dashboard's cost per million tokens",
-    )
-    parser.add_argument(
-        "--rate-limit-rpm",
-        type=int,
-        default=None,
-        help="requests a key may start a minute; more get 429 (default: no limit)",
-    )
-    parser.add_argument(
-        "--rate-limit-tpm",
-        type=int,
-        default=None,
-        help="tokens a key may use a minute; beyond, 429 (default: no limit)",
     )
 
 
@@ -309,31 +231,14 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
     engine_args = engine_args_from(ns)
     config = ServerConfig(
         served_model_name=ns.served_model_name or ns.model,
-        host=ns.host,
-        port=ns.port,
         api_keys=tuple(ns.api_key),
         max_queue=None if ns.max_queue is not None and ns.max_queue < 0 else ns.max_queue,
-        max_n=ns.max_n,
-        max_tokens=ns.max_tokens_limit,
-        max_stop=ns.max_stop,
-        max_prompts=ns.max_prompts,
-        max_body_bytes=ns.max_body_bytes,
-        shutdown_timeout=ns.shutdown_timeout,
-        tool_call_parser=ns.tool_call_parser,
-        log_stats_interval=ns.log_stats_interval,
-        access_log=ns.access_log,
-        admin_api_key=ns.admin_api_key,
-        usage_db=ns.usage_db,
-        usage_flush_interval=ns.usage_flush_interval,
         prices=TokenPrices(
             ns.price_input_per_million,
             ns.price_output_per_million,
             ns.price_cached_input_per_million,
         ),
-        price_per_hour=ns.price_per_hour,
-        rate_limit_rpm=ns.rate_limit_rpm,
-        rate_limit_tpm=ns.rate_limit_tpm,
-        metrics_public=ns.metrics_public,
+        **declared_values(ns, ServerConfig),
     )
     return run_server(engine_args, config, log_level)
 

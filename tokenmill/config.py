@@ -615,17 +615,38 @@ def option(
     help: str,
     *,
     choices: tuple[Any, ...] | None = None,
-    low: int | None = None,
-    high: int | None = None,
+    low: float | None = None,
+    high: float | None = None,
     metavar: str | None = None,
     choices_text: str | None = None,
+    flag: str | None = None,
 ) -> Any:
-    """An EngineArgs field, declared once: its default, the help of its CLI flag (cli.py makes
-    the flag from this), and the values it takes, which EngineArgs checks (a ValueError naming
-    the field) and the flag offers: ``choices`` (``choices_text`` says them in the error, else
-    "one of ..."; None stays allowed where it is the default), or bounds ``low`` / ``high``."""
+    """A field of a settings dataclass (EngineArgs, server.config.ServerConfig), declared
+    once: its default, the help of its CLI flag (cli.py makes the flag from this: ``flag``,
+    else --the-field-name; the help says the default unless it says "(default: ...)"), and the
+    values it takes, which ``check_declared`` holds it to (a ValueError naming the field) and
+    the flag offers: ``choices`` (``choices_text`` says them in the error, else "one of ..."),
+    or bounds ``low`` / ``high``. None passes where the field's type allows it."""
     meta = {"help": help, "choices": choices, "low": low, "high": high, "metavar": metavar}
-    return field(default=default, metadata=meta | {"choices_text": choices_text})
+    return field(default=default, metadata=meta | {"choices_text": choices_text, "flag": flag})
+
+
+def check_declared(settings: Any) -> None:
+    """ValueError for a value of ``settings`` outside its field's declared choices or bounds
+    (``option``)."""
+    for f in fields(settings):
+        value, meta = getattr(settings, f.name), f.metadata
+        choices, low, high = meta.get("choices"), meta.get("low"), meta.get("high")
+        if value is None and "None" in str(f.type):
+            continue
+        if choices is not None and value not in choices:
+            what = meta["choices_text"] or "one of " + ", ".join(str(c) for c in choices)
+            unset = " (or unset)" if "None" in str(f.type) else ""
+            raise ValueError(f"{f.name} must be {what}{unset}; got {value!r}")
+        if low is not None and high is not None and not low <= value <= high:
+            raise ValueError(f"{f.name} must be in [{low}, {high}]; got {value}")
+        if low is not None and high is None and value < low:
+            raise ValueError(f"{f.name} must be >= {low}; got {value}")
 
 
 # EngineArgs' number and flag annotations -> (the types they take, how an error names them).
@@ -790,7 +811,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         self._check_number_types()
-        self._check_declared_values()
+        check_declared(self)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)  # a bad value fails here, naming the field
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -838,22 +859,6 @@ class EngineArgs:
                 "async_scheduling runs with one in-process worker; use tensor_parallel_size 1 "
                 "and distributed_executor 'mp', or drop async_scheduling"
             )
-
-    def _check_declared_values(self) -> None:
-        """ValueError for a value outside its field's declared choices or bounds (``option``)."""
-        for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            choices, low, high = meta.get("choices"), meta.get("low"), meta.get("high")
-            if value is None and f.default is None:
-                continue
-            if choices is not None and value not in choices:
-                what = meta["choices_text"] or "one of " + ", ".join(str(c) for c in choices)
-                unset = " (or unset)" if f.default is None else ""
-                raise ValueError(f"{f.name} must be {what}{unset}; got {value!r}")
-            if low is not None and high is not None and not low <= value <= high:
-                raise ValueError(f"{f.name} must be in [{low}, {high}]; got {value}")
-            if low is not None and high is None and value < low:
-                raise ValueError(f"{f.name} must be >= {low}; got {value}")
 
     def _check_number_types(self) -> None:
         """ValueError for an integer, float or flag field given another type (LLM(max_model_len=

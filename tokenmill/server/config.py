@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.config import check_declared, option
 from tokenmill.cost import TokenPrices
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # server/tools.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,29 +45,65 @@ class ServerConfig:
             none); by default it needs one like every route but /health.
     """
 
+    # Declared with option(): `tokenmill serve` makes a flag of each (cli.py); the others
+    # (served_model_name, api_keys, max_queue, prices, stats_window) have flags of their own
+    # shape or none.
     served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "port", low=0, high=65535)
     api_keys: tuple[str, ...] = ()
     max_queue: int | None = 1024
-    max_n: int = 16
-    max_tokens: int | None = None
-    max_stop: int = 16
-    max_prompts: int = 64
-    max_body_bytes: int = 4 * 2**20
-    shutdown_timeout: float = 30.0
-    log_stats_interval: float = 10.0
-    access_log: bool = False
-    tool_call_parser: str | None = None
-    admin_api_key: str | None = None
-    usage_db: str | None = None
-    usage_flush_interval: float = 1.0
+    max_n: int = option(16, "largest n", low=1)
+    max_tokens: int | None = option(
+        None,
+        "largest max_tokens a request may ask for (default: the context length)",
+        low=1,
+        flag="--max-tokens-limit",
+    )
+    max_stop: int = option(16, "most stop strings", low=1)
+    max_prompts: int = option(64, "most prompts in one /v1/completions request", low=1)
+    max_body_bytes: int = option(4 * 2**20, "larger request bodies get 413", low=1)
+    shutdown_timeout: float = option(
+        30.0, "seconds in-flight requests may run after SIGTERM before they are aborted", low=0
+    )
+    log_stats_interval: float = option(10.0, "seconds between throughput log lines, 0: none", low=0)
+    access_log: bool = option(False, "log every HTTP request")
+    tool_call_parser: str | None = option(
+        None,
+        "format of the model's tool calls (default: from its chat template, else hermes)",
+        choices=TOOL_CALL_PARSERS,
+    )
+    admin_api_key: str | None = option(
+        None,
+        "a key that also reads every key's usage (/v1/usage) and resets the prefix cache "
+        "(default: none)",
+    )
+    usage_db: str | None = option(
+        None,
+        "SQLite file that keeps per-key usage across restarts (default: in memory)",
+        metavar="PATH",
+    )
+    usage_flush_interval: float = option(
+        1.0, "seconds between batched usage writes: what a SIGKILL may lose"
+    )
     prices: TokenPrices = field(default_factory=TokenPrices)
-    price_per_hour: float | None = None
-    rate_limit_rpm: int | None = None
-    rate_limit_tpm: int | None = None
+    price_per_hour: float | None = option(
+        None,
+        "USD an hour of this machine, for the dashboard's cost per million tokens (default: none)",
+        low=0,
+    )
+    rate_limit_rpm: int | None = option(
+        None, "requests a key may start a minute; more get 429 (default: no limit)", low=1
+    )
+    rate_limit_tpm: int | None = option(
+        None, "tokens a key may use a minute; beyond, 429 (default: no limit)", low=1
+    )
     stats_window: float = 60.0
-    metrics_public: bool = False
+    metrics_public: bool = option(
+        False,
+        "serve /metrics without an API key, for a scraper that sends none "
+        "(default: it needs one, as every route but /health)",
+    )
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -76,26 +115,10 @@ class ServerConfig:
                 raise ValueError("the admin api key must not be an empty string")
             if self.admin_api_key in self.api_keys:
                 raise ValueError("the admin api key must differ from every user api key")
+        check_declared(self)
         if self.usage_flush_interval <= 0:
             raise ValueError(f"usage_flush_interval must be > 0; got {self.usage_flush_interval}")
-        if self.price_per_hour is not None and self.price_per_hour < 0:
-            raise ValueError(f"price_per_hour must be >= 0; got {self.price_per_hour}")
-        for name in ("rate_limit_rpm", "rate_limit_tpm"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1; got {value}")
         if self.stats_window <= 0:
             raise ValueError(f"stats_window must be > 0; got {self.stats_window}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0; got {self.max_queue}")
-        for name in ("max_n", "max_stop", "max_prompts", "max_body_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0; got {self.shutdown_timeout}")
-        if self.log_stats_interval < 0:
-            raise ValueError(f"log_stats_interval must be >= 0; got {self.log_stats_interval}")
