@@ -39,7 +39,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
-from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.errors import APIError, bad_request, from_value_error
 from tokenmill.server.serving import (
     Aborted,
     OpenAIServing,
@@ -60,6 +60,8 @@ RUNTIME_OPTIONS = {
 }  # fmt: skip
 MAX_WARNED_OPTIONS = 64
 # Sampling options tokenmill does not implement, and the value that means "off".
+# SamplingParams' names -> the options that set them, for errors (errors.from_value_error).
+OLLAMA_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
 UNSUPPORTED_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": False}
 
 
@@ -324,15 +326,17 @@ class OllamaServing:
                 tools = tools_mod.parse_tools(body.tools)
             except ValueError as e:
                 raise bad_request(str(e), param="tools") from None
-            template = engine.tokenizer.chat_template
-            parser = tools_mod.pick_parser(template, self.config.tool_call_parser)
-            if tools_mod.template_reads_tools(template):
-                template_kwargs = {"tools": [t.as_dict() for t in tools]}
-            else:  # a generic system prompt in the Hermes format (server/tools.py)
-                messages, parser = tools_mod.generic_messages(messages, tools), "hermes"
-            if parser in tools_mod.CONSTRAINED_FORMATS and body.format is None:
-                # A started call follows its schema.
-                calls_format = tools_mod.auto_grammar(tools, parser)
+            setup = tools_mod.setup_tools(
+                engine.tokenizer.chat_template,
+                self.config.tool_call_parser,
+                messages,
+                tools,
+                "auto",
+                parallel=True,
+                other_format=body.format is not None,
+            )
+            messages, template_kwargs = setup.messages, setup.template_kwargs
+            parser, calls_format = setup.parser, setup.grammar
 
         def prepare() -> tuple[list[int], PreparedRequest]:
             try:
@@ -386,8 +390,7 @@ class OllamaServing:
         params = self._sampling_params(body, len(ids), engine.info.max_model_len)
         if calls_format is not None:
             params = dataclasses.replace(params, structured_outputs=calls_format)
-        renames = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
-        return prepare_all(engine, [ids], params, renames, prompt_param)[0]
+        return prepare_all(engine, [ids], params, OLLAMA_NAMES, prompt_param)[0]
 
     def _sampling_params(
         self, body: _OllamaRequest, prompt_len: int, max_model_len: int
@@ -445,10 +448,7 @@ class OllamaServing:
                 structured_outputs=_format(body.format),
             )
         except ValueError as e:
-            message = str(e)
-            for ours, theirs in (("max_tokens", "num_predict"), ("repetition_penalty", "repeat_penalty")):  # fmt: skip
-                message = message.replace(ours, theirs)
-            raise bad_request(message, param=message.split(" ")[0]) from None
+            raise from_value_error(e, OLLAMA_NAMES) from None
 
     async def _respond(
         self,

@@ -274,38 +274,31 @@ class OpenAIServing:
             raise bad_request(str(e), param=param) from None
         if not tools:
             return params, messages, {}, None
-        template = engine.tokenizer.chat_template
-        reads_tools = tools_mod.template_reads_tools(template)
-        # A template without tools gets the generic prompt, which teaches Hermes' format.
-        parser = (
-            tools_mod.pick_parser(template, self.config.tool_call_parser)
-            if reads_tools
-            else "hermes"
+        if mode in ("required", "named") and params.structured_outputs is not None:
+            raise bad_request(
+                f"tool_choice {mode!r} is itself a format: drop response_format",
+                param="response_format",
+            )
+        # A named function is called once; "required" may call several when allowed.
+        parallel = mode == "required" and body.parallel_tool_calls is not False
+        setup = tools_mod.setup_tools(
+            engine.tokenizer.chat_template,
+            self.config.tool_call_parser,
+            messages,
+            tools,
+            mode,
+            parallel,
+            other_format=params.structured_outputs is not None,
         )
-        if mode in ("required", "named"):
-            if params.structured_outputs is not None:
-                raise bad_request(
-                    f"tool_choice {mode!r} is itself a format: drop response_format",
-                    param="response_format",
-                )
-            # A named function is called once; "required" may call several when allowed.
-            parallel = mode == "required" and body.parallel_tool_calls is not False
-            parser = tools_mod.constrained_format(parser)  # the format the grammar writes
-            grammar = tools_mod.call_grammar(tools, parallel, parser)
-            params = dataclasses.replace(params, structured_outputs=grammar)
-        elif params.structured_outputs is None and parser in tools_mod.CONSTRAINED_FORMATS:
-            # "auto": a call, once the model starts one, follows the functions' schemas.
-            grammar = tools_mod.auto_grammar(tools, parser)
-            params = dataclasses.replace(params, structured_outputs=grammar)
-        if reads_tools:
-            return params, messages, {"tools": [t.as_dict() for t in tools]}, parser
-        if not self._logged_generic_tools:
+        if setup.grammar is not None:
+            params = dataclasses.replace(params, structured_outputs=setup.grammar)
+        if setup.generic and not self._logged_generic_tools:
             self._logged_generic_tools = True
             logger.info(
                 "the chat template has no tool support: tools go in a generic system prompt "
                 "(hermes <tool_call> format; server/tools.py)"
             )
-        return params, tools_mod.generic_messages(messages, tools), {}, "hermes"
+        return params, setup.messages, setup.template_kwargs, setup.parser
 
     # ---- running --------------------------------------------------------------------------
 

@@ -194,6 +194,48 @@ def pick_parser(chat_template: str | None, configured: str | None) -> str:
     return "hermes"
 
 
+@dataclass(frozen=True, slots=True)
+class ToolSetup:
+    """What a chat request with tools runs with (``setup_tools``)."""
+
+    messages: list[dict[str, Any]]  # the conversation, with the tools where the template has none
+    template_kwargs: dict[
+        str, Any
+    ]  # the chat template's variables: its ``tools``, if it reads them
+    parser: str  # how calls are read back from the text (``parse_tool_calls``)
+    grammar: StructuredOutputs | None  # the calls' grammar, where one applies
+    generic: bool  # the template knows no tools: they went into a generic system prompt
+
+
+def setup_tools(
+    chat_template: str | None,
+    configured_parser: str | None,
+    messages: list[dict[str, Any]],
+    tools: list[Tool],
+    mode: str,
+    parallel: bool,
+    other_format: bool,
+) -> ToolSetup:
+    """The tools of a chat request (``chosen_tools``' tools and mode), as the OpenAI and Ollama
+    routes both run them: in the template's ``tools`` variable where it reads one, else in a
+    generic system prompt that teaches Hermes' format; the parser that reads calls back; and
+    the grammar: for mode "required" or "named" the calls themselves (``parallel``: several
+    calls allowed), for "auto" a call, once the model starts one, following its function's
+    schema (unless the request has ``other_format`` of its own)."""
+    reads_tools = template_reads_tools(chat_template)
+    parser = pick_parser(chat_template, configured_parser) if reads_tools else "hermes"
+    grammar = None
+    if mode in ("required", "named"):
+        parser = constrained_format(parser)  # the format the grammar writes
+        grammar = call_grammar(tools, parallel, parser)
+    elif not other_format and parser in CONSTRAINED_FORMATS:
+        grammar = auto_grammar(tools, parser)
+    if reads_tools:
+        kwargs = {"tools": [t.as_dict() for t in tools]}
+        return ToolSetup(messages, kwargs, parser, grammar, generic=False)
+    return ToolSetup(generic_messages(messages, tools), {}, parser, grammar, generic=True)
+
+
 def generic_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
     """The conversation for a template that knows no tools: the functions in a system message,
     earlier calls as assistant text and tool results as user turns."""
