@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from tokenmill.worker.distributed import (
     ADDRESS_ENV,
     AUTHKEY_ENV,
     destroy_distributed,
+    free_port,
     init_distributed,
     rank_args,
 )
@@ -167,13 +167,6 @@ class MultiProcExecutor(Executor):
             f"tensor-parallel worker rank {rank} (pid {proc.pid}{status}) stopped the engine: "
             f"{what}"
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (on ``host``; "" for every interface)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _accept(listener: Listener, proc: subprocess.Popen[bytes], rank: int) -> Connection:

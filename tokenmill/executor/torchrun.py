@@ -18,8 +18,8 @@ from typing import Any
 
 from tokenmill.config import EngineArgs, WorkerInfo
 from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
-from tokenmill.executor.multiproc import TensorParallelWorkerError, free_port
-from tokenmill.worker.distributed import destroy_distributed
+from tokenmill.executor.multiproc import TensorParallelWorkerError
+from tokenmill.worker.distributed import destroy_distributed, free_port
 from tokenmill.worker.torchrun import LaunchEnv, join, local_args, publish_args, send, store
 from tokenmill.worker.worker import Worker, call_worker, check_tensor_parallel_args
 

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -43,6 +44,14 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 30.0
 # Environment variables the executor hands a rank process: where to connect, and the key.
 ADDRESS_ENV, AUTHKEY_ENV = "TOKENMILL_TP_ADDRESS", "TOKENMILL_TP_AUTHKEY"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (on ``host``; "" for every interface): where a group's
+    rank 0 hosts its rendezvous."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def init_distributed(rank: int, size: int, port: int, device: str, host: str = "127.0.0.1") -> None:

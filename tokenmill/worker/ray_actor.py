@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,10 +37,9 @@ class RankActor:
         """This node's IP and a port free on it: rank 0's store for the group's rendezvous."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return host, int(s.getsockname()[1])
+        from tokenmill.worker.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
 
     def node(self) -> tuple[str, int]:
         """(node IP, pid), to name this rank in errors."""
