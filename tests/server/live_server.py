@@ -62,7 +62,7 @@ class LiveServer:
 
     @property
     def state(self) -> ServerState:
-        return self.app.state.tokenmill
+        return self.app.state.services.state
 
     @property
     def engine(self) -> AsyncEngine:

@@ -178,6 +178,18 @@ def test_malformed_and_empty_bodies_400(http) -> None:
     assert "empty" in err["message"]
 
 
+def test_a_json_body_under_any_content_type_is_read(http) -> None:
+    """curl -d sends a form Content-Type; the body is still read as JSON, strictly."""
+    body = json.dumps(_completion(max_tokens=2)).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        r = http.post("/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200, (content_type, r.text)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    err = _error(http.post("/v1/completions", content=b'{"prompt": 5}', headers=form), 400)
+    assert err["param"] == "prompt"
+
+
 def test_response_format_text_is_accepted(http) -> None:
     r = http.post(
         "/v1/chat/completions", json=_chat(max_tokens=2, response_format={"type": "text"})

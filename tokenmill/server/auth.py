@@ -9,16 +9,18 @@ The caller of an authorized request is written into the ASGI scope (``scope["sta
 back by ``caller_of``): its key id (the first 8 hex digits of the key's SHA-256, the only form
 in which a key is stored or shown) and whether it is the admin key.
 
-Open routes: /health, and the pages /dashboard and /docs with their static files (and
-/metrics with ``--metrics-public``: the app passes it in ``exempt_paths``). The pages hold no
-data; their scripts ask for the key once and send it to the data routes (/v1/stats,
-/openapi.json), which are guarded like every other.
+Open routes are the ones the routers declare public (routing.PUBLIC: /health, and the pages
+/dashboard and /docs with their static files), and /metrics with ``--metrics-public``; the app
+passes their path patterns in ``public_paths``. The pages hold no data; their scripts ask for
+the key once and send it to the data routes (/v1/stats, /openapi.json), which are guarded
+like every other.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -28,8 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.server.errors import error_body_for
 
-EXEMPT_PATHS = ("/health", "/dashboard", "/docs")
-EXEMPT_PREFIXES = ("/static/",)
 # The key id of requests to a server without keys.
 NO_KEY_ID = "none"
 _SCOPE_KEY = "tokenmill_caller"
@@ -64,16 +64,14 @@ class APIKeyMiddleware:
         app: ASGIApp,
         api_keys: Sequence[str],
         admin_api_key: str | None = None,
-        exempt_paths: Iterable[str] = EXEMPT_PATHS,
-        exempt_prefixes: Iterable[str] = EXEMPT_PREFIXES,
+        public_paths: Iterable[re.Pattern[str]] = (),
     ) -> None:
         self.app = app
         keys = [(key, False) for key in api_keys]
         if admin_api_key is not None:
             keys.append((admin_api_key, True))
         self._digests = [(_digest(key.encode()), is_admin) for key, is_admin in keys]
-        self._exempt = frozenset(exempt_paths)
-        self._exempt_prefixes = tuple(exempt_prefixes)
+        self._public = tuple(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self._digests:
@@ -85,7 +83,7 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if path in self._exempt or path.startswith(self._exempt_prefixes):
+        if any(pattern.match(path) for pattern in self._public):
             await self.app(scope, receive, send)
             return
         response = JSONResponse(

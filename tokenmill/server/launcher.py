@@ -45,7 +45,7 @@ class TokenmillServer(uvicorn.Server):
                 timeout_graceful_shutdown=int(config.shutdown_timeout) + 15,
             )
         )
-        self.state: ServerState = app.state.tokenmill
+        self.state: ServerState = app.state.services.state
         self.shutdown_timeout = config.shutdown_timeout
         self.state.on_failed = self.request_exit
 
@@ -78,7 +78,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
     app = create_app(config, lambda: _load_engine(engine_args))
     server = TokenmillServer(app, config, log_level)
     server.run()
-    state: ServerState = app.state.tokenmill
+    state: ServerState = app.state.services.state
     return state.exit_status
 
 

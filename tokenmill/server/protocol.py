@@ -554,6 +554,23 @@ class ErrorInfo(BaseModel):
     code: str | None
 
 
+class HealthResponse(BaseModel):
+    status: str  # ok; loading, stopping, failed, engine_failed (503)
+    error: str | None = None  # why the model failed to load
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class ResetPrefixCacheResponse(BaseModel):
+    reset: bool
+
+
+class AbortResponse(BaseModel):
+    aborted: list[str]  # the engine requests stopped (one per prompt of the request)
+
+
 class ErrorResponse(BaseModel):
     """The body of every error on the OpenAI-style routes."""
 
