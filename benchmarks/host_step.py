@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import build_synthetic_gemma  # noqa: E402
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_model
+from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig
 from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.engine import LLMEngine
@@ -39,6 +39,7 @@ from tokenmill.kv_layout import KVLayout, plan_kv_layout
 from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.store import resolve_model
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs

@@ -127,8 +127,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(tokenmill_kl(args.model, args.text, args.ctx, args.chunks)))
         return
-    from tokenmill.config import resolve_model
     from tokenmill.kernels import cpu_library
+    from tokenmill.store import resolve_model
 
     rows = {f"tokenmill ({cpu_library.isa()})": tokenmill_kl(args.model, args.text, args.ctx,
                                                              args.chunks)}  # fmt: skip

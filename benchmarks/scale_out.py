@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_peers import Skip, _free_port, _serve_and_bench  # noqa: E402
 
 from tokenmill.bench.datasets import DatasetSpec, SampleRequest, sample_requests  # noqa: E402
-from tokenmill.config import resolve_model  # noqa: E402
 from tokenmill.modelfile import summarize  # noqa: E402
+from tokenmill.store import resolve_model  # noqa: E402
 from tokenmill.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -211,12 +211,13 @@ def main() -> None:
         print(json.dumps(run_tokenmill(args.model, args.quantization, args.kv_cache_dtype)))
         return
     if args.engine == "llamacpp":
-        from tokenmill.config import ModelConfig, resolve_model
+        from tokenmill.config import config_from_gguf
         from tokenmill.models.gguf_file import GGUFFile
+        from tokenmill.store import resolve_model
 
         source = resolve_model(args.model)
         gguf = GGUFFile(source.path)
-        config = ModelConfig.from_gguf(source.path, gguf.metadata, gguf.tensor_names())
+        config = config_from_gguf(source.path, gguf.metadata, gguf.tensor_names())
         out = run_llamacpp(str(source.path), config.vocab_size)
         out["bytes_per_token"] = _gguf_bytes_per_token(str(source.path), config)
         print(json.dumps(out))

@@ -12,7 +12,7 @@ from tokenmill.architectures import (
     HF_MODEL_TYPES,
     SUPPORTED_ARCHITECTURES,
 )
-from tokenmill.config import ModelConfig
+from tokenmill.config import config_from_gguf, config_from_hf
 from tokenmill.models.base import CausalLM
 from tokenmill.models.registry import get_model_class
 
@@ -37,6 +37,6 @@ def test_the_derived_lists() -> None:
 def test_an_unknown_checkpoint_architecture_names_the_supported_ones(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
     with pytest.raises(ValueError, match="'mamba'.*supported: gemma3, llama, mistral"):
-        ModelConfig.from_hf(tmp_path)
+        config_from_hf(tmp_path)
     with pytest.raises(ValueError, match="'mamba' is not supported; supported: gemma3, llama"):
-        ModelConfig.from_gguf(tmp_path / "m.gguf", {"general.architecture": "mamba"}, set())
+        config_from_gguf(tmp_path / "m.gguf", {"general.architecture": "mamba"}, set())

@@ -1,10 +1,10 @@
 """The architectures tokenmill runs: one row each, with the names checkpoints give them and the
 model class that computes them. Every list of architectures is derived from ARCHITECTURES: the
-config parsers' maps (config.py: ModelConfig.from_hf / from_gguf), the model registry
+config parsers' maps (config/checkpoint.py: config_from_hf / config_from_gguf), the model registry
 (models/registry.py), what ``tokenmill models`` calls runnable (entrypoints/models.py).
 
 To add an architecture: a row here; its model file under models/ (or flags of an existing
-one); its checkpoint quirks, if any, in ModelConfig.from_hf / from_gguf.
+one); its checkpoint quirks, if any, in config/checkpoint.py (config_from_hf / config_from_gguf).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ARCHITECTURES = (
         ("gemma3_text", "gemma3"),
         ("gemma3",),
     ),
-    # llama.cpp writes Mistral as "llama" and Mixtral as "llama" with experts (from_gguf).
+    # llama.cpp writes Mistral as "llama" and Mixtral as "llama" with experts (config_from_gguf).
     Architecture("llama", _LLAMA, ("llama",), ("llama",), gguf_norm_topk=True),
     Architecture("mistral", _LLAMA, ("mistral",)),
     Architecture("qwen2", _LLAMA, ("qwen2",), ("qwen2",)),

@@ -14,10 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenmill.config import (
-    DEFAULT_MODEL,
-    EngineArgs,
-)
+from tokenmill.config import EngineArgs
+from tokenmill.store import DEFAULT_MODEL
 
 
 def add_declared_flags(parser: argparse.ArgumentParser, settings: type) -> None:

@@ -13,10 +13,10 @@ import gguf
 import numpy as np
 import pytest
 
-from tokenmill.config import resolve_model
 from tokenmill.engine import LLMEngine
 from tokenmill.entrypoints.models import catalog
 from tokenmill.modelfile import read_gguf, summarize
+from tokenmill.store import resolve_model
 
 
 def _tiny_gguf(path: Path, arch: str = "llama") -> Path:

@@ -17,12 +17,18 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_gguf_loading import LAYER_TYPES, write_tiny_gguf
 
-from tokenmill.config import CacheConfig, resolve_model
+from tokenmill.config import CacheConfig
 from tokenmill.kernels import cpu_library
 from tokenmill.models import gguf_cache, loader
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import PackedQuantMethod
-from tokenmill.store import file_identity, record_sha256, verified_sha256, write_atomic
+from tokenmill.store import (
+    file_identity,
+    record_sha256,
+    resolve_model,
+    verified_sha256,
+    write_atomic,
+)
 from tokenmill.worker.memory import dummy_prefill
 
 CPU = torch.device("cpu")

@@ -33,10 +33,10 @@ from test_gguf_loading import (
     _unpermute,
 )
 
-from tokenmill.config import resolve_model
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.store import resolve_model
 
 HIDDEN, EXPERT, DENSE, NUM_HEADS, NUM_KV, HEAD_DIM, VOCAB = 256, 256, 512, 4, 2, 64, 320
 NUM_EXPERTS, TOP_K, LAYERS = 8, 2, 2

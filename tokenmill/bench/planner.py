@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from tokenmill.bench.hardware import Hardware
-from tokenmill.config import ModelConfig, resolve_model
+from tokenmill.config import ModelConfig, config_from_gguf, config_from_hf
 from tokenmill.cost import cost_per_million_tokens
 from tokenmill.kv_layout import plan_kv_layout
 from tokenmill.modelfile import (
@@ -33,6 +33,7 @@ from tokenmill.modelfile import (
     read_gguf,
     safetensors_tensors,
 )
+from tokenmill.store import resolve_model
 
 __all__ = [
     "ModelFacts",
@@ -129,15 +130,13 @@ def model_facts(
     float_bytes = 2.0 if gpu else FLOAT32_BYTES
     if source.format == "gguf":
         header = read_gguf(source.path)
-        config = ModelConfig.from_gguf(
-            source.path, header.metadata, {t.name for t in header.tensors}
-        )
+        config = config_from_gguf(source.path, header.metadata, {t.name for t in header.tensors})
         tensors = [  # (name, elements, inputs K of a matrix or 0, type)
             (t.name, t.num_elements, t.shape[-1] if len(t.shape) > 1 else 0, t.type_name)
             for t in header.tensors
         ]
     else:
-        config = ModelConfig.from_hf(source.path)
+        config = config_from_hf(source.path)
         tensors = [
             (name, n, shape[-1] if len(shape) > 1 else 0, "")
             for name, n, shape, _ in safetensors_tensors(source.path)

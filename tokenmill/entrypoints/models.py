@@ -16,10 +16,17 @@ from pathlib import Path
 from typing import TextIO
 
 from tokenmill.architectures import CHECKPOINT_NAMES, SUPPORTED_ARCHITECTURES
-from tokenmill.config import DEFAULT_MODEL, resolve_model
 from tokenmill.memory import available_memory, human_bytes
 from tokenmill.modelfile import ModelSummary, summarize
-from tokenmill.store import PACKED_CACHE_ENTRIES, aliases, cache_dir, model_dir, model_files
+from tokenmill.store import (
+    DEFAULT_MODEL,
+    PACKED_CACHE_ENTRIES,
+    aliases,
+    cache_dir,
+    model_dir,
+    model_files,
+    resolve_model,
+)
 
 
 @dataclass(slots=True)

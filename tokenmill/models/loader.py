@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backends import create_attention_backend
-from tokenmill.config import ModelConfig, ModelSource
+from tokenmill.config import ModelConfig, config_from_gguf, config_from_hf
 from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
 from tokenmill.layers import Embedding, FusedLinear, Linear
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -40,6 +40,7 @@ from tokenmill.quant.packed import (
     pack_gguf,
     pack_half,
 )
+from tokenmill.store import ModelSource
 
 T = TypeVar("T", torch.Tensor, PackedWeight, GGUFBlocks)
 
@@ -74,9 +75,9 @@ _FLOAT_ONLY = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.format == "hf":
-        return ModelConfig.from_hf(source.path)
+        return config_from_hf(source.path)
     gguf_file = GGUFFile(source.path)
-    config = ModelConfig.from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
+    config = config_from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
     _check_gguf_shapes(config, gguf_file)
     return config
 

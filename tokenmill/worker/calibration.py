@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.config import CacheConfig, resolve_model
+from tokenmill.config import CacheConfig
 from tokenmill.core.sched_output import NewRequestData, SchedulerOutput
 from tokenmill.layers.linear import Linear
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.store import resolve_model
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:

@@ -24,7 +24,6 @@ from tokenmill.config import (
     TensorParallel,
     WorkerInfo,
     parse_memory,
-    resolve_model,
 )
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.kernels import default_kernel_backend
@@ -36,6 +35,7 @@ from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
 from tokenmill.quant.half import stored_half_kind
 from tokenmill.spec import Proposer, create_proposer
+from tokenmill.store import resolve_model
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.cuda_graph import cuda_graphs_supported

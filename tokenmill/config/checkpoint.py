@@ -1,0 +1,300 @@
+"""Reading a checkpoint's configuration into ModelConfig: a Hugging Face config.json
+(``config_from_hf``) or a GGUF's metadata (``config_from_gguf``). The one place where
+checkpoint quirks (key names, rope layouts, per-family defaults) are absorbed; everything
+downstream reads plain fields. Which names are supported is architectures.py's."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from tokenmill.architectures import (
+    BY_NAME,
+    GGUF_ARCHITECTURES,
+    HF_MODEL_TYPES,
+    SUPPORTED_ARCHITECTURES,
+)
+from tokenmill.config.model import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+)
+from tokenmill.modelfile import GGUF_FILE_TYPES
+from tokenmill.store import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+def config_from_hf(model_dir: Path) -> ModelConfig:
+    """Read a Hugging Face ``config.json`` (transformers 4 or 5 key layout)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if "text_config" in cfg:  # multimodal wrapper (e.g. Gemma3ForConditionalGeneration)
+        cfg = {**cfg["text_config"], "eos_token_id": cfg.get("eos_token_id")}
+    model_type = cfg.get("model_type", "")
+    arch = HF_MODEL_TYPES.get(model_type)
+    if arch is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = cfg["hidden_size"]
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    num_layers = cfg["num_hidden_layers"]
+    rope_theta, rope_scaling, rope_local = _hf_rope(cfg)
+    sliding_window = cfg.get("sliding_window")
+    layer_types = tuple(cfg.get("layer_types") or ())
+    if arch == "gemma3":
+        if not layer_types:
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
+            layer_types = _gemma3_layer_types(num_layers, pattern)
+    elif arch in ("mistral", "mixtral"):
+        layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
+    elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not cfg.get("use_sliding_window", False):
+            sliding_window = None
+            layer_types = (FULL_ATTENTION,) * num_layers
+    else:
+        sliding_window = None
+        layer_types = (FULL_ATTENTION,) * num_layers
+    if sliding_window is None:
+        layer_types = (FULL_ATTENTION,) * num_layers
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        geos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if geos is not None:
+            extra = tuple(geos) if isinstance(geos, list) else (geos,)
+            eos_ids = tuple(dict.fromkeys(eos_ids + extra))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rope_local_theta=rope_local if arch == "gemma3" else None,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        tie_word_embeddings=cfg.get(
+            "tie_word_embeddings", arch == "gemma3"
+        ),  # Gemma ties by default
+        attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        moe=_hf_moe(cfg, arch, num_layers),
+        qk_norm_full=arch == "olmoe",
+        clip_qkv=cfg.get("clip_qkv"),
+        source=ModelSource(model_dir, "hf"),
+    )
+
+
+def config_from_gguf(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it."""
+    gguf_arch = metadata.get("general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+            f"{', '.join(GGUF_ARCHITECTURES)} (llama also Mistral, and Mixtral with experts)"
+        )
+    arch = GGUF_ARCHITECTURES[gguf_arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{gguf_arch}.{key}", default)
+
+    # NOTE: checked before any use: a missing key was a TypeError, and a layer count the
+    # tensors do not back (a billion) builds the layers before the first weight is read.
+    for key in ("block_count", "embedding_length", "attention.head_count"):
+        value = get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive integer; got {value!r}"
+            )
+    for key in ("attention.head_count_kv", "attention.key_length", "vocab_size"):
+        value = get(key)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ValueError(
+                f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive integer; got {value!r}"
+            )
+    if get("attention.head_count") % get("attention.head_count_kv", 1):
+        raise ValueError(
+            f"{path}: {gguf_arch}.attention.head_count ({get('attention.head_count')}) is "
+            f"not a multiple of attention.head_count_kv ({get('attention.head_count_kv')})"
+        )
+    if not metadata.get("tokenizer.ggml.tokens") and get("vocab_size") is None:
+        raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens nor vocab_size")
+    if not isinstance(get("feed_forward_length"), int):
+        raise ValueError(f"{path}: GGUF metadata lacks {gguf_arch}.feed_forward_length")
+    layers = {n.split(".")[1] for n in tensor_names if n.startswith("blk.")}
+    num_layers = get("block_count")
+    if len(layers) != num_layers or layers != {str(i) for i in range(num_layers)}:
+        raise ValueError(
+            f"{path}: {gguf_arch}.block_count is {num_layers}, but the file has "
+            f"tensors for {len(layers)} layers"
+        )
+    num_layers = int(get("block_count"))
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length") or hidden // num_heads)
+    num_kv = get("attention.head_count_kv", num_heads)
+    vocab = len(metadata.get("tokenizer.ggml.tokens") or []) or int(get("vocab_size"))
+    sliding_window = get("attention.sliding_window")
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = RopeScaling("linear", factor=float(get("rope.scaling.factor")))
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        token_id = metadata.get(key)
+        if token_id is not None and not 0 <= token_id < vocab:
+            raise ValueError(
+                f"{path}: GGUF metadata {key} is {token_id}, outside the vocabulary of "
+                f"{vocab} tokens"
+            )
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(num_kv),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        moe=_gguf_moe(get, arch, num_layers, tensor_names),
+        file_type=GGUF_FILE_TYPES.get(metadata.get("general.file_type", -1)),
+        source=ModelSource(path, "gguf"),
+    )
+    if gguf_arch == "gemma3":
+        # NOTE: llama.cpp does not store the local RoPE base (10000) nor the 5:1 local/global
+        # pattern; both are fixed by the Gemma 3 architecture.
+        return ModelConfig(
+            architecture="gemma3",
+            rope_local_theta=10000.0,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=_gemma3_layer_types(num_layers, 6),
+            hidden_act="gelu_pytorch_tanh",
+            # Gemma 3 27B scales queries by hidden/heads, the others by head_dim.
+            query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
+            **common,
+        )
+    if arch == "llama" and common["moe"] is not None:
+        arch = "mixtral"
+    if arch in ("llama", "mixtral") and sliding_window:
+        return ModelConfig(
+            architecture="mistral" if arch == "llama" else arch,
+            sliding_window=int(sliding_window),
+            layer_types=(SLIDING_ATTENTION,) * num_layers,
+            **common,
+        )
+    return ModelConfig(
+        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm_full=arch == "olmoe",
+        **common,
+    )
+
+
+def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
+    """The sparse MLPs of a Hugging Face config (None for a dense architecture)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return None
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if arch == "mixtral":  # every layer sparse, weights always renormalized
+        step, dense_only, renormalize = 1, (), True
+    else:
+        step = cfg.get("decoder_sparse_step") or 1
+        dense_only = tuple(cfg.get("mlp_only_layers") or ())
+        renormalize = bool(cfg.get("norm_topk_prob", False))
+    sparse = tuple(
+        i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    )
+    return MoEConfig(
+        num_experts=int(num_experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        # Mixtral's experts are intermediate_size wide; Qwen's and OLMoE's dense layers are.
+        intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        renormalize=renormalize,
+        sparse_layers=sparse,
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> MoEConfig | None:
+    """The sparse MLPs of a GGUF (llama.cpp's ``expert_*`` keys); a layer is sparse where its
+    expert tensors are: stacked, or one per expert (older Mixtral files)."""
+    num_experts = int(get("expert_count", 0) or 0)
+    if num_experts == 0:
+        if arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
+            raise ValueError(f"GGUF architecture {arch!r} without expert_count")
+        return None
+    sparse = tuple(
+        f"blk.{i}.ffn_gate_exps.weight" in tensor_names
+        or f"blk.{i}.ffn_gate.0.weight" in tensor_names
+        for i in range(num_layers)
+    )
+    norm = get("expert_weights_norm")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(get("expert_used_count")),
+        intermediate_size=int(get("expert_feed_forward_length") or get("feed_forward_length")),
+        renormalize=bool(BY_NAME[arch].gguf_norm_topk) if norm is None else bool(norm),
+        sparse_layers=sparse,
+        shared_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+    )
+
+
+def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
+    return tuple(
+        FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+    """(global theta, global scaling, local theta) from either transformers key layout."""
+    params = cfg.get("rope_parameters")
+    local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+    if isinstance(params, dict) and FULL_ATTENTION in params:  # per layer type (v5 Gemma 3)
+        local = params.get(SLIDING_ATTENTION) or {}
+        local_theta = float(local.get("rope_theta", local_theta))
+        params = params[FULL_ATTENTION]
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling_dict = params
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling_dict = cfg.get("rope_scaling") or {}
+    rope_type = scaling_dict.get("rope_type") or scaling_dict.get("type") or "default"
+    if rope_type == "default":
+        return theta, None, local_theta
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3")
+    scaling = RopeScaling(
+        rope_type=rope_type,
+        factor=float(scaling_dict.get("factor", 1.0)),
+        low_freq_factor=float(scaling_dict.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling_dict.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            scaling_dict.get("original_max_position_embeddings", 8192)
+        ),
+    )
+    return theta, scaling, local_theta
