@@ -43,7 +43,7 @@ from tokenmill.bench.datasets import Dataset, DatasetSpec, SampleRequest, sample
 from tokenmill.bench.metrics import calculate_metrics
 from tokenmill.bench.serve import ServeConfig, run_serve_benchmark
 from tokenmill.modelfile import summarize
-from tokenmill.store import resolve_model
+from tokenmill.resolve import resolve_model
 from tokenmill.tokenizer import load_tokenizer
 
 LLAMA_SERVER = Path.home() / ".cache/peers/build-llamacpp/bin/llama-server"

@@ -38,8 +38,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.kv_layout import KVLayout, plan_kv_layout
 from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
+from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.store import resolve_model
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs

@@ -128,7 +128,7 @@ def main() -> None:
         print(json.dumps(tokenmill_kl(args.model, args.text, args.ctx, args.chunks)))
         return
     from tokenmill.kernels import cpu_library
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     rows = {f"tokenmill ({cpu_library.isa()})": tokenmill_kl(args.model, args.text, args.ctx,
                                                              args.chunks)}  # fmt: skip

@@ -97,7 +97,7 @@ def main() -> None:
     ns = p.parse_args()
     lengths = [int(x) for x in ns.lengths.split(",")]
 
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     gguf = resolve_model("gemma-3-270m").path
     tm = run_tokenmill(lengths, ns.decode, ns.repeats, ns.max_num_batched_tokens)

@@ -74,7 +74,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_mode(json.loads(args.child))))
         return
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     file_mib = resolve_model("gemma-3-270m").path.stat().st_size / 2**20
     print(f"gemma-3-270m GGUF file: {file_mib:.1f} MiB; KV budget {KV_BUDGET}")

@@ -27,7 +27,7 @@ from compare_peers import Skip, _free_port, _serve_and_bench  # noqa: E402
 
 from tokenmill.bench.datasets import DatasetSpec, SampleRequest, sample_requests  # noqa: E402
 from tokenmill.modelfile import summarize  # noqa: E402
-from tokenmill.store import resolve_model  # noqa: E402
+from tokenmill.resolve import resolve_model  # noqa: E402
 from tokenmill.tokenizer import load_tokenizer  # noqa: E402
 
 

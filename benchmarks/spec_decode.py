@@ -139,7 +139,7 @@ def run_llamacpp(prompt: str) -> dict:
     """llama.cpp's plain greedy decode of the prompt (its own kernels, 2 threads)."""
     from vs_llamacpp import _LlamaCpp
 
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
     from tokenmill.tokenizer import load_tokenizer
 
     source = resolve_model("gemma-3-270m")
@@ -163,7 +163,7 @@ def run_llama_lookup(prompt: str, num_draft: int) -> float | None:
     import re
     import tempfile
 
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     peers = Path(os.environ.get("PEERS", Path.home() / ".cache" / "peers"))
     binary = peers / "build-lookup" / "bin" / "llama-lookup"

@@ -213,7 +213,7 @@ def main() -> None:
     if args.engine == "llamacpp":
         from tokenmill.config import config_from_gguf
         from tokenmill.models.gguf_file import GGUFFile
-        from tokenmill.store import resolve_model
+        from tokenmill.resolve import resolve_model
 
         source = resolve_model(args.model)
         gguf = GGUFFile(source.path)

@@ -95,7 +95,7 @@ def matmul_floor(engine: LLMEngine, num_prompts: int, prompt_len: int, output_le
 def transformers_runs(args: argparse.Namespace, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     path = resolve_model(args.model).path
     dtype = getattr(torch, args.hf_dtype)

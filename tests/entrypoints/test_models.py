@@ -16,7 +16,7 @@ import pytest
 from tokenmill.engine import LLMEngine
 from tokenmill.entrypoints.models import catalog
 from tokenmill.modelfile import read_gguf, summarize
-from tokenmill.store import resolve_model
+from tokenmill.resolve import resolve_model
 
 
 def _tiny_gguf(path: Path, arch: str = "llama") -> Path:

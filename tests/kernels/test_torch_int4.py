@@ -68,7 +68,7 @@ def test_load_asks_the_kernel_backend_for_each_linear_layers_packed_weight(
     """CausalLM.bind_kernels hands every linear layer's packed weight (joined groups too) to
     KernelBackend.prepare_packed, keeps what it returns, and logs how many it re-laid."""
     from tokenmill.models.loader import load_model, load_model_config
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     class Preparing(TorchKernelBackend):
         """The torch kernels, with each prepared weight's scales halved and codes kept."""

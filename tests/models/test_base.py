@@ -10,7 +10,7 @@ import torch
 from tokenmill.layers import FusedLinear
 from tokenmill.models.loader import _iter_safetensors, load_model_config
 from tokenmill.models.registry import get_model_class
-from tokenmill.store import resolve_model
+from tokenmill.resolve import resolve_model
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 

@@ -22,13 +22,8 @@ from tokenmill.kernels import cpu_library
 from tokenmill.models import gguf_cache, loader
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import PackedQuantMethod
-from tokenmill.store import (
-    file_identity,
-    record_sha256,
-    resolve_model,
-    verified_sha256,
-    write_atomic,
-)
+from tokenmill.resolve import resolve_model
+from tokenmill.store import file_identity, record_sha256, verified_sha256, write_atomic
 from tokenmill.worker.memory import dummy_prefill
 
 CPU = torch.device("cpu")

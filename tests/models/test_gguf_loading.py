@@ -27,8 +27,8 @@ from tokenmill.config import SLIDING_ATTENTION
 from tokenmill.engine import LLMEngine
 from tokenmill.kernels import cpu_library
 from tokenmill.models.loader import load_model_config
+from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.store import resolve_model
 
 HIDDEN, INTERMEDIATE, NUM_HEADS, HEAD_DIM, VOCAB = 256, 512, 4, 64, 320
 NUM_KV_HEADS = {"llama": 2, "gemma3": 1}

@@ -35,8 +35,8 @@ from test_gguf_loading import (
 
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
+from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.store import resolve_model
 
 HIDDEN, EXPERT, DENSE, NUM_HEADS, NUM_KV, HEAD_DIM, VOCAB = 256, 256, 512, 4, 2, 64, 320
 NUM_EXPERTS, TOP_K, LAYERS = 8, 2, 2

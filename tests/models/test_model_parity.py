@@ -91,7 +91,7 @@ def test_prefill_and_decode_match_transformers(tiny_model_dir, arch):
 def test_mixed_batch_with_chunked_prefill_and_preemption(tiny_model_dir, arch):
     path = tiny_model_dir(arch)
     from tokenmill.models.loader import load_model_config
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     config = load_model_config(resolve_model(str(path)))
     block_size = 8

@@ -646,7 +646,7 @@ def test_a_gguf_model_holds_its_weights_at_the_files_bytes(tmp_path, caplog, nam
     import logging
 
     from tokenmill.models.loader import gguf_weight_bytes, load_model, load_model_config
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     t = GGML_TYPES[name]
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -693,7 +693,7 @@ def test_q2_k_and_q3_k_models_stay_packed_and_match_their_dequantized_weights(
     import logging
 
     from tokenmill.models.loader import load_model, load_model_config
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
 
     path = tmp_path / "k-quants.gguf"
     _write_k_quant_gguf(path)

@@ -151,7 +151,9 @@ def test_gemma_output_is_greedy_under_the_target_model(spec) -> None:
     """
     text = Path(__file__).read_text()[:1500]
     prompt = f"Here is a file:\n\n{text}\n\nThe same file again, unchanged:\n\n"
-    engine = LLMEngine(EngineArgs(max_model_len=2048, kv_cache_memory="128MiB", **spec))
+    engine = LLMEngine(
+        EngineArgs(model="gemma-3-270m", max_model_len=2048, kv_cache_memory="128MiB", **spec)
+    )
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=128))
     num_steps, output = 0, []
     while engine.has_unfinished_requests():
@@ -161,7 +163,9 @@ def test_gemma_output_is_greedy_under_the_target_model(spec) -> None:
     (tokens,) = output
     assert len(tokens) == 128 and num_steps < 0.8 * 128  # drafts were kept
     prompt_ids = engine.tokenizer.encode(prompt)
-    check = LLMEngine(EngineArgs(max_model_len=2048, kv_cache_memory="128MiB"))
+    check = LLMEngine(
+        EngineArgs(model="gemma-3-270m", max_model_len=2048, kv_cache_memory="128MiB")
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     check.add_request(prompt_ids + tokens, params)
     while check.has_unfinished_requests():

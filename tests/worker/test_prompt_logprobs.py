@@ -17,8 +17,8 @@ from conftest import run_to_end
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
 from tokenmill.outputs import PositionLogprobs
+from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.store import resolve_model
 from tokenmill.worker import sampler as sampler_mod
 from tokenmill.worker.model_runner import kv_bytes_per_block
 from tokenmill.worker.sampler import compute_prompt_logprobs

@@ -305,7 +305,7 @@ def _throughput(
 def load_bench_tokenizer(model: str) -> Tokenizer:
     """A tokenmill model's tokenizer, read from its files (no weights, no torch)."""
     from tokenmill.modelfile import summarize
-    from tokenmill.store import resolve_model
+    from tokenmill.resolve import resolve_model
     from tokenmill.tokenizer import load_tokenizer
 
     path = resolve_model(model).path

@@ -33,7 +33,7 @@ from tokenmill.modelfile import (
     read_gguf,
     safetensors_tensors,
 )
-from tokenmill.store import resolve_model
+from tokenmill.resolve import resolve_model
 
 __all__ = [
     "ModelFacts",

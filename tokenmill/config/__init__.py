@@ -7,7 +7,7 @@
     engine.py      EngineArgs (what a user sets; the CLI's flags), EngineConfig,
                    SchedulerConfig and WorkerInfo (what the engine resolves with its worker)
 
-Which model a name stands for (resolve_model, ModelSource) is store.py's; which architectures
+Which model a name stands for (resolve_model, ModelSource) is resolve.py's; which architectures
 exist, architectures.py's. The names below are the package's public face.
 """
 

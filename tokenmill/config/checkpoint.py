@@ -24,7 +24,7 @@ from tokenmill.config.model import (
     RopeScaling,
 )
 from tokenmill.modelfile import GGUF_FILE_TYPES
-from tokenmill.store import ModelSource
+from tokenmill.resolve import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenmill.config.cache import KV_CACHE_DTYPES, CacheConfig, parse_memory
 from tokenmill.config.declare import check_declared, check_number_types, option
 from tokenmill.config.model import ModelConfig
+from tokenmill.embedded import DEFAULT_MODEL
 from tokenmill.kv_layout import KVLayout
-from tokenmill.store import DEFAULT_MODEL
 
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
 QUANTIZATION_METHODS = ("gguf", "half", "none", "int8", "int4")

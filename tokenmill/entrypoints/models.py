@@ -16,17 +16,11 @@ from pathlib import Path
 from typing import TextIO
 
 from tokenmill.architectures import CHECKPOINT_NAMES, SUPPORTED_ARCHITECTURES
+from tokenmill.embedded import EMBEDDED_MODELS, embedded_path
 from tokenmill.memory import available_memory, human_bytes
 from tokenmill.modelfile import ModelSummary, summarize
-from tokenmill.store import (
-    DEFAULT_MODEL,
-    PACKED_CACHE_ENTRIES,
-    aliases,
-    cache_dir,
-    model_dir,
-    model_files,
-    resolve_model,
-)
+from tokenmill.resolve import resolve_model
+from tokenmill.store import PACKED_CACHE_ENTRIES, aliases, cache_dir, model_dir, model_files
 
 
 @dataclass(slots=True)
@@ -57,7 +51,8 @@ def catalog(directory: Path | None = None) -> list[Entry]:
         except ValueError as e:
             entries.append(Entry(name, path, None, str(e)))
 
-    add(DEFAULT_MODEL, lambda: resolve_model(DEFAULT_MODEL).path)
+    for name in EMBEDDED_MODELS:  # listing fetches nothing
+        add(name, lambda name=name: embedded_path(name, fetch=False))
     try:
         named = aliases(directory)
     except ValueError as e:

@@ -40,7 +40,7 @@ from tokenmill.quant.packed import (
     pack_gguf,
     pack_half,
 )
-from tokenmill.store import ModelSource
+from tokenmill.resolve import ModelSource
 
 T = TypeVar("T", torch.Tensor, PackedWeight, GGUFBlocks)
 

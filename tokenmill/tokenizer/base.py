@@ -75,7 +75,12 @@ class Tokenizer:
             if chat_template is None:
                 logger.warning("No chat template in the model and none known for %r", architecture)
             else:
-                logger.info("No chat template in the model; using the %s default", architecture)
+                # Often a base model, which continues a chat instead of ending its reply.
+                logger.warning(
+                    "the model carries no chat template (a base model?): chat uses the %s "
+                    "default, and replies may not end; cap them with max_tokens",
+                    architecture,
+                )
         self.chat_template: str | None = chat_template
 
         stop_ids = [eos_token_id] if eos_token_id is not None else []

@@ -26,8 +26,8 @@ import torch
 from tokenmill.config import CacheConfig
 from tokenmill.core.sched_output import NewRequestData, SchedulerOutput
 from tokenmill.layers.linear import Linear
+from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.store import resolve_model
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from tokenmill.models.base import CausalLM
 from tokenmill.models.loader import load_model, load_model_config
 from tokenmill.quant import create_quant_method
 from tokenmill.quant.half import stored_half_kind
+from tokenmill.resolve import resolve_model
 from tokenmill.spec import Proposer, create_proposer
-from tokenmill.store import resolve_model
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.calibration import input_importance
 from tokenmill.worker.cuda_graph import cuda_graphs_supported
