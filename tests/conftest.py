@@ -157,6 +157,44 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
     return make
 
 
+@pytest.fixture(scope="session")
+def reasoning_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[[str], Path]:
+    """``reasoning_model_dir("qwen3")`` / ``("deepseek_r1")``: the tiny random Qwen3 with that
+    family's chat template and its tags as single tokens (tests/reasoning_templates.py)."""
+    import json
+    import shutil
+
+    from reasoning_templates import DEEPSEEK_R1, DEEPSEEK_R1_TOKENS, QWEN3, QWEN3_TOKENS
+
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            template, tokens, special, eos = {
+                "qwen3": (QWEN3, QWEN3_TOKENS, QWEN3_TOKENS[:2], "<|im_end|>"),
+                "deepseek_r1": (
+                    DEEPSEEK_R1,
+                    DEEPSEEK_R1_TOKENS,
+                    DEEPSEEK_R1_TOKENS[:3],
+                    "<｜end▁of▁sentence｜>",
+                ),
+            }[kind]
+            path = tmp_path_factory.mktemp(f"tiny-{kind}-reasoning")
+            source = tiny_model_dir("qwen3")
+            shutil.copy(source / "model.safetensors", path / "model.safetensors")
+            config = json.loads((source / "config.json").read_text())
+            # Room for Qwen3's tool prompt, ~550 of the byte tokenizer's tokens.
+            config["max_position_embeddings"] = 2048
+            (path / "config.json").write_text(json.dumps(config))
+            # The chat format's own tokens are special, the thinking and tool tags are not (as
+            # in the real tokenizers); the end of a turn is the end of sequence.
+            write_byte_tokenizer(path, 384, tokens, template, eos, special)
+            made[kind] = path
+        return made[kind]
+
+    return make
+
+
 def assert_all_blocks_free(engine) -> None:
     """Every engine test ends with this: no request holds a KV block."""
     stats = engine.stats()

@@ -125,6 +125,8 @@ class EngineInfo:
     # The longest request whose K/V fit (at most num_kv_blocks x block_size): fewer blocks than
     # tokens when sliding-window layers keep only their window (kv_layout.py).
     num_kv_tokens: int
+    # The reasoning format the server splits outputs by (reasoning.py): "think", or None.
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)

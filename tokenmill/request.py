@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.reasoning import ThinkingBudget
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -39,6 +40,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     # Its compiled structured-output format (structured.CompiledGrammar), for the worker.
     grammar: object | None = None
+    # Its thinking budget (reasoning.ThinkingBudget; SamplingParams.max_thinking_tokens).
+    thinking: ThinkingBudget | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Sibling requests of an n > 1 group wait for this request's prompt to be computed, so
     # they find its full blocks in the prefix cache instead of computing them again.

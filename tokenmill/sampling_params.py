@@ -91,6 +91,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON schema, a regex, a choice or a grammar (structured/).
     structured_outputs: StructuredOutputs | None = None
+    # A reasoning model's thinking ends after this many tokens: the engine makes it write its
+    # end-of-thinking tag, then it answers (reasoning.py). None: no budget; 0: no thinking.
+    max_thinking_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,6 +135,13 @@ class SamplingParams:
                 "max_tokens",
                 self.max_tokens,
                 "an integer >= 1",
+            )
+        if self.max_thinking_tokens is not None:
+            _check(
+                _is_int(self.max_thinking_tokens) and self.max_thinking_tokens >= 0,
+                "max_thinking_tokens",
+                self.max_thinking_tokens,
+                "an integer >= 0",
             )
         _check(
             _is_int(self.min_tokens) and self.min_tokens >= 0,

@@ -12,6 +12,7 @@ from tokenmill.config.declare import check_declared, check_number_types, option
 from tokenmill.config.model import ModelConfig
 from tokenmill.embedded import DEFAULT_MODEL
 from tokenmill.kv_layout import KVLayout
+from tokenmill.reasoning import REASONING_PARSERS
 
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
 QUANTIZATION_METHODS = ("gguf", "half", "none", "int8", "int4")
@@ -213,6 +214,16 @@ class EngineArgs:
     # so it gains nothing there. Not with speculative decoding (the proposer reads each step's
     # tokens on the host) nor tensor parallelism. Steps whose requests need their tokens on the
     # host to sample the next (penalties, log-probs, structured output) run one at a time.
+    # Reasoning models (reasoning.py): "auto" finds the <think> format in the chat template;
+    # a family's name says so for a template that does not show it; "none" leaves the
+    # thinking in the content.
+    reasoning_parser: str = option(
+        "auto",
+        "how the server splits a reasoning model's thinking from its answer (reasoning_content):"
+        " auto (from the chat template), none, or the <think> format by a family's name: "
+        + ", ".join(REASONING_PARSERS),
+        choices=("auto", "none", *REASONING_PARSERS),
+    )
     async_scheduling: bool | None = option(
         None,
         "schedule each step while the device runs the one before it (default: on with CUDA); "

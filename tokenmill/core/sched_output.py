@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.outputs import TokenLogprob
+from tokenmill.reasoning import ThinkingBudget
 from tokenmill.request import FinishReason
 from tokenmill.sampling_params import SamplingParams
 
@@ -25,6 +26,8 @@ class NewRequestData:
     # A structured.CompiledGrammar: the worker makes the request's matcher from it (and, after
     # a preemption, replays the outputs so far through it).
     grammar: object | None = None
+    # Its thinking budget: the worker ends the thinking there (reasoning.BudgetState).
+    thinking: ThinkingBudget | None = None
 
 
 @dataclass(slots=True)

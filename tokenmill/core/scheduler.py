@@ -224,6 +224,7 @@ class Scheduler:
                     num_computed_tokens=num_cached,
                     eos_token_ids=req.eos_token_ids,
                     grammar=req.grammar,
+                    thinking=req.thinking,
                 )
             )
             budget -= num_new
@@ -328,10 +329,12 @@ class Scheduler:
 def _can_run_ahead(req: Request) -> bool:
     """Whether the request's next step may be scheduled before this one's tokens are in: the
     worker samples it without seeing the pending token's id (penalties count token ids; a
-    grammar advances on them), and its log-probs come with the token alone."""
+    grammar and a thinking budget advance on them), and its log-probs come with the token
+    alone."""
     params = req.sampling_params
     return (
         req.grammar is None
+        and req.thinking is None
         and not params.has_penalties
         and params.logprobs is None
         and params.prompt_logprobs is None

@@ -38,6 +38,13 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.memory import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
+from tokenmill.reasoning import (
+    THINK_END,
+    THINK_START,
+    ThinkingBudget,
+    opens_thinking,
+    reasoning_format,
+)
 from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.compiler import CompiledGrammar, GrammarCompiler
@@ -54,6 +61,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: CompiledGrammar | None = None  # params.structured_outputs, compiled
+    thinking: ThinkingBudget | None = None  # params.max_thinking_tokens, for this prompt
 
 
 class LLMEngine:
@@ -84,10 +92,15 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, self.eos_token_ids
         )
+        # The model's reasoning format (reasoning.py): "think", or None.
+        self.reasoning = reasoning_format(self.tokenizer.chat_template, args.reasoning_parser)
+        self._think_ids = (
+            (self._tag_ids(THINK_START), self._tag_ids(THINK_END)) if self.reasoning else None
+        )
         self._ids = itertools.count()
         self.async_scheduling = worker.async_scheduling
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
-        self.info = _engine_info(args, worker, self.config)
+        self.info = _engine_info(args, worker, self.config, self.reasoning)
         resident = resident_bytes()
         logger.info(
             "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d tokens, up to %d "
@@ -158,7 +171,47 @@ class LLMEngine:
         if params.structured_outputs is not None:  # here, off the step loop (and cached)
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         text = prompt if isinstance(prompt, str) else None
-        return PreparedRequest(text, prompt_ids, params, grammar)
+        thinking = self._thinking_budget(params, text, prompt_ids)
+        return PreparedRequest(text, prompt_ids, params, grammar, thinking)
+
+    def _thinking_budget(
+        self, params: SamplingParams, text: str | None, prompt_ids: list[int]
+    ) -> ThinkingBudget | None:
+        if params.max_thinking_tokens is None:
+            return None
+        if self._think_ids is None:
+            raise ValueError(
+                "max_thinking_tokens needs a reasoning model (one whose chat template thinks in "
+                f"{THINK_START}...{THINK_END}, or --reasoning-parser naming its format); "
+                f"{self.info.model} is not one"
+            )
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "max_thinking_tokens does not combine with structured outputs yet (their format "
+                "would hold the thinking too); drop one of them"
+            )
+        # Whether the template opened the block: read off the prompt's end.
+        tail = (
+            text
+            if text is not None
+            else self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+        )
+        start_ids, end_ids = self._think_ids
+        return ThinkingBudget(params.max_thinking_tokens, start_ids, end_ids, opens_thinking(tail))
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+
+    def prompt_opens_thinking(self, prompt: str | list[int]) -> bool:
+        """Whether a prompt leaves a thinking block open (its output starts in the thinking)."""
+        if self.reasoning is None:
+            return False
+        tail = (
+            prompt
+            if isinstance(prompt, str)
+            else self.tokenizer.decode(list(prompt)[-16:], skip_special_tokens=False)
+        )
+        return opens_thinking(tail)
 
     def add_request(
         self,
@@ -182,6 +235,7 @@ class LLMEngine:
                 sampling_params=_child_params(params, i),
                 eos_token_ids=self.eos_token_ids,
                 grammar=prepared.grammar,
+                thinking=prepared.thinking,
                 wait_for_req_id=request_id if i > 0 else None,
             )
             for i in range(params.n)
@@ -370,7 +424,9 @@ def _window_capacity(config: EngineConfig) -> str:
     )
 
 
-def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> EngineInfo:
+def _engine_info(
+    args: EngineArgs, worker: WorkerInfo, config: EngineConfig, reasoning: str | None
+) -> EngineInfo:
     cache = config.cache_config
     return EngineInfo(
         model=args.model,
@@ -393,6 +449,7 @@ def _engine_info(args: EngineArgs, worker: WorkerInfo, config: EngineConfig) -> 
         num_kv_tokens=worker.kv_layout.max_request_tokens(
             cache.num_blocks - 1, cache.block_size, config.scheduler_config.max_num_batched_tokens
         ),
+        reasoning=reasoning,
     )
 
 

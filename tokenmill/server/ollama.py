@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.reasoning import ReasoningStream
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
@@ -45,8 +46,10 @@ from tokenmill.server.serving import (
     OpenAIServing,
     Run,
     StreamBody,
+    Thinking,
     merge_streams,
     prepare_all,
+    thinking_of,
     unless_disconnected,
 )
 
@@ -187,6 +190,7 @@ class ShowResponse(BaseModel):
 class ResponseMessage(BaseModel):
     role: str
     content: str
+    thinking: str | None = None  # a reasoning model's thinking, with "think": true
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -212,6 +216,7 @@ class ChatResponse(_Reply):
 
 class GenerateResponse(_Reply):
     response: str
+    thinking: str | None = None  # a reasoning model's thinking, with "think": true
     context: list[int] | None = None
 
 
@@ -319,7 +324,7 @@ class OllamaServing:
         if not body.messages:  # Ollama's way to load a model: nothing to generate
             return JSONResponse(self._loaded(body, {"message": _message("")}))
         messages = [_chat_message(m) for m in body.messages]
-        template_kwargs: dict[str, Any] = {}
+        template_kwargs = _think_kwargs(engine, body)
         parser, calls_format = None, None
         if body.tools:  # Ollama's tool calling is OpenAI's tool_choice "auto"
             try:
@@ -335,7 +340,8 @@ class OllamaServing:
                 parallel=True,
                 other_format=body.format is not None,
             )
-            messages, template_kwargs = setup.messages, setup.template_kwargs
+            messages = setup.messages
+            template_kwargs = {**template_kwargs, **setup.template_kwargs}
             parser, calls_format = setup.parser, setup.grammar
 
         def prepare() -> tuple[list[int], PreparedRequest]:
@@ -348,7 +354,11 @@ class OllamaServing:
             return ids, self._prepare(engine, body, ids, "messages", calls_format)
 
         ids, prepared = await asyncio.to_thread(prepare)
-        return await self._respond(engine, body, raw, ids, prepared, chat=True, parser=parser)
+        # "think": true asks for the thinking apart, as message.thinking.
+        thinking = thinking_of(engine, ids) if body.think not in (None, False) else None
+        return await self._respond(
+            engine, body, raw, ids, prepared, chat=True, parser=parser, thinking=thinking
+        )
 
     async def generate(self, body: GenerateRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
@@ -360,6 +370,7 @@ class OllamaServing:
         _refuse_template(body.template)
         if not body.prompt and not body.context:
             return JSONResponse(self._loaded(body, {"response": ""}))
+        think_kwargs = _think_kwargs(engine, body)
 
         def prepare() -> tuple[list[int], PreparedRequest]:
             ids = list(body.context or [])
@@ -371,13 +382,16 @@ class OllamaServing:
                     messages = [{"role": "user", "content": body.prompt}]
                     if body.system:
                         messages.insert(0, {"role": "system", "content": body.system})
-                    ids += tokenizer.encode_chat(messages, add_generation_prompt=True)
+                    ids += tokenizer.encode_chat(
+                        messages, add_generation_prompt=True, **think_kwargs
+                    )
             except ValueError as e:
                 raise bad_request(str(e), param="prompt") from None
             return ids, self._prepare(engine, body, ids, "prompt")
 
         ids, prepared = await asyncio.to_thread(prepare)
-        return await self._respond(engine, body, raw, ids, prepared, chat=False)
+        thinking = thinking_of(engine, ids) if body.think not in (None, False) else None
+        return await self._respond(engine, body, raw, ids, prepared, chat=False, thinking=thinking)
 
     def _prepare(
         self,
@@ -396,8 +410,6 @@ class OllamaServing:
         self, body: _OllamaRequest, prompt_len: int, max_model_len: int
     ) -> SamplingParams:
         """SamplingParams from ``options`` and ``format``; 400 naming the option at fault."""
-        if body.think:
-            raise bad_request(f"'{body.model}' does not support thinking", param="think")
         opts = body.options or Options()
         for name, value in (opts.model_extra or {}).items():
             if name in UNSUPPORTED_OPTIONS and value != UNSUPPORTED_OPTIONS[name]:
@@ -459,9 +471,10 @@ class OllamaServing:
         prepared: PreparedRequest,
         chat: bool,
         parser: str | None = None,
+        thinking: Thinking | None = None,
     ) -> Response:
         run = self.openai.start(engine, "ollama", [prepared], caller=caller_of(raw))
-        chunks = _Chunks(body.model, ids, chat, parser)
+        chunks = _Chunks(body.model, ids, chat, parser, thinking)
         if body.stream:
             return StreamBody(self._ndjson(run, chunks), on_close=run.close, media_type=NDJSON)
         try:
@@ -486,17 +499,19 @@ class OllamaServing:
             run.failed = True
             raise self.openai.engine_error(e) from None
         assert last is not None
-        text = chunks.streamed(last.outputs[0].text)  # held back if it may be a tool call
-        return chunks.final(last, text)
+        thinking, text = chunks.split(last.outputs[0].text)
+        text = chunks.streamed(text)  # held back if it may be a tool call
+        return chunks.final(last, text, thinking)
 
     async def _ndjson(self, run: Run, chunks: _Chunks) -> AsyncIterator[str]:
         try:
             async with contextlib.aclosing(merge_streams(run.streams)) as events:
                 async for _, out in events:
                     run.record(0, out)
-                    delta = chunks.streamed(out.outputs[0].text_delta)
-                    if delta:
-                        yield json.dumps(chunks.delta(delta)) + "\n"
+                    thinking, delta = chunks.split(out.outputs[0].text_delta, out.finished)
+                    delta = chunks.streamed(delta)
+                    if delta or thinking:
+                        yield json.dumps(chunks.delta(delta, thinking)) + "\n"
                     if out.finished:
                         yield json.dumps(chunks.final(out, "")) + "\n"
         except Aborted:
@@ -520,7 +535,12 @@ class _Chunks:
     shape), or sends it as content."""
 
     def __init__(
-        self, model: str, prompt_ids: list[int], chat: bool, parser: str | None = None
+        self,
+        model: str,
+        prompt_ids: list[int],
+        chat: bool,
+        parser: str | None = None,
+        thinking: Thinking | None = None,
     ) -> None:
         self.model = model
         self.prompt_ids = prompt_ids
@@ -528,6 +548,18 @@ class _Chunks:
         self.parser = parser
         self._held = ""
         self._streaming = parser is None
+        self._split = ReasoningStream(thinking.opened) if thinking is not None else None
+
+    def split(self, text: str, finished: bool = True) -> tuple[str, str]:
+        """(thinking, the rest) of new ``text`` ("think": true; ``finished``: the output
+        ended, so nothing is held back for a tag cut in two)."""
+        if self._split is None:
+            return "", text
+        thinking, text = self._split.feed(text)
+        if finished:
+            tail_thinking, tail_text = self._split.finish()
+            thinking, text = thinking + tail_thinking, text + tail_text
+        return thinking, text
 
     def streamed(self, text: str) -> str:
         """What of the new ``text`` goes out now (the rest is held until the end)."""
@@ -544,12 +576,16 @@ class _Chunks:
     def _base(self) -> dict[str, Any]:
         return {"model": self.model, "created_at": _timestamp(datetime.datetime.now(datetime.UTC))}
 
-    def delta(self, text: str) -> dict[str, Any]:
-        content = {"message": _message(text)} if self.chat else {"response": text}
+    def delta(self, text: str, thinking: str = "") -> dict[str, Any]:
+        if self.chat:
+            content: dict[str, Any] = {"message": _message(text, thinking)}
+        else:
+            content = {"response": text, **({"thinking": thinking} if thinking else {})}
         return {**self._base(), **content, "done": False}
 
-    def final(self, out: RequestOutput, text: str) -> dict[str, Any]:
-        """The last object; ``text``: content not sent yet (besides what is held)."""
+    def final(self, out: RequestOutput, text: str, thinking: str = "") -> dict[str, Any]:
+        """The last object; ``text``, ``thinking``: what was not sent yet (besides what is
+        held)."""
         completion = out.outputs[0]
         calls: list[tools_mod.ToolCall] = []
         if self._held:
@@ -562,7 +598,7 @@ class _Chunks:
         first = m.first_token_time or m.finished_time or m.arrival_time
         end = m.finished_time or first
         final = {
-            **self.delta(text),
+            **self.delta(text, thinking),
             "done": True,
             "done_reason": "length" if completion.finish_reason == "length" else "stop",
             "total_duration": int((end - m.arrival_time) * ns),
@@ -581,8 +617,29 @@ class _Chunks:
         return final
 
 
-def _message(text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text}
+def _message(text: str, thinking: str = "") -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
+    return message
+
+
+def _think_kwargs(engine: AsyncEngine, body: _OllamaRequest) -> dict[str, Any]:
+    """The chat template's variables for Ollama's ``think``: true / false, or an effort."""
+    if body.think is None:
+        return {}
+    if engine.info.reasoning is None:
+        if body.think is False:
+            return {}
+        raise bad_request(f"'{body.model}' does not support thinking", param="think")
+    if isinstance(body.think, str):
+        if body.think not in ("low", "medium", "high"):
+            raise bad_request(
+                f"think must be true, false, low, medium or high; got {body.think!r}",
+                param="think",
+            )
+        return {"enable_thinking": True, "reasoning_effort": body.think}
+    return {"enable_thinking": body.think}
 
 
 def _chat_message(m: Message) -> dict[str, Any]:

@@ -8,6 +8,7 @@ ignored. Ranges are checked here with messages that name the field and the allow
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, ClassVar, Literal
 
@@ -294,15 +295,41 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking, sent back
 
     def as_dict(self) -> dict[str, Any]:
         # OpenAI's "developer" role is the system role of newer models.
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": self.content}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
         return message
+
+
+# The chat_template_kwargs a request may send: plain values, never a template or an object.
+# enable_thinking (Qwen3), thinking (DeepSeek V3.1, Granite), reasoning_effort (gpt-oss).
+CHAT_TEMPLATE_KWARGS: dict[str, tuple[type, tuple[Any, ...] | None]] = {
+    "enable_thinking": (bool, None),
+    "thinking": (bool, None),
+    "reasoning_effort": (str, ("low", "medium", "high")),
+}
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """400 naming the key of chat_template_kwargs that is not an allowed plain value."""
+    for key, value in kwargs.items():
+        param = f"chat_template_kwargs.{key}"
+        if key not in CHAT_TEMPLATE_KWARGS:
+            raise bad_request(
+                f"chat_template_kwargs may hold {', '.join(CHAT_TEMPLATE_KWARGS)}; got '{key}'",
+                param=param,
+                code="unsupported",
+            )
+        kind, choices = CHAT_TEMPLATE_KWARGS[key]
+        if not isinstance(value, kind) or (choices is not None and value not in choices):
+            what = kind.__name__ if choices is None else "one of " + ", ".join(choices)
+            raise bad_request(f"'{param}' must be {what}; got {value!r}", param=param)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -326,7 +353,10 @@ class ChatCompletionRequest(_SamplingRequest):
     # Named so that a request sending them is refused with a reason, not as an unknown field:
     # only the model's own template is rendered (in the sandbox, tokenizer.py).
     chat_template: str | None = None
+    # Plain values the model's template reads (CHAT_TEMPLATE_KWARGS): thinking on or off.
     chat_template_kwargs: dict[str, Any] | None = None
+    # A reasoning model's thinking ends after this many tokens (SamplingParams).
+    max_thinking_tokens: int | None = None
     metadata: dict[str, str] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -342,14 +372,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
-        for name in ("chat_template", "chat_template_kwargs"):
-            if getattr(self, name) is not None:
-                raise bad_request(
-                    f"'{name}' in a request is refused: the server renders the model's own "
-                    "chat template",
-                    param=name,
-                    code="unsupported",
-                )
+        if self.chat_template is not None:
+            raise bad_request(
+                "'chat_template' in a request is refused: the server renders the model's own "
+                "chat template",
+                param="chat_template",
+                code="unsupported",
+            )
+        check_template_kwargs(self.chat_template_kwargs or {})
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if (
@@ -371,7 +401,7 @@ class ChatCompletionRequest(_SamplingRequest):
         else:
             max_tokens, name = self.max_tokens, "max_tokens"
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(
+        params = self.sampling_params(
             limits,
             max_model_len,
             max_tokens=max_tokens,
@@ -379,6 +409,10 @@ class ChatCompletionRequest(_SamplingRequest):
             logprobs=logprobs,
             logprobs_name="top_logprobs",
         )
+        if self.max_thinking_tokens is None:
+            return params
+        _check_range("max_thinking_tokens", self.max_thinking_tokens, 0, max_model_len)
+        return dataclasses.replace(params, max_thinking_tokens=self.max_thinking_tokens)
 
     @property
     def max_tokens_name(self) -> str:
@@ -422,11 +456,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # a reasoning model's thinking, its closing tag included
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class Timings(BaseModel):
@@ -470,6 +509,9 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thinking (reasoning.py), apart from its answer in content (vLLM's
+    # and DeepSeek's field).
+    reasoning_content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 

@@ -33,6 +33,13 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.reasoning import (
+    THINK_END,
+    THINK_START,
+    ReasoningStream,
+    opens_thinking,
+    split_reasoning,
+)
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import NO_KEY_ID, OPEN_CALLER, Caller, caller_of
@@ -54,6 +61,7 @@ from tokenmill.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -66,6 +74,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.state import ServerState, ServerStatus, Ticket
 from tokenmill.server.usage import UsageMeter
+from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +244,7 @@ class OpenAIServing:
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         setup = self._tool_setup(engine, body, params)
         params, messages, template_kwargs, parser = setup
+        template_kwargs = {**(body.chat_template_kwargs or {}), **template_kwargs}
 
         def prepare() -> list[PreparedRequest]:
             try:
@@ -248,7 +258,7 @@ class OpenAIServing:
 
         prepared = await asyncio.to_thread(prepare)
         run = self.start(engine, "chatcmpl", prepared, body.cache_salt, caller_of(raw), body.user)
-        chunks = _ChatChunks(run, body, parser)
+        chunks = _ChatChunks(run, body, parser, thinking_of(engine, prepared[0].prompt_token_ids))
         if body.stream:
             return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
         try:
@@ -564,6 +574,7 @@ def _usage_event(
     chunk_cls: type[ChatCompletionChunk] | type[CompletionChunk],
     run: Run,
     finals: list[RequestOutput],
+    reasoning_tokens: int | None = None,
 ) -> str:
     """The SSE event with only usage and timings, sent last when include_usage is set."""
     chunk = chunk_cls(
@@ -571,22 +582,71 @@ def _usage_event(
         created=run.created,
         model=run.model,
         choices=[],
-        usage=_usage(finals),
+        usage=_usage(finals, reasoning_tokens),
         timings=_timings(finals),
     )
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def _usage(finals: list[RequestOutput]) -> UsageInfo:
+def _usage(finals: list[RequestOutput], reasoning_tokens: int | None = None) -> UsageInfo:
+    """The usage of finished outputs; ``reasoning_tokens``: a reasoning model's thinking."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in finals)
+    details = None
+    if reasoning_tokens is not None:
+        details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=details,
     )
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A reasoning model's thinking in one run's outputs: whether the prompt opened the block,
+    and the tokenizer that tells how many of an output's tokens it took."""
+
+    opened: bool
+    tokenizer: Tokenizer
+
+    def num_tokens(self, token_ids: list[int]) -> int:
+        """The tokens of the thinking, its closing tag included: read off the text (a tag may
+        come as one token or several)."""
+
+        def holds(tag: str) -> Callable[[int], bool]:
+            return lambda k: tag in self.tokenizer.decode(token_ids[:k], skip_special_tokens=False)
+
+        start = 0 if self.opened else _first(len(token_ids), holds(THINK_START))
+        if start is None:
+            return 0
+        end = _first(len(token_ids), holds(THINK_END))
+        return (len(token_ids) if end is None else end) - start
+
+
+def _first(n: int, holds: Callable[[int], bool]) -> int | None:
+    """The least k in [1, n] for which ``holds`` (false, then true from there on), or None."""
+    if n == 0 or not holds(n):
+        return None
+    low, high = 1, n
+    while low < high:
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def thinking_of(engine: AsyncEngine, prompt_ids: list[int]) -> Thinking | None:
+    """How to split a run's outputs (None: the model does not reason, or its parser is off)."""
+    if engine.info.reasoning is None:
+        return None
+    tail = engine.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+    return Thinking(opens_thinking(tail), engine.tokenizer)
 
 
 def _timings(finals: list[RequestOutput]) -> Timings:
@@ -658,11 +718,21 @@ class _ChatChunks:
     is parsed, and calls go out as ``delta.tool_calls`` (each whole, as one piece the openai
     SDK assembles) with finish_reason "tool_calls", or the held text as content."""
 
-    def __init__(self, run: Run, body: ChatCompletionRequest, parser: str | None = None) -> None:
+    def __init__(
+        self,
+        run: Run,
+        body: ChatCompletionRequest,
+        parser: str | None = None,
+        thinking: Thinking | None = None,
+    ) -> None:
         self.run = run
         self.logprobs = body.logprobs
         self.include_usage = body.include_usage
         self.parser = parser
+        # A reasoning model's thinking goes out as reasoning_content, apart from the answer
+        # (which alone may hold tool calls).
+        self.thinking = thinking
+        self._split = [ReasoningStream(thinking.opened) for _ in range(run.n)] if thinking else []
         self._num_sent_logprobs = [0] * run.n
         self._finished: set[int] = set()
         self._held = [""] * run.n  # text that may still be a tool call, per choice
@@ -685,16 +755,25 @@ class _ChatChunks:
         for c in out.outputs:
             idx = c.index
             new = _new_logprobs(c, self._num_sent_logprobs, idx)
-            text = self._content_delta(idx, c.text_delta)
-            if text or new:
+            finished = c.finish_reason is not None and c.finish_reason != "abort"
+            reasoning, text = "", c.text_delta
+            if self._split:
+                reasoning, text = self._split[idx].feed(text)
+                if finished:
+                    tail_reasoning, tail_text = self._split[idx].finish()
+                    reasoning, text = reasoning + tail_reasoning, text + tail_text
+            text = self._content_delta(idx, text)
+            if text or new or reasoning:
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                if text or not reasoning:
+                    delta["content"] = text
                 yield self._chunk(
                     ChatChunkChoice(
                         index=idx,
-                        delta={"content": text},
+                        delta=delta,
                         logprobs=_chat_logprobs(new) if self.logprobs else None,
                     )
                 )
-            finished = c.finish_reason is not None and c.finish_reason != "abort"
             if finished and idx not in self._finished:
                 self._finished.add(idx)
                 finish_reason = c.finish_reason
@@ -735,12 +814,20 @@ class _ChatChunks:
         return tools_mod.parse_tool_calls(text, self.parser)
 
     def usage(self, finals: list[RequestOutput]) -> str:
-        return _usage_event(ChatCompletionChunk, self.run, finals)
+        return _usage_event(ChatCompletionChunk, self.run, finals, self._reasoning_tokens(finals))
+
+    def _reasoning_tokens(self, finals: list[RequestOutput]) -> int | None:
+        if self.thinking is None:
+            return None
+        return sum(self.thinking.num_tokens(c.token_ids) for o in finals for c in o.outputs)
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse:
         choices = []
         for c in finals[0].outputs:
-            content, calls = self._parse(c.text)
+            reasoning, text = None, c.text
+            if self.thinking is not None:
+                reasoning, text = split_reasoning(c.text, self.thinking.opened)
+            content, calls = self._parse(text)
             finish_reason = c.finish_reason
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
@@ -748,7 +835,8 @@ class _ChatChunks:
                 ChatChoice(
                     index=c.index,
                     message=ChatResponseMessage(
-                        content=content if calls else c.text,
+                        content=content if calls else text,
+                        reasoning_content=reasoning,
                         tool_calls=[call.as_dict() for call in calls] or None,
                     ),
                     logprobs=_chat_logprobs(c.logprobs or []) if self.logprobs else None,
@@ -761,7 +849,7 @@ class _ChatChunks:
             created=self.run.created,
             model=self.run.model,
             choices=choices,
-            usage=_usage(finals),
+            usage=_usage(finals, self._reasoning_tokens(finals)),
             timings=_timings(finals),
         )
 

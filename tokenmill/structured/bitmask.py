@@ -18,6 +18,17 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
+def allow_only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Row ``row`` allows ``token_id`` alone (a token the request must take)."""
+    bitmask[row] = 0
+    bitmask[row, token_id // 32] = _bit(token_id % 32)
+
+
+def _bit(i: int) -> int:
+    # bit 31 as an int32 word is negative
+    return (1 << i) - (1 << 32 if i == 31 else 0)
+
+
 def fill_row(bitmask: torch.Tensor, row: int, matcher: GrammarMatcher) -> None:
     words = bitmask[row]
     matcher.fill_bitmask(words.data_ptr(), words.numel() * words.element_size())

@@ -127,11 +127,61 @@ class GrammarCompiler:
             import llguidance
 
             self._ll_tokenizer = llguidance.LLTokenizer(
-                self.tokenizer.backend.to_str(),
+                plain_added_tokens(self.tokenizer.backend.to_str()),
                 n_vocab=self.vocab_size,
                 eos_token=list(self.eos_token_ids) or None,
             )
         return self._ll_tokenizer
+
+
+def plain_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer as llguidance should see it: its added tokens that are not special (Qwen's
+    <think>, <tool_call>) as ordinary tokens of the vocabulary.
+
+    llguidance takes every added token for a special one, matched only as a marked token and
+    never as its text; yet it tokenizes a grammar's forced text with the tokenizer itself, which
+    does match them as text. A grammar holding "<think>" then forces that token and refuses it
+    at once. A non-special added token is text the model writes: in the vocabulary, llguidance
+    lets it stand for its text. (Byte-level BPE vocabularies only, where the token's entry is
+    its bytes in the byte-to-unicode alphabet; others are left as they are.)"""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    added = data.get("added_tokens") or []
+    if (
+        model.get("type") != "BPE"
+        or not _is_byte_level(data)
+        or all(t.get("special") for t in added)
+    ):
+        return tokenizer_json
+    alphabet = _byte_alphabet()
+    for token in added:
+        if not token.get("special"):
+            text = "".join(alphabet[b] for b in token["content"].encode("utf-8"))
+            model["vocab"][text] = token["id"]
+    data["added_tokens"] = [t for t in added if t.get("special")]
+    return json.dumps(data)
+
+
+def _is_byte_level(data: dict) -> bool:
+    def has(node: object) -> bool:
+        if not isinstance(node, dict):
+            return False
+        return node.get("type") == "ByteLevel" or any(has(n) for n in node.get("pretokenizers", []))
+
+    return has(data.get("pre_tokenizer")) or has(data.get("decoder"))
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map: each byte as the character a byte-level vocabulary uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def kind(spec: StructuredOutputs) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata, PrefillSeq
+from tokenmill.reasoning import BudgetState
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured import GrammarMatcher
 from tokenmill.worker.sampler import SamplingRow
@@ -93,6 +94,7 @@ class RequestState:
     # The next prompt position whose log-prob is owed (with SamplingParams.prompt_logprobs).
     next_prompt_logprob_idx: int = 1
     grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
+    thinking: BudgetState | None = None  # its thinking budget, at its last token
     # Its sampling row when it reads no tokens (no penalties, no min_tokens, no drafts): the
     # same every step, so made once (model_runner._sampling_rows).
     plain_row: SamplingRow | None = None

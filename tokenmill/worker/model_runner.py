@@ -43,9 +43,10 @@ from tokenmill.core.sched_output import (
 )
 from tokenmill.kv_layout import KVLayout
 from tokenmill.models.base import CausalLM
+from tokenmill.reasoning import BudgetState, ThinkingBudget
 from tokenmill.spec import Draft, DraftRequest, Proposer
 from tokenmill.structured import CompiledGrammar, GrammarMatcher
-from tokenmill.structured.bitmask import allocate_bitmask, fill_row
+from tokenmill.structured.bitmask import allocate_bitmask, allow_only, fill_row
 from tokenmill.worker.cuda_graph import CUDA_GRAPH_MAX_BATCH, CudaDecodeGraphs
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
@@ -336,6 +337,7 @@ class ModelRunner:
                 eos_token_ids=new.eos_token_ids,
                 next_prompt_logprob_idx=next_prompt_logprob_idx,
                 grammar=_matcher(new.grammar, new.token_ids[new.num_prompt_tokens :]),
+                thinking=_budget_state(new.thinking, new.token_ids[new.num_prompt_tokens :]),
             )
         for cached in sched.cached_reqs:
             tables = self.requests[cached.req_id].block_ids
@@ -351,7 +353,7 @@ class ModelRunner:
         """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
         and append the accepted tokens to the requests."""
         rows = [row for rid, drafts in reqs for row in self._sampling_rows(rid, drafts)]
-        token_ids, logprobs = self.sampler(logits, rows, self._grammar_bitmask(reqs, len(rows)))
+        token_ids, logprobs = self.sampler(logits, rows, self._token_bitmask(reqs, len(rows)))
         i = 0
         for rid, drafts in reqs:
             num_rows = len(drafts) + 1
@@ -360,6 +362,8 @@ class ModelRunner:
             state.token_ids.extend(new)
             if state.grammar is not None:
                 state.grammar.accept(new)
+            if state.thinking is not None:
+                state.thinking.accept(new)
             out.sampled_token_ids[rid] = new
             row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
             if row_logprobs:
@@ -428,17 +432,20 @@ class ModelRunner:
             rows.append(row)
         return rows
 
-    def _grammar_bitmask(
+    def _token_bitmask(
         self, reqs: list[tuple[str, list[int]]], num_rows: int
     ) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of every row of the constrained requests (None if there are
-        none): row j of a request is filled after its drafts[:j] advanced its matcher, which
-        then rolls back. A draft the grammar refuses is not allowed in its row, so it is
-        rejected there; the rows after it are dropped whatever they sample."""
+        none): a structured-output grammar's, or the one token a spent thinking budget makes
+        the request write next.
+
+        Row j of a request is filled after its drafts[:j] advanced its matcher, which then
+        rolls back. A draft the grammar refuses is not allowed in its row, so it is rejected
+        there; the rows after it are dropped whatever they sample."""
         constrained = [
             (i, rid, drafts)
             for i, (rid, drafts) in _row_starts(reqs)
-            if self.requests[rid].grammar is not None
+            if self.requests[rid].grammar is not None or self.requests[rid].thinking is not None
         ]
         if not constrained:
             return None
@@ -448,7 +455,9 @@ class ModelRunner:
         bitmask, masked = buf[:num_rows], []
         for start, rid, drafts in constrained:
             matcher = self.requests[rid].grammar
-            assert matcher is not None
+            if matcher is None:
+                masked += self._budget_rows(bitmask, start, rid, drafts)
+                continue
             advanced = 0
             for j in range(len(drafts) + 1):
                 fill_row(bitmask, start + j, matcher)
@@ -458,6 +467,24 @@ class ModelRunner:
                 advanced += 1
             matcher.rollback(advanced)
         return bitmask, masked
+
+    def _budget_rows(
+        self, bitmask: torch.Tensor, start: int, req_id: str, drafts: list[int]
+    ) -> list[int]:
+        """The rows of a request whose thinking budget forces a token: only that token."""
+        budget = self.requests[req_id].thinking
+        assert budget is not None
+        if drafts:
+            budget = budget.copy()
+        masked = []
+        for j in range(len(drafts) + 1):
+            forced = budget.forced_token()
+            if forced is not None:
+                allow_only(bitmask, start + j, forced)
+                masked.append(start + j)
+            if j < len(drafts):
+                budget.accept([drafts[j]])
+        return masked
 
     def _forget_draft(self, req_id: str, output_token_ids: list[int] | None) -> None:
         self._drafts.pop(req_id, None)
@@ -587,6 +614,16 @@ def _matcher(grammar: object | None, outputs: list[int]) -> GrammarMatcher | Non
     matcher = grammar.matcher()
     matcher.accept(outputs)
     return matcher
+
+
+def _budget_state(budget: ThinkingBudget | None, outputs: list[int]) -> BudgetState | None:
+    """A request's thinking budget, advanced over the outputs it already has (a resumed
+    request)."""
+    if budget is None:
+        return None
+    state = budget.state()
+    state.accept(outputs)
+    return state
 
 
 def _concat_logprobs(parts: list[SampledLogprobs]) -> SampledLogprobs:
