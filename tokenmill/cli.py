@@ -19,6 +19,10 @@ from tokenmill.embedded import DEFAULT_MODEL
 
 # tokenmill chat's cap on a reply: ends what a base model would continue forever.
 CHAT_MAX_TOKENS = 512
+THINKING_HELP = (
+    "a reasoning model's thinking ends after N tokens: its </think> is forced there, then it "
+    "answers (default: no budget)"
+)
 
 
 def add_declared_flags(parser: argparse.ArgumentParser, settings: type) -> None:
@@ -140,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument(
+        "--max-thinking-tokens", type=int, default=None, metavar="N", help=THINKING_HELP
+    )
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
@@ -172,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         " /params max_tokens=N changes it)",
     )
     chat.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
+    chat.add_argument(
+        "--max-thinking-tokens", type=int, default=None, metavar="N", help=THINKING_HELP
+    )
 
     models = sub.add_parser("models", help="list the models here (alias, architecture, size)")
     models.add_argument("--model-dir", default=None, help="default: ~/.cache/tokenmill/models")
@@ -305,6 +315,7 @@ def _generate(ns: argparse.Namespace) -> int:
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
         structured_outputs=_structured_outputs(ns),
+        max_thinking_tokens=ns.max_thinking_tokens,
     )
     if not ns.prompt:
         raise ValueError("--prompt must not be empty")
@@ -358,11 +369,14 @@ def _chat(ns: argparse.Namespace) -> int:
     engine = LLMEngine(engine_args_from(ns))
     if engine.tokenizer.chat_template is None:
         raise ValueError(f"{ns.model!r} has no chat template; use tokenmill generate")
+    if ns.max_thinking_tokens is not None and engine.reasoning is None:
+        raise ValueError(f"--max-thinking-tokens needs a reasoning model; {ns.model!r} is not one")
     settings = {
         "temperature": ns.temperature,
         "top_p": ns.top_p,
         "max_tokens": ns.max_tokens,
         "seed": ns.sampling_seed,
+        "max_thinking_tokens": ns.max_thinking_tokens,
     }
     return run_chat(engine, ns.system, settings)
 

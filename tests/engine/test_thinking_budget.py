@@ -113,3 +113,17 @@ def test_a_budget_needs_a_reasoning_model(tiny_model_dir) -> None:
         engine.add_request([1, 40, 41], SamplingParams(max_thinking_tokens=4))
     with pytest.raises(ValueError, match="max_thinking_tokens must be an integer >= 0"):
         SamplingParams(max_thinking_tokens=-1)
+
+
+def test_the_cli_takes_a_budget(reasoning_model_dir, tiny_model_dir, capsys) -> None:
+    from tokenmill.cli import main
+
+    path = str(reasoning_model_dir("deepseek_r1"))
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "8MiB", "--max-tokens", "12"]
+    code = main(["generate", path, "--chat", "--prompt", "hi", "--ignore-eos",
+                 "--max-thinking-tokens", "4", *flags])  # fmt: skip
+    assert code == 0
+    assert THINK_END in capsys.readouterr().out
+    code = main(["chat", str(tiny_model_dir("llama")), "--max-thinking-tokens", "4", *flags])
+    assert code != 0
+    assert "needs a reasoning model" in capsys.readouterr().err

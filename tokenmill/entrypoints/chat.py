@@ -31,7 +31,7 @@ from tokenmill.sampling_params import SamplingParams
 HELP = """Commands:
   /params [key=value ...]  show or set sampling: temperature, top_p, top_k, min_p, max_tokens,
                            seed, repetition_penalty, presence_penalty, frequency_penalty,
-                           ignore_eos
+                           ignore_eos, max_thinking_tokens
   /system TEXT             set the system message (/system alone clears it)
   /reset                   forget the conversation (the system message stays)
   /stats                   the last reply: TTFT, tokens/s, prompt tokens found in the cache
@@ -51,6 +51,7 @@ PARAMS = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "ignore_eos": bool,
+    "max_thinking_tokens": int,
 }
 
 
