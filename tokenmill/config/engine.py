@@ -214,6 +214,15 @@ class EngineArgs:
     # so it gains nothing there. Not with speculative decoding (the proposer reads each step's
     # tokens on the host) nor tensor parallelism. Steps whose requests need their tokens on the
     # host to sample the next (penalties, log-probs, structured output) run one at a time.
+    # A JSON format's numbers end (structured/json_numbers.py): at most this many significant
+    # digits, and an exponent of at most 3; 0 leaves them unbounded.
+    json_number_digits: int = option(
+        17,
+        "structured JSON outputs: a number's most significant digits (17: what a double "
+        "carries; its exponent at most 3 digits), so no model writes digits to max_tokens; 0: "
+        "unbounded",
+        low=0,
+    )
     # Reasoning models (reasoning.py): "auto" finds the <think> format in the chat template;
     # a family's name says so for a template that does not show it; "none" leaves the
     # thinking in the content.

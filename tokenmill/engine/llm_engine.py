@@ -90,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(
-            self.tokenizer, model_config.vocab_size, self.eos_token_ids
+            self.tokenizer, model_config.vocab_size, self.eos_token_ids, args.json_number_digits
         )
         # The model's reasoning format (reasoning.py): "think", or None.
         self.reasoning = reasoning_format(self.tokenizer.chat_template, args.reasoning_parser)

@@ -32,3 +32,17 @@ def _bit(i: int) -> int:
 def fill_row(bitmask: torch.Tensor, row: int, matcher: GrammarMatcher) -> None:
     words = bitmask[row]
     matcher.fill_bitmask(words.data_ptr(), words.numel() * words.element_size())
+    refused = matcher.refused_tokens()
+    if refused:  # a JSON number at its bound: no more digits, unless nothing else may follow
+        kept = words.clone()
+        ids = torch.tensor(refused, dtype=torch.int64)
+        bits = torch.bitwise_left_shift(torch.ones_like(ids), ids % 32)
+        clear = torch.zeros(words.numel(), dtype=torch.int64).index_add_(0, ids // 32, bits)
+        kept &= ~_as_int32(clear)
+        if bool(kept.any()):
+            words.copy_(kept)
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words of 32 bits each as int32 (bit 31 the sign)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

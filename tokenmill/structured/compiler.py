@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenmill.sampling_params import StructuredOutputs
+from tokenmill.structured.json_numbers import NumberBound, NumberState
 from tokenmill.tokenizer import Tokenizer
 
 # Compiled templates kept per engine (least recently used dropped first).
@@ -37,18 +38,27 @@ class CompiledGrammar:
     key: str  # the format's hash
     template: object  # llguidance.LLMatcher in its start state (copied, never advanced)
     vocab_size: int
+    numbers: NumberBound | None = None  # a JSON format's bound on numbers (json_numbers.py)
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self.template.deep_copy(), self.vocab_size)  # type: ignore[attr-defined]
+        numbers = self.numbers.state() if self.numbers is not None else None
+        return GrammarMatcher(self.template.deep_copy(), self.vocab_size, numbers)  # type: ignore[attr-defined]
 
 
 class GrammarMatcher:
     """One request's position in its grammar: which tokens may come next, advanced by the
     tokens kept and rolled back over speculative ones."""
 
-    def __init__(self, matcher: object, vocab_size: int) -> None:
+    def __init__(
+        self, matcher: object, vocab_size: int, numbers: NumberState | None = None
+    ) -> None:
         self._m = matcher  # llguidance.LLMatcher
         self.vocab_size = vocab_size
+        self._numbers = numbers
+
+    def refused_tokens(self) -> list[int]:
+        """Tokens the grammar allows that the number bound refuses next (json_numbers.py)."""
+        return self._numbers.refused() if self._numbers is not None else []
 
     def fill_bitmask(self, address: int, num_bytes: int) -> None:
         """Write the allowed next tokens as bits (int32 words, bit i of word w: token 32w + i)
@@ -71,11 +81,15 @@ class GrammarMatcher:
                 break
             self._m.consume_token(token_id)  # type: ignore[attr-defined]
             recorded += 1
+        if self._numbers is not None:
+            self._numbers.accept(token_ids[:recorded])
         return recorded
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._m.rollback(num_tokens)  # type: ignore[attr-defined]
+            if self._numbers is not None:
+                self._numbers.rollback(num_tokens)
 
     @property
     def is_finished(self) -> bool:
@@ -87,11 +101,17 @@ class GrammarCompiler:
     """Compiles structured-output formats for one tokenizer; thread-safe."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        json_number_digits: int = 17,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids  # the ends a complete output may take
+        self.json_number_digits = json_number_digits  # 0: numbers unbounded
+        self._number_bound: NumberBound | None = None  # built on first JSON format
         self._lock = threading.Lock()
         self._ll_tokenizer: object | None = None  # built on first use (~1 s for 262k tokens)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -115,12 +135,25 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"structured output ({kind(spec)}) is invalid: {template.get_error()}")
-        compiled = CompiledGrammar(key, template, self.vocab_size)
+        numbers = None
+        if self.json_number_digits and kind(spec) in ("json_schema", "json_object"):
+            numbers = self._numbers()
+        compiled = CompiledGrammar(key, template, self.vocab_size, numbers)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _numbers(self) -> NumberBound:
+        with self._lock:
+            if self._number_bound is None:
+                texts = [
+                    self.tokenizer.decode([i], skip_special_tokens=False)
+                    for i in range(self.vocab_size)
+                ]
+                self._number_bound = NumberBound.for_vocabulary(texts, self.json_number_digits)
+            return self._number_bound
 
     def _tokenizer(self) -> object:
         if self._ll_tokenizer is None:
