@@ -14,7 +14,7 @@ from tokenmill.core.sched_output import NewRequestData, SchedulerOutput
 from tokenmill.kernels import cpu_library
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.memory import dummy_prefill, plan
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, resolve_worker_config
 
 GiB = 2**30
 PER_BLOCK = 2**20  # 1 MiB a block
@@ -86,8 +86,9 @@ def test_profiling_step_runs_the_model_in_sequences_of_max_model_len(tiny_model_
     """40 tokens at max_model_len 16 are sequences of 16, 16 and 8 tokens, each from position 0:
     the last rows' log-probs are those of positions 6 and 7 of one 8-token sequence (every
     token id 0), which a real prefill of eight zeros gives too."""
-    worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
-                               kv_cache_memory="4MiB", enforce_eager=True))  # fmt: skip
+    args = EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
+                      kv_cache_memory="4MiB", enforce_eager=True)  # fmt: skip
+    worker = Worker(resolve_worker_config(args))
     cache = CacheConfig(block_size=16)
     model, dtype, device = worker.model, worker.dtype, worker.device
     split = dummy_prefill(model, cache, dtype, device, 40, 16, 2)()
@@ -109,8 +110,9 @@ def test_profiling_step_runs_the_model_in_sequences_of_max_model_len(tiny_model_
 
 def test_cpu_worker_logs_its_plan(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill.worker.worker"):
-        worker = Worker(EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
-                                   kv_cache_memory="4MiB", enforce_eager=True))  # fmt: skip
+        args = EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64,
+                          kv_cache_memory="4MiB", enforce_eager=True)  # fmt: skip
+        worker = Worker(resolve_worker_config(args))
     plan_lines = [r.getMessage() for r in caplog.records if "memory plan" in r.getMessage()]
     assert len(plan_lines) == 1
     assert f"{worker.info.num_kv_blocks} blocks" in plan_lines[0]
@@ -140,7 +142,7 @@ def test_step_buffers_are_sized_from_seqs_and_batched_tokens(
     args = EngineArgs(model=str(tiny_model_dir("llama")), device="cpu", max_model_len=64, quantization="int8",
                       kv_cache_memory="4MiB", max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
-    worker = Worker(args)
+    worker = Worker(resolve_worker_config(args))
     vocab = worker.info.model_config.vocab_size
     assert worker.memory_plan.buffer_bytes == rows * vocab * 4
     worker.initialize(CacheConfig(block_size=16, num_blocks=worker.info.num_kv_blocks))

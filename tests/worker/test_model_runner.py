@@ -18,7 +18,7 @@ from tokenmill.core.sched_output import CachedRequestData, NewRequestData, Sched
 from tokenmill.engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.model_runner import ModelRunner, accept_drafts
-from tokenmill.worker.worker import Worker
+from tokenmill.worker.worker import Worker, resolve_worker_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 PROMPT = [1, *range(40, 60)]  # 21 tokens: the drafts cross a block boundary (block size 16)
@@ -31,7 +31,7 @@ def make_runner(tiny_model_dir, arch: str, kv_cache_dtype: str = "auto") -> Mode
     """The worker's runner, in the worker's KV layout: the tiny gemma3 (window 24 in 5 of its 6
     layers) has a block table per layer, 6 groups."""
     args = EngineArgs(model=str(tiny_model_dir(arch)), max_model_len=128, kv_cache_memory="4MiB")
-    worker = Worker(args)
+    worker = Worker(resolve_worker_config(args))
     cache = CacheConfig(
         block_size=BLOCK_SIZE,
         num_blocks=32,

@@ -41,7 +41,12 @@ from tokenmill.worker.distributed import (
     init_distributed,
     rank_args,
 )
-from tokenmill.worker.worker import Worker, call_worker, check_tensor_parallel_args
+from tokenmill.worker.worker import (
+    Worker,
+    call_worker,
+    check_tensor_parallel_args,
+    resolve_worker_config,
+)
 
 _POLL_S = 0.05
 # How long rank 0 waits, after its collective failed, for the rank that broke it to be seen dead.
@@ -76,7 +81,7 @@ class MultiProcExecutor(Executor):
                     conn.send((args, rank, port))
                     self.conns.append(conn)
             init_distributed(0, self.size, port, rank_args(args, 0).device)
-            self.worker = Worker(rank_args(args, 0), tp_rank=0)
+            self.worker = Worker(resolve_worker_config(rank_args(args, 0)))
             self._wait_all(START_TIMEOUT_S)
         except BaseException:
             self.shutdown()

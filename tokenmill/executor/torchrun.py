@@ -21,7 +21,12 @@ from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
 from tokenmill.executor.multiproc import TensorParallelWorkerError
 from tokenmill.worker.distributed import destroy_distributed, free_port
 from tokenmill.worker.torchrun import LaunchEnv, join, local_args, publish_args, send, store
-from tokenmill.worker.worker import Worker, call_worker, check_tensor_parallel_args
+from tokenmill.worker.worker import (
+    Worker,
+    call_worker,
+    check_tensor_parallel_args,
+    resolve_worker_config,
+)
 
 
 class TorchrunExecutor(Executor):
@@ -44,7 +49,7 @@ class TorchrunExecutor(Executor):
         publish_args(store(env), args, port)
         try:
             self.control = join(env, args, port)
-            self.worker = Worker(args, tp_rank=0)
+            self.worker = Worker(resolve_worker_config(args))
         except BaseException:
             self.shutdown()
             raise

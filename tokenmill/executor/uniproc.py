@@ -7,12 +7,12 @@ from typing import Any
 from tokenmill.config import EngineArgs, WorkerInfo
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
-from tokenmill.worker.worker import Worker, call_worker
+from tokenmill.worker.worker import Worker, call_worker, resolve_worker_config
 
 
 class UniProcExecutor(Executor):
     def __init__(self, args: EngineArgs) -> None:
-        self.worker: Worker | None = Worker(args)
+        self.worker: Worker | None = Worker(resolve_worker_config(args))
 
     @property
     def info(self) -> WorkerInfo:

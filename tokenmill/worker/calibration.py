@@ -45,7 +45,10 @@ CALIBRATION_MAX_TOKENS = 4096
 def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     """Layer name -> mean square of each of its inputs [in_features] over the text at ``path``,
     computed by the float model that ``args`` describe."""
-    from tokenmill.worker.worker import Worker  # which imports this module
+    from tokenmill.worker.worker import (  # which imports this module
+        Worker,
+        resolve_worker_config,
+    )
 
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -55,7 +58,7 @@ def input_importance(args: EngineArgs, path: str) -> dict[str, torch.Tensor]:
     float_args = dataclasses.replace(
         args, quantization="none", int4_calibration=None, enforce_eager=True
     )
-    worker = Worker(float_args)
+    worker = Worker(resolve_worker_config(float_args))
     config = worker.info.model_config
     tokenizer = load_tokenizer(resolve_model(args.model).path, config.architecture)
     prompts = _windows(tokenizer, text, worker.info.max_model_len)

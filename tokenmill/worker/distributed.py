@@ -107,12 +107,12 @@ def serve_messages(
 
 def serve_rank(conn: Connection, args: EngineArgs, rank: int, port: int) -> None:
     """Load rank ``rank``'s shard and run the executor's messages until shutdown."""
-    from tokenmill.worker.worker import Worker
+    from tokenmill.worker.worker import Worker, resolve_worker_config
 
     args = rank_args(args, rank)
     init_distributed(rank, args.tensor_parallel_size, port, args.device)
     try:
-        worker = Worker(args, tp_rank=rank)
+        worker = Worker(resolve_worker_config(args, tp_rank=rank))
         conn.send(("ok", None))
         serve_messages(worker, conn.recv, lambda: conn.send(("ok", None)))
     finally:

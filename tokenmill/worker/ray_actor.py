@@ -50,13 +50,13 @@ class RankActor:
     def start(self, args: EngineArgs, host: str, port: int) -> WorkerInfo:
         """Join the group (blocks until every rank has called this) and load the shard."""
         from tokenmill.worker.distributed import init_distributed
-        from tokenmill.worker.worker import Worker
+        from tokenmill.worker.worker import Worker, resolve_worker_config
 
         device = "cuda:0" if self.device == "cuda" else "cpu"
         args = dataclasses.replace(args, device=device)
         if self.size > 1:
             init_distributed(self.rank, self.size, port, device, host=host)
-        self.worker = Worker(args, tp_rank=self.rank)
+        self.worker = Worker(resolve_worker_config(args, tp_rank=self.rank))
         return self.worker.info
 
     def call(self, method: str, *args: Any) -> Any:

@@ -117,14 +117,14 @@ def _receive(group: dist.ProcessGroup) -> tuple[str, tuple[Any, ...]]:
 
 def serve_rank(env: LaunchEnv) -> None:
     """Ranks 1..N-1: wait for rank 0's arguments, load this rank's shard, run its messages."""
-    from tokenmill.worker.worker import Worker
+    from tokenmill.worker.worker import Worker, resolve_worker_config
 
     kv = store(env)
     args, port = pickle.loads(kv.get(_ARGS_KEY))
     args = local_args(args, env)
     control = join(env, args, port)
     try:
-        worker = Worker(args, tp_rank=env.rank)
+        worker = Worker(resolve_worker_config(args, tp_rank=env.rank))
         serve_messages(worker, lambda: _receive(control), lambda: None)
     finally:
         destroy_distributed()

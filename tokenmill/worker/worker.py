@@ -4,6 +4,8 @@ It picks the device and dtype, loads the model (quantizing or calibrating it as 
 the KV cache from the memory budget (``info``), and once the engine has settled the KV plan
 (``initialize``) runs steps through its ModelRunner. A tensor-parallel worker per rank, or a
 second worker for a draft model, is another instance of this class with its own arguments.
+``resolve_worker_config`` settles what the arguments leave open on this machine (device,
+dtype, weight format, kernels, the model's config as held); ``Worker`` builds from that.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,41 +72,85 @@ def call_worker(worker: Worker, method: str, args: tuple[Any, ...]) -> Any:
     return fn(*args)
 
 
-class Worker:
-    """``num_layers``: keep only the model's first layers (with its final norm and head), as an
-    early-exit draft model does. ``hybrid_kv=False``: one block table for every layer whatever
-    their windows (a draft model's cache, whose blocks worker/draft_proposer.py hands out)."""
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker runs, resolved from EngineArgs where the device is known
+    (``resolve_worker_config``): the engine has no torch, so device, dtype, weight format,
+    kernels and the model's config are settled here, and reported back in WorkerInfo."""
 
-    def __init__(
-        self,
-        args: EngineArgs,
-        num_layers: int | None = None,
-        tp_rank: int = 0,
-        hybrid_kv: bool = True,
-    ) -> None:
-        self.args = args
+    args: EngineArgs  # the settings used as given: KV blocks, budgets, speculation, seed
+    device: torch.device
+    dtype_name: str  # "float32", "bfloat16", "float16"
+    model_config: ModelConfig  # the checkpoint's, cut to its first layers or sharded as held
+    max_model_len: int  # the context asked for or the model's (the KV cache may lower it)
+    quantization: str | None  # how the weights sit in memory (pick_quantization)
+    kernel_backend: str  # "torch", "cpu" or "triton"
+    decode_graphs: bool  # replayed CPU decode-step graphs
+    cuda_graphs: bool
+    tp_rank: int = 0
+    # False: one block table for every layer whatever their windows (a draft model's cache,
+    # whose blocks worker/draft_proposer.py hands out).
+    hybrid_kv: bool = True
+
+
+def resolve_worker_config(
+    args: EngineArgs, num_layers: int | None = None, tp_rank: int = 0, hybrid_kv: bool = True
+) -> WorkerConfig:
+    """``num_layers``: keep only the model's first layers (with its final norm and head), as
+    an early-exit draft model does; ``tp_rank``: the tensor-parallel shard held."""
+    device = pick_device(args.device)
+    # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
+    # all-reduces between them (nor, on CUDA, are NCCL calls captured yet).
+    graphed = not args.enforce_eager and args.tensor_parallel_size == 1
+    cuda_graphs = graphed and cuda_graphs_supported(device)
+    model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
+    max_model_len = _max_model_len(args, model_config)
+    quantization = pick_quantization(args.quantization, model_config, device)
+    if args.tensor_parallel_size > 1:
+        check_tensor_parallel(args, model_config, quantization)
+        model_config = dataclasses.replace(
+            model_config, tp=TensorParallel(tp_rank, args.tensor_parallel_size)
+        )
+    kernels = args.kernel_backend
+    if kernels == "auto":
+        kernels = default_kernel_backend(device)
+    return WorkerConfig(
+        args=args,
+        device=device,
+        dtype_name=pick_dtype(args.dtype, device),
+        model_config=model_config,
+        max_model_len=max_model_len,
+        quantization=quantization,
+        kernel_backend=kernels,
+        decode_graphs=graphed and not cuda_graphs and graphs_supported(device),
+        cuda_graphs=cuda_graphs,
+        tp_rank=tp_rank,
+        # NOTE: beside a draft model, one table: the draft's cache holds a twin of each of the
+        # target's blocks (a token's), which a block per group of layers would multiply.
+        hybrid_kv=hybrid_kv and args.speculative_method != "draft",
+    )
+
+
+class Worker:
+    """Builds what its WorkerConfig says: the model, its KV plan, and (``initialize``) the
+    runner."""
+
+    def __init__(self, config: WorkerConfig) -> None:
         # The process's resident memory before anything is loaded: the memory plan's runtime.
         self._runtime_bytes = resident_bytes()
-        self.device = pick_device(args.device)
-        # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
-        # all-reduces between them (nor, on CUDA, are NCCL calls captured yet).
-        graphed = not args.enforce_eager and args.tensor_parallel_size == 1
-        self._cuda_graphs = graphed and cuda_graphs_supported(self.device)
-        self._decode_graphs = graphed and not self._cuda_graphs and graphs_supported(self.device)
+        self.config = config
+        self.args = args = config.args
+        self.device = config.device
+        self._cuda_graphs = config.cuda_graphs
+        self._decode_graphs = config.decode_graphs
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         if self.device.type == "cpu":
             keep_freed_buffers()  # a long prefill's buffers, reused rather than re-faulted
-        dtype_name = pick_dtype(args.dtype, self.device)
+        dtype_name = config.dtype_name
         self.dtype = _DTYPES[dtype_name]
-        model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
-        max_model_len = _max_model_len(args, model_config)
-        quantization = pick_quantization(args.quantization, model_config, self.device)
-        if args.tensor_parallel_size > 1:
-            check_tensor_parallel(args, model_config, quantization)
-            model_config = dataclasses.replace(
-                model_config, tp=TensorParallel(tp_rank, args.tensor_parallel_size)
-            )
+        model_config, max_model_len = config.model_config, config.max_model_len
+        quantization, tp_rank = config.quantization, config.tp_rank
         self.model = self._load(model_config, max_model_len, quantization)
         # Router statistics: each sparse layer counts its experts' tokens (before any decode
         # graph records the counters' address).
@@ -119,9 +166,7 @@ class Worker:
         self.draft: Worker | None = None
         if args.speculative_method == "draft":
             self.draft = load_draft_worker(args, model_config, max_model_len)
-        # NOTE: beside a draft model, one table: the draft's cache holds a twin of each of the
-        # target's blocks (a token's), which a block per group of layers would multiply.
-        hybrid_kv = hybrid_kv and args.speculative_method != "draft"
+        hybrid_kv = config.hybrid_kv
         self.kv_layout = plan_kv_layout(model_config.layer_windows, max_model_len, hybrid_kv)
         per_block = kv_bytes_per_block(
             model_config, args.block_size, self.dtype, args.kv_cache_dtype, self.kv_layout
@@ -238,11 +283,14 @@ class Worker:
         importance = None
         if args.int4_calibration:
             importance = input_importance(args, args.int4_calibration)
-        kernels = args.kernel_backend
-        if kernels == "auto":
-            kernels = default_kernel_backend(self.device)
         return load_model(
-            config, self.dtype, self.device, max_model_len, quant_method, importance, kernels
+            config,
+            self.dtype,
+            self.device,
+            max_model_len,
+            quant_method,
+            importance,
+            self.config.kernel_backend,
         )
 
     def _plan_memory(self, per_block: int, max_model_len: int) -> MemoryPlan:
@@ -332,7 +380,7 @@ def load_draft_worker(args: EngineArgs, target: ModelConfig, max_model_len: int)
         quantization=None if args.quantization == "gguf" else args.quantization,
         int4_calibration=None,
     )
-    draft = Worker(draft_args, num_layers=args.draft_num_layers, hybrid_kv=False)
+    draft = Worker(resolve_worker_config(draft_args, args.draft_num_layers, hybrid_kv=False))
     check_same_vocabulary(target, draft.info.model_config)
     return draft
 
