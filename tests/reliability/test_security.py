@@ -302,9 +302,10 @@ _HOSTILE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
         ("/v1/chat/completions", {"messages": _MESSAGES, "chat_template": _HOSTILE},
          "chat_template"),
         ("/v1/chat/completions", {"messages": _MESSAGES, "chat_template": ""}, "chat_template"),
+        # Only plain values a template reads (enable_thinking, ...) pass, never a template.
         ("/v1/chat/completions",
-         {"messages": _MESSAGES, "chat_template_kwargs": {"enable_thinking": True}},
-         "chat_template_kwargs"),
+         {"messages": _MESSAGES, "chat_template_kwargs": {"tools_template": _HOSTILE}},
+         "chat_template_kwargs.tools_template"),
         ("/tokenize", {"messages": _MESSAGES, "chat_template": _HOSTILE}, "chat_template"),
         ("/tokenize", {"messages": _MESSAGES, "chat_template_kwargs": {}},
          "chat_template_kwargs"),

@@ -322,7 +322,8 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
         param = f"chat_template_kwargs.{key}"
         if key not in CHAT_TEMPLATE_KWARGS:
             raise bad_request(
-                f"chat_template_kwargs may hold {', '.join(CHAT_TEMPLATE_KWARGS)}; got '{key}'",
+                f"'{param}' is refused: chat_template_kwargs may hold only "
+                f"{', '.join(CHAT_TEMPLATE_KWARGS)}, as plain values",
                 param=param,
                 code="unsupported",
             )
