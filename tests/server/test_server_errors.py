@@ -82,7 +82,8 @@ def _completion(**fields) -> dict:
         ("/v1/completions", _completion(prompt=[1, 99999]), "prompt", "[0, 384)"),
         ("/v1/completions", _completion(prompt=""), "prompt", "empty"),
         ("/v1/completions", _completion(prompt=["a", "b", "c"]), "prompt", "at most 2"),
-        ("/v1/completions", _completion(echo=True, logprobs=1), "echo", "echo"),
+        # echo with logprobs scores the prompt (test_server_scoring.py); max_tokens 0 only so
+        ("/v1/completions", _completion(max_tokens=0, echo=False), "max_tokens", "[1, 200]"),
         ("/v1/completions", _completion(suffix="x"), "suffix", "not supported"),
         ("/v1/completions", _completion(best_of=2), "best_of", "n"),
         ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs", "logprobs"),

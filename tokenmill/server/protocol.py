@@ -238,9 +238,16 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # With logprobs, the prompt's tokens come first in the choice's logprobs (scoring, as
+    # evaluation harnesses ask); with max_tokens 0 nothing is generated.
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def check(self, limits: ServerConfig) -> None:
         self.check_common()
@@ -248,12 +255,6 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request(
                 f"best_of must equal n ({self.n}) when given; got {self.best_of}",
                 param="best_of",
-            )
-        if self.echo and self.logprobs is not None:
-            raise bad_request(
-                "echo with logprobs is not supported (prompt logprobs are not computed)",
-                param="echo",
-                code="unsupported",
             )
         prompts = self.prompts()
         if not prompts:
@@ -274,14 +275,18 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self, limits: ServerConfig, max_model_len: int) -> SamplingParams:
-        return self.sampling_params(
+        params = self.sampling_params(
             limits,
             max_model_len,
-            max_tokens=self.max_tokens,
+            # scoring only: one token is generated and dropped (the engine always samples)
+            max_tokens=1 if self.scores_only else self.max_tokens,
             max_tokens_name="max_tokens",
             logprobs=self.logprobs,
             logprobs_name="logprobs",
         )
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
@@ -441,6 +446,19 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize as the server does, for
+    evaluation harnesses that use the server's tokenizer (/tokenize, /detokenize)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    model_max_length: int
+    vocab_size: int
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
@@ -556,8 +574,9 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for an echoed prompt's first token, which has no context
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

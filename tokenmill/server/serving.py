@@ -70,6 +70,7 @@ from tokenmill.server.protocol import (
     Timings,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     UsageInfo,
 )
 from tokenmill.server.state import ServerState, ServerStatus, Ticket
@@ -201,6 +202,18 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.info.max_model_len)
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        engine = self.state.require_engine()
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(
+            model_max_length=engine.info.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            add_bos_token=tokenizer.add_bos,
+            chat_template=tokenizer.chat_template,
+        )
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         engine = self.state.require_engine()
@@ -866,6 +879,12 @@ class _CompletionChunks:
             if body.echo
             else [""] * len(run.prepared)
         )
+        # echo with logprobs: the prompt's tokens and log-probs lead each choice's (scoring);
+        # streamed, the echo waits for the prompt's log-probs (after its prefill).
+        self.scores_prompt = body.echo and self.logprobs
+        self.scores_only = body.scores_only
+        self.tokenizer = engine.tokenizer
+        self._echoed: set[int] = set()
         num_choices = run.n * len(run.prepared)
         self._num_sent_logprobs = [0] * num_choices
         self._text_offsets = [len(self.echo_texts[i // run.n]) for i in range(num_choices)]
@@ -879,6 +898,8 @@ class _CompletionChunks:
         return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
     def start(self) -> Iterator[str]:
+        if self.scores_prompt:
+            return
         for prompt_idx, text in enumerate(self.echo_texts):
             if text:
                 for i in range(self.run.n):
@@ -887,11 +908,25 @@ class _CompletionChunks:
                     )
 
     def output(self, prompt_idx: int, out: RequestOutput) -> Iterator[str]:
+        if self.scores_prompt and prompt_idx not in self._echoed:
+            self._echoed.add(prompt_idx)
+            echo, offset = self._prompt_logprobs(out, prompt_idx)
+            for i in range(self.run.n):
+                idx = prompt_idx * self.run.n + i
+                self._text_offsets[idx] = offset
+                yield self._chunk(
+                    CompletionChoice(index=idx, text=self.echo_texts[prompt_idx], logprobs=echo)
+                )
         for c in out.outputs:
             idx = prompt_idx * self.run.n + c.index
             new = _new_logprobs(c, self._num_sent_logprobs, idx)
             finished = c.finish_reason is not None and c.finish_reason != "abort"
             if finished and idx in self._finished:
+                continue
+            if self.scores_only:  # the one sampled token is not sent
+                if finished:
+                    self._finished.add(idx)
+                    yield self._chunk(CompletionChoice(index=idx, text="", finish_reason="length"))
                 continue
             if not (c.text_delta or new or finished):
                 continue
@@ -913,15 +948,38 @@ class _CompletionChunks:
             )
 
     def usage(self, finals: list[RequestOutput]) -> str:
+        if self.scores_only:
+            return _usage_event(CompletionChunk, self.run, _unsampled(finals))
         return _usage_event(CompletionChunk, self.run, finals)
+
+    def _prompt_logprobs(
+        self, out: RequestOutput, prompt_idx: int
+    ) -> tuple[CompletionLogprobs, int]:
+        """The prompt's tokens and log-probs in the legacy shape (the first token's null: it
+        has no context), and the text offset after them."""
+        entries = out.prompt_logprobs or [None]
+        first = self.tokenizer.decode(out.prompt_token_ids[:1], skip_special_tokens=False)
+        lp, offset = _completion_logprobs([e for e in entries[1:] if e is not None], len(first))
+        lp.tokens.insert(0, first)
+        lp.token_logprobs.insert(0, None)
+        lp.top_logprobs.insert(0, None)
+        lp.text_offset.insert(0, 0)
+        return lp, offset
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
+        if self.scores_only:
+            finals = _unsampled(finals)
         for prompt_idx, out in enumerate(finals):
             echo = self.echo_texts[prompt_idx]
             for c in out.outputs:
                 logprobs = None
-                if self.logprobs:
+                if self.scores_prompt:
+                    logprobs, offset = self._prompt_logprobs(out, prompt_idx)
+                    generated, _ = _completion_logprobs(c.logprobs or [], offset)
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(logprobs, name).extend(getattr(generated, name))
+                elif self.logprobs:
                     logprobs, _ = _completion_logprobs(c.logprobs or [], len(echo))
                 choices.append(
                     CompletionChoice(
@@ -940,6 +998,24 @@ class _CompletionChunks:
             usage=_usage(finals),
             timings=_timings(finals),
         )
+
+
+def _unsampled(finals: list[RequestOutput]) -> list[RequestOutput]:
+    """Outputs as a scoring request (echo, max_tokens 0) answers them: the token the engine
+    had to sample dropped, the choice ended by its length."""
+    return [
+        dataclasses.replace(
+            out,
+            outputs=[
+                dataclasses.replace(
+                    c, text="", token_ids=[], logprobs=None, finish_reason="length",
+                    stop_reason=None,
+                )
+                for c in out.outputs
+            ],
+        )
+        for out in finals
+    ]  # fmt: skip
 
 
 def _new_logprobs(c: CompletionOutput, num_sent: list[int], idx: int) -> list[PositionLogprobs]:

@@ -21,6 +21,7 @@ from tokenmill.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from tokenmill.server.routing import App, JSONBodyRoute, example, streams
 
@@ -73,6 +74,15 @@ async def get_model(model_id: Annotated[str, Path(examples=["{model}"])], app: A
 )
 async def tokenize(body: TokenizeRequest, app: App) -> JSONResponse:
     return JSONResponse((await app.openai.tokenize(body)).model_dump(mode="json"))
+
+
+@router.get(
+    "/tokenizer_info",
+    summary="The tokenizer's settings (vLLM's; beside /tokenize and /detokenize)",
+    response_model=TokenizerInfo,
+)
+async def tokenizer_info(app: App) -> JSONResponse:
+    return JSONResponse(app.openai.tokenizer_info().model_dump(mode="json"))
 
 
 @router.post(
