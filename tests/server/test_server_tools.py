@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -194,3 +195,31 @@ def test_a_llama3_template_gets_calls_in_its_own_format(tiny_model_dir, tmp_path
                 check_calls(choice.message.tool_calls, {"weather"})
             elif choice.finish_reason == "stop":
                 assert not (choice.message.content or "").lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_a_tool_result_in_the_history_works_whatever_the_tool_choice(tiny_model_dir, arch) -> None:
+    """With tool_choice "none", or no tools at all, a history holding a call and its result
+    still renders: Gemma's template (roles must alternate, no tool role) gets them as turns."""
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+    ]  # fmt: skip
+    with running_server(tiny_model_dir(arch), engine_overrides={"max_model_len": 512}) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        for extra in ({"tools": [TIME], "tool_choice": "none"}, {}):
+            out = client.chat.completions.create(
+                model=MODEL_NAME, messages=history, max_tokens=4, temperature=0, **extra
+            )
+            assert out.choices[0].message.tool_calls is None
+        r = httpx.post(f"{srv.url}/api/chat", json={
+            "model": MODEL_NAME, "stream": False, "options": {"num_predict": 4},
+            "messages": [history[0],
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+                         {"role": "tool", "content": '{"temp": 3}', "tool_name": "weather"}],
+        })  # fmt: skip
+        assert r.status_code == 200, r.text

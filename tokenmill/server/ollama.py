@@ -326,7 +326,9 @@ class OllamaServing:
         messages = [_chat_message(m) for m in body.messages]
         template_kwargs = _think_kwargs(engine, body)
         parser, calls_format = None, None
-        if body.tools:  # Ollama's tool calling is OpenAI's tool_choice "auto"
+        if not body.tools:
+            messages = tools_mod.history_for(engine.tokenizer.chat_template, messages)
+        else:  # Ollama's tool calling is OpenAI's tool_choice "auto"
             try:
                 tools = tools_mod.parse_tools(body.tools)
             except ValueError as e:

@@ -296,7 +296,7 @@ class OpenAIServing:
             param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
             raise bad_request(str(e), param=param) from None
         if not tools:
-            return params, messages, {}, None
+            return params, tools_mod.history_for(engine.tokenizer.chat_template, messages), {}, None
         if mode in ("required", "named") and params.structured_outputs is not None:
             raise bad_request(
                 f"tool_choice {mode!r} is itself a format: drop response_format",

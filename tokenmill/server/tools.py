@@ -251,6 +251,22 @@ def generic_messages(messages: list[dict[str, Any]], tools: list[Tool]) -> list[
         messages = messages[1:]
     else:
         out.append({"role": "system", "content": instructions})
+    return out + plain_history(messages)
+
+
+def history_for(chat_template: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation of a request that offers no tools (or tool_choice "none") as its
+    template takes it: one that knows no tools gets earlier calls and their results as plain
+    turns (plain_history), which it would otherwise refuse (Gemma's: roles must alternate)."""
+    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    if not has_tool_turns or template_reads_tools(chat_template):
+        return messages
+    return plain_history(messages)
+
+
+def plain_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier calls as assistant text in Hermes' format, tool results as user turns."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
             out.append(
