@@ -99,7 +99,13 @@ def test_every_route_but_the_open_ones_needs_the_key(server) -> None:
             else:
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 error = r.json()["error"]
-                code = error if path.startswith("/api/") else error["code"]
+                # Ollama's error is the message; Anthropic's has a type and a message
+                if path.startswith("/api/"):
+                    code = error
+                elif path.startswith("/v1/messages"):
+                    code = error["message"]
+                else:
+                    code = error["code"]
                 assert "invalid_api_key" in code or "API key" in code, (method, path)
                 assert r.headers["www-authenticate"] == "Bearer"
         # With a key the route answers (what it answers depends on the route).

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from tokenmill import __version__
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.outputs import EngineStats
+from tokenmill.server.anthropic import AnthropicServing
 from tokenmill.server.auth import APIKeyMiddleware
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import install_error_handlers
@@ -25,7 +26,7 @@ from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 from tokenmill.server.ollama import OllamaServing
 from tokenmill.server.openapi import is_public
-from tokenmill.server.routers import admin, ollama, openai, pages
+from tokenmill.server.routers import admin, anthropic, ollama, openai, pages
 from tokenmill.server.routing import Services
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.state import ServerState
@@ -34,7 +35,7 @@ from tokenmill.server.usage import UsageMeter, UsageStore
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (openai.router, ollama.router, admin.router, pages.router)
+ROUTERS = (openai.router, anthropic.router, ollama.router, admin.router, pages.router)
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> FastAPI:
@@ -50,7 +51,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     )
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     serving = OpenAIServing(state, metrics, meter, limiter if limiter.is_enabled else None)
-    services = Services(config, state, metrics, meter, serving, OllamaServing(serving))
+    services = Services(
+        config, state, metrics, meter, serving, OllamaServing(serving), AnthropicServing(serving)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -81,12 +81,30 @@ def error_body(
 OLLAMA_PREFIX = "/api/"
 
 
+# Anthropic's Messages routes (server/anthropic.py) answer as Anthropic does:
+# {"type": "error", "error": {"type", "message"}}.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
 def error_body_for(
     path: str, status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    """The error body a client of ``path`` expects: Ollama's on /api/, else OpenAI's."""
+    """The error body a client of ``path`` expects: Ollama's on /api/, Anthropic's on
+    /v1/messages, else OpenAI's."""
     if path.startswith(OLLAMA_PREFIX):
         return {"error": message}
+    if path.startswith(ANTHROPIC_PREFIX):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return error_body(status, message, param=param, code=code)
 
 

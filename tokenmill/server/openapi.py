@@ -20,7 +20,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from tokenmill.server.errors import OLLAMA_PREFIX
+from tokenmill.server.anthropic import AnthropicErrorResponse
+from tokenmill.server.errors import ANTHROPIC_PREFIX, OLLAMA_PREFIX
 from tokenmill.server.ollama import OllamaErrorResponse
 from tokenmill.server.protocol import ErrorResponse, HealthResponse
 from tokenmill.server.routing import PUBLIC, SSE
@@ -58,7 +59,7 @@ def openapi_schema(
     )
     inputs = {m for r in routes if (m := _request_model(r)) is not None}
     outputs = {m for r in routes for m in (_response_model(r), _stream(r)[0]) if m is not None}
-    outputs |= {ErrorResponse, OllamaErrorResponse}
+    outputs |= {ErrorResponse, OllamaErrorResponse, AnthropicErrorResponse}
     keys = [(m, "validation") for m in sorted(inputs, key=_name)]
     keys += [(m, "serialization") for m in sorted(outputs, key=_name)]
     refs, defs = models_json_schema(keys, ref_template="#/components/schemas/{model}")
@@ -111,7 +112,11 @@ def _responses(route: APIRoute, ok: dict[str, Any], refs: dict[Any, Any]) -> dic
     item, media_type = _stream(route)
     if item is not None:
         content[media_type] = _stream_content(refs[(item, "serialization")], media_type)
-    error = OllamaErrorResponse if route.path.startswith(OLLAMA_PREFIX) else ErrorResponse
+    error: type[BaseModel] = ErrorResponse
+    if route.path.startswith(OLLAMA_PREFIX):
+        error = OllamaErrorResponse
+    elif route.path.startswith(ANTHROPIC_PREFIX):
+        error = AnthropicErrorResponse
     error_content = {"application/json": {"schema": refs[(error, "serialization")]}}
     responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
     for status, description in _ERRORS.items():

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
 
+from tokenmill.server.anthropic import AnthropicServing
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error
 from tokenmill.server.metrics import ServerMetrics
@@ -53,6 +54,7 @@ class Services:
     meter: UsageMeter
     openai: OpenAIServing
     ollama: OllamaServing
+    anthropic: AnthropicServing
 
 
 def services_of(request: Request) -> Services:

@@ -146,6 +146,16 @@ class Run:
         return _usage([out for out in self.finals if out is not None])
 
 
+@dataclass
+class StartedChat:
+    """A chat request running: its run, how tool calls are read back (None: no tools), and
+    how its thinking is split (None: the model does not reason)."""
+
+    run: Run
+    parser: str | None
+    thinking: Thinking | None
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -251,6 +261,24 @@ class OpenAIServing:
     # ---- /v1/chat/completions -------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        chat = await self.start_chat(body, raw)
+        chunks = _ChatChunks(chat.run, body, chat.parser, chat.thinking)
+        run = chat.run
+        if body.stream:
+            return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
+        try:
+            finals = await unless_disconnected(raw, self._collect(run))
+        finally:
+            run.close()  # also when the collecting task was cancelled before it started
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(chunks.response(finals).model_dump(mode="json"))
+
+    async def start_chat(
+        self, body: ChatCompletionRequest, raw: Request, prefix: str = "chatcmpl"
+    ) -> StartedChat:
+        """A chat request checked, rendered (tools, template variables) and running: what
+        the OpenAI chat route and Anthropic's messages route (server/anthropic.py) share."""
         engine = self.state.require_engine()
         self._check_model(body.model)
         body.check()
@@ -270,17 +298,15 @@ class OpenAIServing:
             return prepare_all(engine, [ids], params, renames, "messages", self.config.max_tokens)
 
         prepared = await asyncio.to_thread(prepare)
-        run = self.start(engine, "chatcmpl", prepared, body.cache_salt, caller_of(raw), body.user)
-        chunks = _ChatChunks(run, body, parser, thinking_of(engine, prepared[0].prompt_token_ids))
-        if body.stream:
-            return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
+        run = self.start(engine, prefix, prepared, body.cache_salt, caller_of(raw), body.user)
+        return StartedChat(run, parser, thinking_of(engine, prepared[0].prompt_token_ids))
+
+    async def collect(self, run: Run, raw: Request) -> list[RequestOutput] | None:
+        """A run's final outputs (None: the client went away), the run closed after."""
         try:
-            finals = await unless_disconnected(raw, self._collect(run))
+            return await unless_disconnected(raw, self._collect(run))
         finally:
-            run.close()  # also when the collecting task was cancelled before it started
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(chunks.response(finals).model_dump(mode="json"))
+            run.close()
 
     def _tool_setup(
         self, engine: AsyncEngine, body: ChatCompletionRequest, params: SamplingParams
@@ -296,7 +322,11 @@ class OpenAIServing:
             param = "tool_choice" if str(e).startswith("tool_choice") else "tools"
             raise bad_request(str(e), param=param) from None
         if not tools:
-            return params, tools_mod.history_for(engine.tokenizer.chat_template, messages), {}, None
+            try:
+                messages = tools_mod.history_for(engine.tokenizer.chat_template, messages)
+            except ValueError as e:
+                raise bad_request(str(e), param="messages") from None
+            return params, messages, {}, None
         if mode in ("required", "named") and params.structured_outputs is not None:
             raise bad_request(
                 f"tool_choice {mode!r} is itself a format: drop response_format",
@@ -304,15 +334,18 @@ class OpenAIServing:
             )
         # A named function is called once; "required" may call several when allowed.
         parallel = mode == "required" and body.parallel_tool_calls is not False
-        setup = tools_mod.setup_tools(
-            engine.tokenizer.chat_template,
-            self.config.tool_call_parser,
-            messages,
-            tools,
-            mode,
-            parallel,
-            other_format=params.structured_outputs is not None,
-        )
+        try:
+            setup = tools_mod.setup_tools(
+                engine.tokenizer.chat_template,
+                self.config.tool_call_parser,
+                messages,
+                tools,
+                mode,
+                parallel,
+                other_format=params.structured_outputs is not None,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
         if setup.grammar is not None:
             params = dataclasses.replace(params, structured_outputs=setup.grammar)
         if setup.generic and not self._logged_generic_tools:

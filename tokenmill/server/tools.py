@@ -274,15 +274,29 @@ def plain_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             )
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = [
-                f'{CALL_OPEN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-                f"{c['function']['arguments']}}}\n{CALL_CLOSE}"
-                for c in m["tool_calls"]
+                f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n'
+                f"{CALL_CLOSE}"
+                for name, arguments in map(_earlier_call, m["tool_calls"])
             ]
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             out.append({"role": "assistant", "content": text})
         else:
             out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
     return out
+
+
+def _earlier_call(call: Any) -> tuple[str, str]:
+    """(name, arguments JSON text) of an assistant's earlier call; ValueError for a malformed
+    one (the routes answer 400 naming messages)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise ValueError(
+            "an assistant message's tool_calls need function.name and function.arguments "
+            "(a JSON string)"
+        )
+    return name, arguments
 
 
 def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
