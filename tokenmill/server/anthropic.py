@@ -31,7 +31,6 @@ from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving import (
     Aborted,
     OpenAIServing,
-    Run,
     StartedChat,
     StreamBody,
     merge_streams,
@@ -411,5 +410,3 @@ def _event(name: str, data: dict[str, Any]) -> str:
 def _error_body(message: str, kind: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
-
-__all__ = ["AnthropicServing", "MessagesRequest", "Run", "as_chat_request"]
