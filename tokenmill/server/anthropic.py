@@ -409,4 +409,3 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 def _error_body(message: str, kind: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
-
