@@ -258,8 +258,9 @@ def history_for(chat_template: str | None, messages: list[dict[str, Any]]) -> li
     """The conversation of a request that offers no tools (or tool_choice "none") as its
     template takes it: one that knows no tools gets earlier calls and their results as plain
     turns (plain_history), which it would otherwise refuse (Gemma's: roles must alternate)."""
-    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-    if not has_tool_turns or template_reads_tools(chat_template):
+    # (a tool result with no call before it stays as it is: the template says what it thinks)
+    has_calls = any(m["role"] == "assistant" and m.get("tool_calls") for m in messages)
+    if not has_calls or template_reads_tools(chat_template):
         return messages
     return plain_history(messages)
 
