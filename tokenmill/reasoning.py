@@ -19,6 +19,10 @@ block into the prompt).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -48,6 +52,16 @@ def opens_thinking(prompt: str) -> bool:
     it: the output starts with thinking)."""
     start = prompt.rfind(THINK_START)
     return start >= 0 and prompt.rfind(THINK_END) < start
+
+
+# The tokens of a prompt's end that tell whether it left a block open.
+PROMPT_TAIL_TOKENS = 16
+
+
+def prompt_opens_thinking(tokenizer: Tokenizer, prompt_ids: list[int]) -> bool:
+    """``opens_thinking`` of a tokenized prompt, read off its last tokens."""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return opens_thinking(tail)
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:
@@ -159,9 +173,11 @@ class BudgetState:
     spent: int = field(default=0, init=False)  # tokens of thinking so far
     forced: int = field(default=0, init=False)  # tokens of end_ids written since the budget ran out
     _tail: list[int] = field(default_factory=list, init=False)  # recent ids, to see tags
+    _keep: int = field(default=0, init=False)  # how many: the longer tag's
 
     def __post_init__(self) -> None:
         self.thinking = self.budget.opened
+        self._keep = max(len(self.budget.start_ids), len(self.budget.end_ids))
 
     def forced_token(self) -> int | None:
         """The token the request must take next, or None when it may take any."""
@@ -182,9 +198,7 @@ class BudgetState:
     def _accept(self, token: int) -> None:
         if self.done:
             return
-        self._tail = (self._tail + [token])[
-            -max(len(self.budget.start_ids), len(self.budget.end_ids)) :
-        ]
+        self._tail = (self._tail + [token])[-self._keep :]
         if not self.thinking:
             if _ends_with(self._tail, self.budget.start_ids):
                 self.thinking = True

@@ -42,7 +42,7 @@ from tokenmill.reasoning import (
     THINK_END,
     THINK_START,
     ThinkingBudget,
-    opens_thinking,
+    prompt_opens_thinking,
     reasoning_format,
 )
 from tokenmill.request import FinishReason, Request
@@ -171,11 +171,11 @@ class LLMEngine:
         if params.structured_outputs is not None:  # here, off the step loop (and cached)
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         text = prompt if isinstance(prompt, str) else None
-        thinking = self._thinking_budget(params, text, prompt_ids)
+        thinking = self._thinking_budget(params, prompt_ids)
         return PreparedRequest(text, prompt_ids, params, grammar, thinking)
 
     def _thinking_budget(
-        self, params: SamplingParams, text: str | None, prompt_ids: list[int]
+        self, params: SamplingParams, prompt_ids: list[int]
     ) -> ThinkingBudget | None:
         if params.max_thinking_tokens is None:
             return None
@@ -190,28 +190,12 @@ class LLMEngine:
                 "max_thinking_tokens does not combine with structured outputs yet (their format "
                 "would hold the thinking too); drop one of them"
             )
-        # Whether the template opened the block: read off the prompt's end.
-        tail = (
-            text
-            if text is not None
-            else self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-        )
         start_ids, end_ids = self._think_ids
-        return ThinkingBudget(params.max_thinking_tokens, start_ids, end_ids, opens_thinking(tail))
+        opened = prompt_opens_thinking(self.tokenizer, prompt_ids)
+        return ThinkingBudget(params.max_thinking_tokens, start_ids, end_ids, opened)
 
     def _tag_ids(self, tag: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(tag, add_special_tokens=False))
-
-    def prompt_opens_thinking(self, prompt: str | list[int]) -> bool:
-        """Whether a prompt leaves a thinking block open (its output starts in the thinking)."""
-        if self.reasoning is None:
-            return False
-        tail = (
-            prompt
-            if isinstance(prompt, str)
-            else self.tokenizer.decode(list(prompt)[-16:], skip_special_tokens=False)
-        )
-        return opens_thinking(tail)
 
     def add_request(
         self,

@@ -15,6 +15,7 @@ Errors are Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (erro
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -135,14 +136,8 @@ class AnthropicServing:
     async def count_tokens(self, body: CountTokensRequest) -> CountTokensResponse:
         engine = self.openai.state.require_engine()
         request = as_chat_request(MessagesRequest(**body.model_dump(), max_tokens=1))
-        request.check()
-        params = request.to_sampling_params(self.openai.config, engine.info.max_model_len)
-        _, messages, kwargs, _ = self.openai._tool_setup(engine, request, params)
-        kwargs = {**(request.chat_template_kwargs or {}), **kwargs}
-        try:
-            ids = engine.tokenizer.encode_chat(messages, True, **kwargs)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from None
+        prompt = self.openai.chat_prompt(engine, request)
+        ids = await asyncio.to_thread(prompt.render, engine)
         return CountTokensResponse(input_tokens=len(ids))
 
     async def _events(self, chat: StartedChat, body: MessagesRequest) -> AsyncIterator[str]:
@@ -159,9 +154,11 @@ class AnthropicServing:
                 "model": body.model,
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
+                "usage": {
+                    "input_tokens": len(run.prepared[0].prompt_token_ids),
+                    "output_tokens": 0,
+                },
             }
-            start["usage"]["input_tokens"] = len(run.prepared[0].prompt_token_ids)
             yield _event("message_start", {"type": "message_start", "message": start})
             final: RequestOutput | None = None
             try:

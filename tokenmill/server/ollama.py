@@ -41,6 +41,7 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
 from tokenmill.server.errors import APIError, bad_request, from_value_error
+from tokenmill.server.protocol import REASONING_EFFORTS
 from tokenmill.server.serving import (
     Aborted,
     OpenAIServing,
@@ -635,9 +636,10 @@ def _think_kwargs(engine: AsyncEngine, body: _OllamaRequest) -> dict[str, Any]:
             return {}
         raise bad_request(f"'{body.model}' does not support thinking", param="think")
     if isinstance(body.think, str):
-        if body.think not in ("low", "medium", "high"):
+        if body.think not in REASONING_EFFORTS:
             raise bad_request(
-                f"think must be true, false, low, medium or high; got {body.think!r}",
+                f"think must be true, false or one of {', '.join(REASONING_EFFORTS)}; "
+                f"got {body.think!r}",
                 param="think",
             )
         return {"enable_thinking": True, "reasoning_effort": body.think}

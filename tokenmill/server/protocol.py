@@ -312,12 +312,13 @@ class ChatMessage(_Request):
         return message
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
 # The chat_template_kwargs a request may send: plain values, never a template or an object.
 # enable_thinking (Qwen3), thinking (DeepSeek V3.1, Granite), reasoning_effort (gpt-oss).
 CHAT_TEMPLATE_KWARGS: dict[str, tuple[type, tuple[Any, ...] | None]] = {
     "enable_thinking": (bool, None),
     "thinking": (bool, None),
-    "reasoning_effort": (str, ("low", "medium", "high")),
+    "reasoning_effort": (str, REASONING_EFFORTS),
 }
 
 

@@ -37,7 +37,7 @@ from tokenmill.reasoning import (
     THINK_END,
     THINK_START,
     ReasoningStream,
-    opens_thinking,
+    prompt_opens_thinking,
     split_reasoning,
 )
 from tokenmill.sampling_params import SamplingParams
@@ -147,6 +147,27 @@ class Run:
 
 
 @dataclass
+class ChatPrompt:
+    """A chat request ready to render: its messages and template variables (tools set up),
+    its sampling and how its tool calls are read back (None: no tools)."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    add_generation_prompt: bool
+    params: SamplingParams
+    parser: str | None
+
+    def render(self, engine: AsyncEngine) -> list[int]:
+        """The prompt's token ids (400 naming messages for a template's refusal)."""
+        try:
+            return engine.tokenizer.encode_chat(
+                self.messages, self.add_generation_prompt, **self.template_kwargs
+            )
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from None
+
+
+@dataclass
 class StartedChat:
     """A chat request running: its run, how tool calls are read back (None: no tools), and
     how its thinking is split (None: the model does not reason)."""
@@ -250,10 +271,7 @@ class OpenAIServing:
         chunks = _CompletionChunks(run, body, engine)
         if body.stream:
             return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
-        try:
-            finals = await unless_disconnected(raw, self._collect(run))
-        finally:
-            run.close()  # also when the collecting task was cancelled before it started
+        finals = await self.collect(run, raw)
         if finals is None:
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(chunks.response(finals).model_dump(mode="json"))
@@ -266,12 +284,9 @@ class OpenAIServing:
         run = chat.run
         if body.stream:
             return StreamBody(self._sse(run, chunks, body.include_usage), on_close=run.close)
-        try:
-            finals = await unless_disconnected(raw, self._collect(run))
-        finally:
-            run.close()  # also when the collecting task was cancelled before it started
+        finals = await self.collect(run, raw)
         if finals is None:
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody reads it
         return JSONResponse(chunks.response(finals).model_dump(mode="json"))
 
     async def start_chat(
@@ -281,25 +296,26 @@ class OpenAIServing:
         the OpenAI chat route and Anthropic's messages route (server/anthropic.py) share."""
         engine = self.state.require_engine()
         self._check_model(body.model)
-        body.check()
-        params = body.to_sampling_params(self.config, engine.info.max_model_len)
-        setup = self._tool_setup(engine, body, params)
-        params, messages, template_kwargs, parser = setup
-        template_kwargs = {**(body.chat_template_kwargs or {}), **template_kwargs}
+        prompt = self.chat_prompt(engine, body)
 
         def prepare() -> list[PreparedRequest]:
-            try:
-                ids = engine.tokenizer.encode_chat(
-                    messages, body.add_generation_prompt, **template_kwargs
-                )
-            except ValueError as e:
-                raise bad_request(str(e), param="messages") from None
+            ids = prompt.render(engine)
             renames = {"max_tokens": body.max_tokens_name, "logprobs": "top_logprobs"}
-            return prepare_all(engine, [ids], params, renames, "messages", self.config.max_tokens)
+            return prepare_all(
+                engine, [ids], prompt.params, renames, "messages", self.config.max_tokens
+            )
 
         prepared = await asyncio.to_thread(prepare)
         run = self.start(engine, prefix, prepared, body.cache_salt, caller_of(raw), body.user)
-        return StartedChat(run, parser, thinking_of(engine, prepared[0].prompt_token_ids))
+        return StartedChat(run, prompt.parser, thinking_of(engine, prepared[0].prompt_token_ids))
+
+    def chat_prompt(self, engine: AsyncEngine, body: ChatCompletionRequest) -> ChatPrompt:
+        """A chat request checked, with its tools set up: what it renders and samples with."""
+        body.check()
+        params = body.to_sampling_params(self.config, engine.info.max_model_len)
+        params, messages, template_kwargs, parser = self._tool_setup(engine, body, params)
+        template_kwargs = {**(body.chat_template_kwargs or {}), **template_kwargs}
+        return ChatPrompt(messages, template_kwargs, body.add_generation_prompt, params, parser)
 
     async def collect(self, run: Run, raw: Request) -> list[RequestOutput] | None:
         """A run's final outputs (None: the client went away), the run closed after."""
@@ -691,8 +707,7 @@ def thinking_of(engine: AsyncEngine, prompt_ids: list[int]) -> Thinking | None:
     """How to split a run's outputs (None: the model does not reason, or its parser is off)."""
     if engine.info.reasoning is None:
         return None
-    tail = engine.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
-    return Thinking(opens_thinking(tail), engine.tokenizer)
+    return Thinking(prompt_opens_thinking(engine.tokenizer, prompt_ids), engine.tokenizer)
 
 
 def _timings(finals: list[RequestOutput]) -> Timings:

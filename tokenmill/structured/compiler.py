@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.structured.json_numbers import NumberBound, NumberState
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.gguf import byte_alphabet
 
 # Compiled templates kept per engine (least recently used dropped first).
 CACHE_SIZE = 256
@@ -186,7 +187,7 @@ def plain_added_tokens(tokenizer_json: str) -> str:
         or all(t.get("special") for t in added)
     ):
         return tokenizer_json
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     for token in added:
         if not token.get("special"):
             text = "".join(alphabet[b] for b in token["content"].encode("utf-8"))
@@ -202,19 +203,6 @@ def _is_byte_level(data: dict) -> bool:
         return node.get("type") == "ByteLevel" or any(has(n) for n in node.get("pretokenizers", []))
 
     return has(data.get("pre_tokenizer")) or has(data.get("decoder"))
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte-to-unicode map: each byte as the character a byte-level vocabulary uses."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
 def kind(spec: StructuredOutputs) -> str:

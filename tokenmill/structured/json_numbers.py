@@ -95,21 +95,21 @@ class NumberState:
             self.in_string, self.part = True, ""
         elif ch.isdigit() and ch.isascii():
             if not self.part:
-                self.part, self.significant, self.zeros, self.exponent = "int", 0, 0, 0
+                self._start()
             if self.part == "exp":
                 self.exponent += 1
             elif ch == "0" and not self.significant:
                 self.zeros += 1
             else:
                 self.significant += 1
-        elif ch == "-" and (not self.part or self.part == "exp"):
-            if not self.part:
-                self.part, self.significant, self.zeros, self.exponent = "int", 0, 0, 0
+        elif ch == "-" and not self.part:
+            self._start()
         elif ch == "." and self.part == "int":
             self.part = "frac"
         elif ch in "eE" and self.part in ("int", "frac"):
             self.part = "exp"
-        elif ch == "+" and self.part == "exp":
-            pass
-        else:
+        elif not (ch in "+-" and self.part == "exp"):  # an exponent's sign keeps it going
             self.part = ""
+
+    def _start(self) -> None:
+        self.part, self.significant, self.zeros, self.exponent = "int", 0, 0, 0

@@ -476,7 +476,7 @@ def _merges_from_scores(
     return [(left, right) for *_, left, right in ranked]
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map used to spell byte-level vocabularies."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -496,7 +496,7 @@ def _build_byte_level(
     tokens: list[str], merges: Sequence[str], pre: str | None
 ) -> BackendTokenizer:
     """Byte-level BPE over the file's vocabulary and merges."""
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
     alphabet = set(spelling.values())
     # Tokens are stored byte-level spelled already, except a few added ones written as plain text.
     vocab = {
@@ -544,7 +544,7 @@ def _add_marked_tokens(
     backend: BackendTokenizer, tokens: list[str], token_types: Sequence[int], *, byte_level: bool
 ) -> None:
     """Registers unknown/control tokens as special and user-defined ones as plain added tokens."""
-    alphabet = set(_byte_alphabet().values()) if byte_level else None
+    alphabet = set(byte_alphabet().values()) if byte_level else None
     special = [
         AddedToken(token, normalized=False, special=True)
         for token, token_type in zip(tokens, token_types)
