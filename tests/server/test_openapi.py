@@ -98,6 +98,7 @@ REQUESTS = {
     "/v1/chat/completions": {"model": MODEL_NAME, "max_tokens": 3, "logprobs": True,
                              "top_logprobs": 1,
                              "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 3},
     "/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
     "/detokenize": {"tokens": [40, 41]},
     "/api/chat": {"model": MODEL_NAME, "stream": False,
@@ -119,7 +120,7 @@ def test_requests_and_answers_match_the_schema(server, doc, path) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+    "path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
              "/api/chat", "/api/generate", "/api/show"],
 )  # fmt: skip
 def test_request_examples_are_valid_and_served(server, doc, path) -> None:

@@ -97,6 +97,15 @@ class MessageResponse(BaseModel):
     usage: Usage
 
 
+class MessageStreamEvent(BaseModel):
+    """One event of a streamed message (its SSE ``event:`` name is its type); the fields
+    beside it depend on the type (message, content_block, delta, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
 class CountTokensResponse(BaseModel):
     input_tokens: int
 

@@ -26,7 +26,8 @@ from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
 from tokenmill.server.ollama import OllamaServing
 from tokenmill.server.openapi import is_public
-from tokenmill.server.routers import admin, anthropic, ollama, openai, pages
+from tokenmill.server.responses import ResponsesServing, ResponseStore
+from tokenmill.server.routers import admin, anthropic, ollama, openai, pages, responses
 from tokenmill.server.routing import Services
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.state import ServerState
@@ -35,7 +36,9 @@ from tokenmill.server.usage import UsageMeter, UsageStore
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (openai.router, anthropic.router, ollama.router, admin.router, pages.router)
+ROUTERS = (
+    openai.router, responses.router, anthropic.router, ollama.router, admin.router, pages.router
+)  # fmt: skip
 
 
 def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> FastAPI:
@@ -51,9 +54,11 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     )
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     serving = OpenAIServing(state, metrics, meter, limiter if limiter.is_enabled else None)
+    store = ResponseStore(config.responses_store_size, config.responses_ttl)
     services = Services(
-        config, state, metrics, meter, serving, OllamaServing(serving), AnthropicServing(serving)
-    )
+        config, state, metrics, meter, serving, OllamaServing(serving), AnthropicServing(serving),
+        ResponsesServing(serving, store),
+    )  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -41,6 +41,9 @@ class ServerConfig:
         rate_limit_tpm: tokens (prompt + completion) a key may use in any 60 s; a key over it
             gets 429 until enough fall out of the window. None: no limit.
         stats_window: seconds of the sliding window of the dashboard's rates and percentiles.
+        responses_store_size: the most /v1/responses responses kept (in memory) for
+            ``previous_response_id`` and GET; the oldest go first. 0 keeps none.
+        responses_ttl: seconds a stored response is kept.
         metrics_public: /metrics answers without a key (for a Prometheus scraper that sends
             none); by default it needs one like every route but /health.
     """
@@ -99,6 +102,10 @@ class ServerConfig:
         None, "tokens a key may use a minute; beyond, 429 (default: no limit)", low=1
     )
     stats_window: float = 60.0
+    responses_store_size: int = option(
+        1024, "most /v1/responses kept for previous_response_id, 0: none (in memory)", low=0
+    )
+    responses_ttl: float = option(3600.0, "seconds a stored /v1/responses response is kept", low=0)
     metrics_public: bool = option(
         False,
         "serve /metrics without an API key, for a scraper that sends none "

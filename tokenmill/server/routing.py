@@ -33,6 +33,7 @@ from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, from_validation_error
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.ollama import OllamaServing
+from tokenmill.server.responses import ResponsesServing
 from tokenmill.server.serving import OpenAIServing
 from tokenmill.server.state import ServerState
 from tokenmill.server.usage import UsageMeter
@@ -55,6 +56,7 @@ class Services:
     openai: OpenAIServing
     ollama: OllamaServing
     anthropic: AnthropicServing
+    responses: ResponsesServing
 
 
 def services_of(request: Request) -> Services:

@@ -2,6 +2,7 @@
 (server/api.py) serves every router's routes, and /openapi.json is built from them.
 
     openai.py   /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize
+    responses.py  /v1/responses, /v1/responses/{id} (OpenAI's Responses API)
     anthropic.py  /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
     ollama.py   /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version
     admin.py    /health, /version, /metrics, /v1/usage, /v1/stats, and the control routes

@@ -11,8 +11,9 @@ from tokenmill.server.anthropic import (
     CountTokensResponse,
     MessageResponse,
     MessagesRequest,
+    MessageStreamEvent,
 )
-from tokenmill.server.routing import App, JSONBodyRoute, example
+from tokenmill.server.routing import App, JSONBodyRoute, example, streams
 
 router = APIRouter(route_class=JSONBodyRoute)
 
@@ -25,6 +26,7 @@ router = APIRouter(route_class=JSONBodyRoute)
         {"model": "{model}", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
     ),
 )
+@streams(MessageStreamEvent)
 async def messages(body: MessagesRequest, request: Request, app: App) -> Response:
     return await app.anthropic.messages(body, request)
 
