@@ -195,6 +195,52 @@ def reasoning_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[[str], Pat
     return make
 
 
+@pytest.fixture(scope="session")
+def embedding_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
+    """``embedding_model_dir("mean", normalize=True)``: the tiny random Qwen3 with
+    sentence-transformers' files (modules.json, a Pooling module by that method, a Normalize
+    module), as Qwen3-Embedding ships them ("last")."""
+    import json
+    import shutil
+
+    modes = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+             "cls": "pooling_mode_cls_token"}  # fmt: skip
+    made: dict[tuple[str, bool], Path] = {}
+
+    def make(method: str, normalize: bool = True) -> Path:
+        if (method, normalize) not in made:
+            from transformers import AutoModel
+
+            path = tmp_path_factory.mktemp(f"tiny-embed-{method}")
+            source = tiny_model_dir("qwen3")
+            # Saved as the base model (Qwen3Model: tensors without "model.", no head), its
+            # input embedding tied as the head, as Qwen3-Embedding-0.6B is.
+            base = AutoModel.from_pretrained(source, dtype=torch.float32)
+            base.config.tie_word_embeddings = True
+            base.save_pretrained(path, safe_serialization=True)
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (source / name).exists():
+                    shutil.copy(source / name, path / name)
+            modules = [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            ]  # fmt: skip
+            if normalize:
+                modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                                "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+            (path / "modules.json").write_text(json.dumps(modules))
+            (path / "1_Pooling").mkdir()
+            config = {
+                "word_embedding_dimension": 64,
+                **{m: m == modes[method] for m in modes.values()},
+            }
+            (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+            made[(method, normalize)] = path
+        return made[(method, normalize)]
+
+    return make
+
+
 def assert_all_blocks_free(engine) -> None:
     """Every engine test ends with this: no request holds a KV block."""
     stats = engine.stats()

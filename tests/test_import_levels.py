@@ -19,7 +19,8 @@ ROOT = Path(tokenmill.__file__).parent
 # Level 1: data and configuration, stdlib (and tokenizers / jinja for the tokenizer) only.
 LEVEL1 = {
     *("config", "cost", "kv_layout", "modelfile", "request", "sampling_params", "outputs"),
-    *("architectures", "embedded", "memory", "reasoning", "resolve", "store", "tokenizer"),
+    *("architectures", "embedded", "memory", "pooling", "reasoning", "resolve", "store"),
+    "tokenizer",
 }
 # Level 3: torch building blocks; they may use each other.
 # (_qgemm is the C extension built from tokenmill/csrc, loaded by the kernels package.)

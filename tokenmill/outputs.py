@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.pooling import Pooling
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -96,6 +98,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
     # has no context); entry i is prompt token i's log-prob given tokens < i, plus alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # An embedding request's vector (SamplingParams.pooling), in its finished output.
+    embedding: list[float] | None = None
     # Set when the request failed inside the engine (the others go on): what went wrong. The
     # output is finished; its sequences end with finish_reason "abort".
     error: str | None = None
@@ -127,6 +131,9 @@ class EngineInfo:
     num_kv_tokens: int
     # The reasoning format the server splits outputs by (reasoning.py): "think", or None.
     reasoning: str | None = None
+    # How it pools embeddings (pooling.py) when it serves them (--task embed, or an embedding
+    # checkpoint); None: it generates.
+    pooling: Pooling | None = None
 
 
 @dataclass(slots=True)

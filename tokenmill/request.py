@@ -85,6 +85,16 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position must run, so it takes no prefix-cache hits: for the
+        log-prob of each, or an embedding pooled over them all (pooling.Pooling)."""
+        params = self.sampling_params
+        pooling = params.pooling
+        return params.prompt_logprobs is not None or (
+            pooling is not None and pooling.needs_every_position
+        )
+
+    @property
     def max_tokens(self) -> int:
         # The engine fills max_tokens in (from the context length) before the request enters.
         assert self.sampling_params.max_tokens is not None

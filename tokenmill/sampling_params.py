@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tokenmill.pooling import Pooling
+
 
 class RequestOutputKind(StrEnum):
     """What a request's RequestOutputs carry, step after step (vLLM's RequestOutputKind).
@@ -94,6 +96,9 @@ class SamplingParams:
     # A reasoning model's thinking ends after this many tokens: the engine makes it write its
     # end-of-thinking tag, then it answers (reasoning.py). None: no budget; 0: no thinking.
     max_thinking_tokens: int | None = None
+    # An embedding request (pooling.py): its prompt runs, its hidden states pooled into the
+    # output's ``embedding``; no token is sampled.
+    pooling: Pooling | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +134,12 @@ class SamplingParams:
             "a StructuredOutputs",
         )
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        if self.pooling is not None:
+            _check(isinstance(self.pooling, Pooling), "pooling", self.pooling, "a Pooling")
+            for name in ("prompt_logprobs", "logprobs", "structured_outputs"):
+                _check(getattr(self, name) is None, name, getattr(self, name),
+                       "None for an embedding request (pooling)")  # fmt: skip
+            _check(self.n == 1, "n", self.n, "1 for an embedding request (pooling)")
         if self.max_tokens is not None:
             _check(
                 _is_int(self.max_tokens) and self.max_tokens >= 1,

@@ -54,15 +54,24 @@ class FuzzRun:
     statuses: Counter[tuple[str, int]] = field(default_factory=Counter)
 
 
-def run_fuzz(url: str, key: str, max_examples: int, workdir: Path, timeout: float = 600) -> FuzzRun:
-    """schemathesis (its ``st`` CLI beside this Python) on ``url``/openapi.json with ``key``."""
+def run_fuzz(
+    url: str,
+    key: str,
+    max_examples: int,
+    workdir: Path,
+    timeout: float = 600,
+    paths: str | None = None,
+) -> FuzzRun:
+    """schemathesis (its ``st`` CLI beside this Python) on ``url``/openapi.json with ``key``;
+    ``paths``: only the operations whose path matches this regex."""
     st = Path(sys.executable).parent / "st"
     report = workdir / "report"
+    only = ["--include-path-regex", paths] if paths else []
     result = subprocess.run(
         [str(st), "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {key}",
          "-n", str(max_examples), "--phases", "examples,coverage,fuzzing", "-c", ",".join(CHECKS),
          "--mode", "all", "--generation-deterministic", "--request-timeout", "30",
-         "--no-color", "--report", "ndjson", "--report-dir", str(report)],
+         "--no-color", "--report", "ndjson", "--report-dir", str(report), *only],
         capture_output=True, text=True, timeout=timeout, cwd=workdir,  # its files go there
     )  # fmt: skip
     output = result.stdout + result.stderr
@@ -141,3 +150,17 @@ def test_fuzzed_requests_get_no_server_error_and_match_the_schema(server, tmp_pa
 @pytest.mark.soak
 def test_soak_fuzz_every_operation(server, tmp_path) -> None:
     _check(server, run_fuzz(server.url, ADMIN, SOAK_EXAMPLES, tmp_path, timeout=3600))
+
+
+def test_fuzzed_embedding_requests_on_an_embedding_model(embedding_model_dir, tmp_path) -> None:
+    """The embedding routes where they run: an embedding checkpoint (mean pooling, normalized)
+    answers fuzzed inputs, token ids and dimensions with 200s and 4xx, never a 5xx."""
+    if not IN_CI:
+        pytest.importorskip("schemathesis")
+    with running_server(embedding_model_dir("mean"), {"max_model_len": 64}, api_keys=(KEY,)) as srv:
+        run = run_fuzz(srv.url, KEY, QUICK_EXAMPLES, tmp_path, paths="embed")
+        srv.wait_idle(timeout=60)
+    assert run.server_errors == [], run.server_errors[:5]
+    assert run.returncode == 0, run.output[-6000:]
+    for label in ("POST /v1/embeddings", "POST /api/embed", "POST /api/embeddings"):
+        assert run.statuses[(label, 200)] >= 3, (label, run.statuses)

@@ -202,8 +202,8 @@ def test_unknown_model_and_route_404(http) -> None:
     err = _error(http.post("/v1/completions", json=_completion(model="gpt-4o")), 404)
     assert err["param"] == "model" and err["code"] == "model_not_found"
     assert "gpt-4o" in err["message"] and MODEL_NAME in err["message"]
-    err = _error(http.post("/v1/embeddings", json={}), 404)
-    assert "/v1/embeddings" in err["message"]
+    err = _error(http.post("/v1/audio/speech", json={}), 404)
+    assert "/v1/audio/speech" in err["message"]
     err = _error(http.get("/v1/completions"), 405)
     assert err["code"] == "method_not_allowed"
 

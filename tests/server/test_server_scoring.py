@@ -103,3 +103,27 @@ def test_tokenizer_info_describes_the_servers_tokenizer(server) -> None:
     assert info["vocab_size"] == tokenizer.vocab_size
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": CONTEXT}).json()["tokens"]
     assert ids == tokenizer.encode(CONTEXT)
+
+
+def test_vllms_prompt_logprobs_field(server) -> None:
+    """prompt_logprobs as vLLM names it: by token id per prompt position (the first null),
+    the prompt token's own among them, equal to echo's; streamed with the first chunk."""
+    body = {"model": MODEL_NAME, "prompt": CONTEXT, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    shaped = r.json()["choices"][0]["prompt_logprobs"]
+    ids = server.engine.tokenizer.encode(CONTEXT)
+    assert len(shaped) == len(ids) and shaped[0] is None
+    echo = _client(server).completions.create(
+        model=MODEL_NAME, prompt=CONTEXT, max_tokens=0, echo=True, logprobs=2
+    ).choices[0].logprobs  # fmt: skip
+    for position, token_id, want in zip(shaped[1:], ids[1:], echo.token_logprobs[1:]):
+        assert 2 <= len(position) <= 3
+        assert position[str(token_id)]["logprob"] == pytest.approx(want, abs=1e-5)
+        assert sorted(e["rank"] for e in position.values())[:2] == [1, 2]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}) as s:
+        chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"prompt_logprobs":[null,' in chunks[0]
+    bad = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"

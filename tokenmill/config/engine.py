@@ -12,6 +12,7 @@ from tokenmill.config.declare import check_declared, check_number_types, option
 from tokenmill.config.model import ModelConfig
 from tokenmill.embedded import DEFAULT_MODEL
 from tokenmill.kv_layout import KVLayout
+from tokenmill.pooling import TASKS
 from tokenmill.reasoning import REASONING_PARSERS
 
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
@@ -233,6 +234,14 @@ class EngineArgs:
         + ", ".join(REASONING_PARSERS),
         choices=("auto", "none", *REASONING_PARSERS),
     )
+    # Embeddings (pooling.py): "auto" serves them when the checkpoint is an embedding model
+    # (sentence-transformers files, a GGUF's pooling_type), "embed" always, "generate" never.
+    task: str = option(
+        "auto",
+        "what the model serves: auto (embeddings for an embedding checkpoint, else text), "
+        "generate, or embed (/v1/embeddings by the checkpoint's pooling, else last-token)",
+        choices=TASKS,
+    )
     async_scheduling: bool | None = option(
         None,
         "schedule each step while the device runs the one before it (default: on with CUDA); "
@@ -276,6 +285,11 @@ class EngineArgs:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1; got {self.tensor_parallel_size!r}"
+            )
+        if self.task == "embed" and self.speculative_method is not None:
+            raise ValueError(
+                "task 'embed' runs prompts only: speculative decoding has nothing to propose; "
+                "drop speculative_method"
             )
         if self.async_scheduling and self.speculative_method is not None:
             raise ValueError(

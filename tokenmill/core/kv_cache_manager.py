@@ -97,10 +97,10 @@ class KVCacheManager:
 
         NOTE: a request that wants prompt log-probs takes no hits (as in vLLM): the logits of every
         prompt position are needed, so its whole prompt runs. Its full blocks are still cached
-        for others.
+        for others. So does an embedding request that pools every position (mean, cls).
         """
         none = PrefixHit(0, [[] for _ in self.group_windows])
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or req.needs_every_position:
             return none
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

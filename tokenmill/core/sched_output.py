@@ -105,6 +105,8 @@ class RunnerOutput:
     # Proposed next tokens (speculative decoding), for the scheduler to send with the request's
     # next decode step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Embedding requests (SamplingParams.pooling) whose prompt ended this step: their vectors.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -117,3 +119,4 @@ class RequestUpdate:
     stop_reason: int | str | None = None
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None  # may come with no new token (mid-prompt)
+    embedding: list[float] | None = None  # an embedding request's vector: it finished

@@ -238,7 +238,7 @@ class Scheduler:
         leader = self.requests.get(req.wait_for_req_id) if req.wait_for_req_id else None
         if leader is None or leader.is_finished or not self.kv.enable_caching:
             return False
-        if req.sampling_params.prompt_logprobs is not None:
+        if req.needs_every_position:
             return False  # it takes no prefix hits (see KVCacheManager.find_cached_prefix)
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
@@ -263,7 +263,17 @@ class Scheduler:
             req = self.requests.get(req_id)
             token_ids = runner_out.sampled_token_ids.get(req_id, [])
             prompt_logprobs = runner_out.prompt_logprobs.get(req_id)
-            if req is None or req.is_finished or not (token_ids or prompt_logprobs):
+            embedding = runner_out.embeddings.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if embedding is not None:  # an embedding request: its prompt ran, it is done
+                req.num_pending_tokens -= 1
+                req.first_token_time = now
+                self._dequeue(req)
+                self._finish(req, FinishReason.STOP)
+                updates.append(RequestUpdate(req_id, [], FinishReason.STOP, embedding=embedding))
+                continue
+            if not (token_ids or prompt_logprobs):
                 continue
             if token_ids:
                 req.num_pending_tokens -= 1
@@ -338,6 +348,7 @@ def _can_run_ahead(req: Request) -> bool:
         and not params.has_penalties
         and params.logprobs is None
         and params.prompt_logprobs is None
+        and params.pooling is None
     )
 
 

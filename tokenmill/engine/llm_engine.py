@@ -38,6 +38,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.memory import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
+from tokenmill.pooling import Pooling, serving_pooling
 from tokenmill.reasoning import (
     THINK_END,
     THINK_START,
@@ -100,7 +101,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.async_scheduling = worker.async_scheduling
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
-        self.info = _engine_info(args, worker, self.config, self.reasoning)
+        # How it pools embeddings when it serves them (pooling.py), or None: it generates.
+        pooling = serving_pooling(args.task, model_config.source.path)
+        self.info = _engine_info(args, worker, self.config, self.reasoning, pooling)
         resident = resident_bytes()
         logger.info(
             "loaded %s (%s, %s%s on %s) in %.1fs; KV cache (%s): %d blocks of %d tokens, up to %d "
@@ -243,6 +246,13 @@ class LLMEngine:
         bad = [t for t in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}); got {bad[:5]}")
+        if params.pooling is not None:  # the prompt alone runs: it may fill the context
+            if prompt_len > self.max_model_len:
+                raise ValueError(
+                    f"prompt has {prompt_len} tokens, the model's context is "
+                    f"{self.max_model_len}: shorten it"
+                )
+            return dataclasses.replace(params, max_tokens=1)
         room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(
@@ -409,7 +419,11 @@ def _window_capacity(config: EngineConfig) -> str:
 
 
 def _engine_info(
-    args: EngineArgs, worker: WorkerInfo, config: EngineConfig, reasoning: str | None
+    args: EngineArgs,
+    worker: WorkerInfo,
+    config: EngineConfig,
+    reasoning: str | None,
+    pooling: Pooling | None,
 ) -> EngineInfo:
     cache = config.cache_config
     return EngineInfo(
@@ -434,6 +448,7 @@ def _engine_info(
             cache.num_blocks - 1, cache.block_size, config.scheduler_config.max_num_batched_tokens
         ),
         reasoning=reasoning,
+        pooling=pooling,
     )
 
 

@@ -53,6 +53,7 @@ class RequestState:
     # turn out to start a stop string.
     stop_hold: int = 0
     num_sent_prompt_logprobs: int = 0  # entries of prompt_logprobs sent (delta outputs)
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt ran
 
     @property
     def finished(self) -> bool:
@@ -106,6 +107,8 @@ class OutputProcessor:
                 # n > 1 siblings compute the same prompt: only the first sequence's are kept.
                 if update.prompt_logprobs is not None and seq.index == 0:
                     self._append_prompt_logprobs(state, update.prompt_logprobs)
+                if update.embedding is not None:
+                    state.embedding = update.embedding
                 if not update.new_token_ids and update.finish_reason is None:
                     continue  # a prompt chunk's log-probs: nothing to stream until a token
                 self._append(seq, update, state.params)
@@ -267,6 +270,7 @@ class OutputProcessor:
             finished=finished,
             metrics=_metrics(state),
             prompt_logprobs=self._prompt_logprobs_out(state, delta),
+            embedding=state.embedding,
         )
 
     @staticmethod

@@ -178,6 +178,10 @@ class CausalLM(nn.Module):
         for name, tensor in weights:
             if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
                 name = "model." + name.removeprefix("model.language_model.")
+            elif name.startswith(("embed_tokens.", "layers.", "norm.")):
+                # A base model's checkpoint (saved from Qwen3Model, not Qwen3ForCausalLM): an
+                # embedding model such as Qwen3-Embedding, with no head of its own.
+                name = "model." + name
             name = self.checkpoint_name(name)
             load = loaders.pop(name, None)
             if load is None:

@@ -21,6 +21,7 @@ from tokenmill.outputs import EngineStats
 from tokenmill.server.anthropic import AnthropicServing
 from tokenmill.server.auth import APIKeyMiddleware
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.embeddings import EmbeddingServing
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import ServerMetrics, log_stats_periodically
@@ -55,9 +56,10 @@ def create_app(config: ServerConfig, load_engine: Callable[[], AsyncEngine]) -> 
     limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     serving = OpenAIServing(state, metrics, meter, limiter if limiter.is_enabled else None)
     store = ResponseStore(config.responses_store_size, config.responses_ttl)
+    ollama = OllamaServing(serving)
     services = Services(
-        config, state, metrics, meter, serving, OllamaServing(serving), AnthropicServing(serving),
-        ResponsesServing(serving, store),
+        config, state, metrics, meter, serving, ollama, AnthropicServing(serving),
+        ResponsesServing(serving, store), EmbeddingServing(serving, ollama),
     )  # fmt: skip
 
     @contextlib.asynccontextmanager

@@ -24,6 +24,7 @@ class ServerConfig:
         max_tokens: the largest ``max_tokens``; None: the model's context length.
         max_stop: the most stop strings in one request.
         max_prompts: the most prompts in one /v1/completions request.
+        max_embedding_inputs: the most inputs in one /v1/embeddings or /api/embed request.
         max_body_bytes: request bodies above this get 413.
         shutdown_timeout: seconds in-flight requests may run after SIGTERM before being aborted.
         log_stats_interval: seconds between throughput log lines; 0 disables them.
@@ -65,6 +66,9 @@ class ServerConfig:
     )
     max_stop: int = option(16, "most stop strings", low=1)
     max_prompts: int = option(64, "most prompts in one /v1/completions request", low=1)
+    max_embedding_inputs: int = option(
+        1024, "most inputs in one /v1/embeddings or /api/embed request", low=1
+    )
     max_body_bytes: int = option(4 * 2**20, "larger request bodies get 413", low=1)
     shutdown_timeout: float = option(
         30.0, "seconds in-flight requests may run after SIGTERM before they are aborted", low=0

@@ -152,6 +152,10 @@ class RequestTracker:
             m.generation_tokens.inc(num_new)
             m.window.add_generation(num_new)
             m.num_generation_tokens += num_new
+        elif out.embedding is not None:  # an embedding request: its prompt ran, no tokens
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            m.num_prompt_tokens += len(out.prompt_token_ids)
+            m.window.add_prompt(len(out.prompt_token_ids), out.metrics.num_cached_tokens)
         if out.finished:
             reasons = {c.finish_reason for c in out.outputs}
             self.finish("abort" if "abort" in reasons else None, out)

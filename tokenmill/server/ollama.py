@@ -250,7 +250,7 @@ class OllamaServing:
 
     def show(self, body: ShowRequest) -> dict[str, Any]:
         engine = self.state.require_engine()
-        self._check_model(body.model or body.name)
+        self.check_model(body.model or body.name)
         info = engine.info
         template = engine.tokenizer.chat_template or ""
         capabilities = ["completion"]
@@ -304,7 +304,7 @@ class OllamaServing:
             return _timestamp(datetime.datetime.fromtimestamp(mtime, datetime.UTC))
         return _timestamp(datetime.datetime.now(datetime.UTC))
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         served = self.config.served_model_name
         if model not in (served, f"{served}:latest"):
             raise APIError(
@@ -318,7 +318,7 @@ class OllamaServing:
 
     async def chat(self, body: ChatRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         _refuse_template(body.template)
         if any(m.images for m in body.messages):
             raise bad_request("images are not supported: the model reads text", param="images")
@@ -365,7 +365,7 @@ class OllamaServing:
 
     async def generate(self, body: GenerateRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.images:
             raise bad_request("images are not supported: the model reads text", param="images")
         if body.suffix:

@@ -241,6 +241,9 @@ class CompletionRequest(_SamplingRequest):
     # With logprobs, the prompt's tokens come first in the choice's logprobs (scoring, as
     # evaluation harnesses ask); with max_tokens 0 nothing is generated.
     echo: bool = False
+    # vLLM's: each choice's prompt_logprobs, per prompt position (the first null) the prompt
+    # token's log-prob and the top-k alternatives, by token id.
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -255,6 +258,20 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request(
                 f"best_of must equal n ({self.n}) when given; got {self.best_of}",
                 param="best_of",
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad_request(
+                f"prompt_logprobs must be in [0, 20]; got {self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
+        if (
+            self.echo and self.logprobs is not None and self.prompt_logprobs is not None
+            and self.prompt_logprobs != self.logprobs
+        ):  # fmt: skip
+            raise bad_request(
+                "with echo, logprobs scores the prompt too: give prompt_logprobs the same value "
+                f"({self.logprobs}) or leave it out",
+                param="prompt_logprobs",
             )
         prompts = self.prompts()
         if not prompts:
@@ -286,6 +303,8 @@ class CompletionRequest(_SamplingRequest):
         )
         if self.echo and self.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        elif self.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs)
         return params
 
 
@@ -581,10 +600,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's (prompt_logprobs in the request): by token id, per prompt position, the first null.
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from tokenmill.server.anthropic import AnthropicServing
 from tokenmill.server.config import ServerConfig
+from tokenmill.server.embeddings import EmbeddingServing
 from tokenmill.server.errors import APIError, from_validation_error
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.ollama import OllamaServing
@@ -57,6 +58,7 @@ class Services:
     ollama: OllamaServing
     anthropic: AnthropicServing
     responses: ResponsesServing
+    embeddings: EmbeddingServing
 
 
 def services_of(request: Request) -> Services:

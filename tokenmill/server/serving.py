@@ -66,6 +66,7 @@ from tokenmill.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptTokenLogprob,
     PromptTokensDetails,
     Timings,
     TokenizeRequest,
@@ -202,13 +203,13 @@ class OpenAIServing:
 
     def model(self, model_id: str) -> ModelCard:
         engine = self.state.require_engine()
-        self._check_model(model_id)
+        self.check_model(model_id)
         return self._model_card(engine)
 
     def _model_card(self, engine: AsyncEngine) -> ModelCard:
         return ModelCard(id=self.config.served_model_name, max_model_len=engine.info.max_model_len)
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
             raise APIError(
                 404,
@@ -220,7 +221,7 @@ class OpenAIServing:
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         tokenizer = engine.tokenizer
@@ -248,7 +249,7 @@ class OpenAIServing:
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         vocab = engine.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -260,7 +261,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         body.check(self.config)
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
@@ -295,7 +296,7 @@ class OpenAIServing:
         """A chat request checked, rendered (tools, template variables) and running: what
         the OpenAI chat route and Anthropic's messages route (server/anthropic.py) share."""
         engine = self.state.require_engine()
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompt = self.chat_prompt(engine, body)
 
         def prepare() -> list[PreparedRequest]:
@@ -516,6 +517,13 @@ def prepare_all(
     A request that names no max_tokens gets what its context leaves (the engine fills it in),
     at most ``max_tokens_cap`` (the server's --max-tokens-limit) when there is one.
     """
+    if engine.info.pooling is not None and params.pooling is None:
+        raise bad_request(
+            f"'{engine.info.model}' is served for embeddings (--task embed, or an embedding "
+            "model): use /v1/embeddings",
+            param="model",
+            code="unsupported",
+        )
     prepared = []
     for prompt in prompts:
         try:
@@ -931,12 +939,14 @@ class _CompletionChunks:
         # streamed, the echo waits for the prompt's log-probs (after its prefill).
         self.scores_prompt = body.echo and self.logprobs
         self.scores_only = body.scores_only
+        self.vllm_prompt_logprobs = body.prompt_logprobs is not None
         self.tokenizer = engine.tokenizer
         self._echoed: set[int] = set()
         num_choices = run.n * len(run.prepared)
         self._num_sent_logprobs = [0] * num_choices
         self._text_offsets = [len(self.echo_texts[i // run.n]) for i in range(num_choices)]
         self._finished: set[int] = set()
+        self._prompt_sent: set[int] = set()
 
     def _chunk(self, choice: CompletionChoice) -> str:
         chunk = CompletionChunk(
@@ -978,6 +988,12 @@ class _CompletionChunks:
                 continue
             if not (c.text_delta or new or finished):
                 continue
+            # vLLM's prompt_logprobs: with each choice's first chunk (the first output of a
+            # request holds them all: none is sent before its first token).
+            prompt_logprobs = None
+            if self.vllm_prompt_logprobs and idx not in self._prompt_sent:
+                self._prompt_sent.add(idx)
+                prompt_logprobs = _by_token_id(out)
             logprobs = None
             if self.logprobs:
                 logprobs, self._text_offsets[idx] = _completion_logprobs(
@@ -990,6 +1006,7 @@ class _CompletionChunks:
                     index=idx,
                     text=c.text_delta,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     finish_reason=c.finish_reason if finished else None,
                     stop_reason=c.stop_reason if finished else None,
                 )
@@ -1034,6 +1051,7 @@ class _CompletionChunks:
                         index=prompt_idx * self.run.n + c.index,
                         text=echo + c.text,
                         logprobs=logprobs,
+                        prompt_logprobs=_by_token_id(out) if self.vllm_prompt_logprobs else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
@@ -1046,6 +1064,21 @@ class _CompletionChunks:
             usage=_usage(finals),
             timings=_timings(finals),
         )
+
+
+def _by_token_id(out: RequestOutput) -> list[dict[str, PromptTokenLogprob] | None]:
+    """A prompt's log-probs in vLLM's shape: per position, the prompt token's and the top-k
+    alternatives' by token id (the first position has none)."""
+    shaped: list[dict[str, PromptTokenLogprob] | None] = []
+    for entry in out.prompt_logprobs or [None]:
+        if entry is None:
+            shaped.append(None)
+            continue
+        shaped.append({
+            str(t.token_id): PromptTokenLogprob(logprob=t.logprob, rank=t.rank, decoded_token=t.token)
+            for t in (entry.sampled, *entry.top)
+        })  # fmt: skip
+    return shaped
 
 
 def _unsampled(finals: list[RequestOutput]) -> list[RequestOutput]:

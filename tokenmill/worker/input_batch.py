@@ -95,6 +95,8 @@ class RequestState:
     next_prompt_logprob_idx: int = 1
     grammar: GrammarMatcher | None = None  # its structured-output format, at its last token
     thinking: BudgetState | None = None  # its thinking budget, at its last token
+    # An embedding request's pooled hidden states so far (mean: their sum; cls: the first's).
+    pooled: torch.Tensor | None = None
     # Its sampling row when it reads no tokens (no penalties, no min_tokens, no drafts): the
     # same every step, so made once (model_runner._sampling_rows).
     plain_row: SamplingRow | None = None
@@ -165,6 +167,18 @@ class PromptLogprobRows:
     num_rows: int
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingRows:
+    """An embedding request's rows in a step: flat rows ``row_idx ..`` are its prompt positions
+    ``first_pos ..``; ``ends_prompt``: the last of them is its last prompt token."""
+
+    req_id: str
+    row_idx: int
+    first_pos: int
+    num_rows: int
+    ends_prompt: bool
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long
@@ -173,6 +187,7 @@ class StepInputs:
     reqs: list[ScheduledRequest]  # in batch order
     logits_indices: torch.Tensor  # [num_logits] long: rows whose hidden states give logits
     prompt_logprob_rows: list[PromptLogprobRows]
+    pooling_rows: list[PoolingRows]
     # (row, pick) of input ids that are placeholders for the launched step's picks.
     pending: list[tuple[int, int]]
 
@@ -208,6 +223,7 @@ def build_step_inputs(
     reqs: list[ScheduledRequest] = []
     logits_indices: list[int] = []
     prompt_rows: list[PromptLogprobRows] = []
+    pooling_rows: list[PoolingRows] = []
     pending: list[tuple[int, int]] = []
     for rid in order:
         state, start, n = requests[rid], num_computed[rid], num_scheduled_tokens[rid]
@@ -220,6 +236,9 @@ def build_step_inputs(
         positions.extend(range(start, start + n))
         last_known = len(state.token_ids) - 1  # its row predicts the first new token
         num_logits = 1 + len(drafts) if start + n > last_known else 0
+        if state.sampling_params.pooling is not None:  # pooled, never sampled
+            pooling_rows.append(PoolingRows(rid, row, start, n, start + n > last_known))
+            num_logits = 0
         first_logit_row = row + last_known - start
         reqs.append(ScheduledRequest(rid, row, start, n, drafts, len(logits_indices), num_logits))
         logits_indices.extend(range(first_logit_row, first_logit_row + num_logits))
@@ -243,6 +262,7 @@ def build_step_inputs(
         reqs=reqs,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
         prompt_logprob_rows=prompt_rows,
+        pooling_rows=pooling_rows,
         pending=pending,
     )
 

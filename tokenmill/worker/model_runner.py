@@ -52,6 +52,7 @@ from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
     BlockTables,
     PendingIds,
+    PoolingRows,
     PromptLogprobRows,
     RequestState,
     StepInputs,
@@ -214,6 +215,10 @@ class ModelRunner:
         hidden = self.forward(step)
         for rows in step.prompt_logprob_rows:
             out.prompt_logprobs[rows.req_id] = self._prompt_logprobs(hidden, rows)
+        for pooled in step.pooling_rows:
+            embedding = self._pool(hidden, pooled)
+            if embedding is not None:
+                out.embeddings[pooled.req_id] = embedding
         if step.logits_indices.numel() == 0:
             return out
         logits = self.compute_logits(hidden, step)
@@ -506,6 +511,30 @@ class ModelRunner:
         state.next_prompt_logprob_idx = end
         return out
 
+    def _pool(self, hidden: torch.Tensor, rows: PoolingRows) -> list[float] | None:
+        """An embedding request's chunk pooled into its state (pooling.py); its vector once the
+        chunk ends its prompt, else None."""
+        state = self.requests[rows.req_id]
+        pooling = state.sampling_params.pooling
+        assert pooling is not None
+        h = hidden[rows.row_idx : rows.row_idx + rows.num_rows].float()
+        if pooling.method == "mean":
+            part = h.sum(dim=0)
+            state.pooled = part if state.pooled is None else state.pooled + part
+        elif pooling.method == "cls" and rows.first_pos == 0:
+            state.pooled = h[0]
+        if not rows.ends_prompt:
+            return None
+        if pooling.method == "last":
+            vector = h[-1]
+        else:
+            assert state.pooled is not None  # every position ran: no prefix-cache hits
+            vector = state.pooled / state.num_prompt_tokens if pooling.method == "mean" else (
+                state.pooled)  # fmt: skip
+        if pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.cpu().tolist()
+
     # ---- decode graphs and buffers ------------------------------------------------------
 
     def _decode_graph_step(self, sched: SchedulerOutput) -> torch.Tensor | None:
@@ -526,8 +555,8 @@ class ModelRunner:
             drafts = sched.draft_token_ids.get(rid, [])
             if n != 1 + len(drafts) or p + 1 != len(state.token_ids):
                 return None  # a prompt chunk: no sample, or a query of several known tokens
-            if prompt_logprob_rows(state, rid, 0, p, 1):
-                return None  # prompt log-probs owed
+            if prompt_logprob_rows(state, rid, 0, p, 1) or state.sampling_params.pooling:
+                return None  # prompt log-probs owed, or a one-token prompt to embed
             pending += pending_rows(len(ids), state.token_ids[p : p + 1])
             ids.append(state.token_ids[p])
             ids += drafts

@@ -7,6 +7,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill import __version__
+from tokenmill.server.embeddings import (
+    OllamaEmbeddingsRequest,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedRequest,
+    OllamaEmbedResponse,
+)
 from tokenmill.server.ollama import (
     ChatRequest,
     ChatResponse,
@@ -46,6 +52,26 @@ async def chat(body: ChatRequest, request: Request, app: App) -> Response:
 @streams(GenerateResponse, NDJSON)
 async def generate(body: GenerateRequest, request: Request, app: App) -> Response:
     return await app.ollama.generate(body, request)
+
+
+@router.post(
+    "/api/embed",
+    summary="Ollama embed: unit vectors of texts, when the model serves them (--task embed)",
+    response_model=OllamaEmbedResponse,
+    openapi_extra=example({"model": "{model}", "input": ["a cat", "a dog"]}),
+)
+async def embed(body: OllamaEmbedRequest, request: Request, app: App) -> Response:
+    return await app.embeddings.ollama_embed(body, request)
+
+
+@router.post(
+    "/api/embeddings",
+    summary="Ollama's older embeddings route: one prompt's vector",
+    response_model=OllamaEmbeddingsResponse,
+    openapi_extra=example({"model": "{model}", "prompt": "a cat"}),
+)
+async def embeddings(body: OllamaEmbeddingsRequest, request: Request, app: App) -> Response:
+    return await app.embeddings.ollama_embeddings(body, request)
 
 
 @router.get("/api/tags", summary="Ollama: the local models", response_model=TagsResponse)

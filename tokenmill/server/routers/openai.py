@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.server.embeddings import EmbeddingRequest, EmbeddingResponse
 from tokenmill.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -54,6 +55,16 @@ async def completions(body: CompletionRequest, request: Request, app: App) -> Re
 @streams(ChatCompletionChunk)
 async def chat_completions(body: ChatCompletionRequest, request: Request, app: App) -> Response:
     return await app.openai.chat(body, request)
+
+
+@router.post(
+    "/v1/embeddings",
+    summary="Embeddings (OpenAI) of texts or token ids, when the model serves them (--task embed)",
+    response_model=EmbeddingResponse,
+    openapi_extra=example({"model": "{model}", "input": ["a cat", "a dog"]}),
+)
+async def embeddings(body: EmbeddingRequest, request: Request, app: App) -> Response:
+    return await app.embeddings.openai_embeddings(body, request)
 
 
 @router.get("/v1/models", summary="The served model", response_model=ModelList)
