@@ -78,3 +78,35 @@ def test_what_a_checkpoint_declares(tiny_model_dir, embedding_model_dir, tmp_pat
         checkpoint_pooling(bad)
     with pytest.raises(ValueError, match="task must be one of"):
         serving_pooling("classify", None)
+
+
+@pytest.mark.parametrize("kind, want", [(1, Pooling("mean")), (3, Pooling("last")), (0, None)])
+def test_a_ggufs_pooling_type(tmp_path, kind, want) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_pooling_type(gguf.PoolingType(kind))
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert checkpoint_pooling(path) == want
+
+
+def test_llm_embed(embedding_model_dir, tiny_model_dir) -> None:
+    from tokenmill.entrypoints.llm import LLM
+
+    model_dir = embedding_model_dir("mean")
+    llm = LLM(str(model_dir), dtype="float32", num_threads=1)
+    prompts = random_prompts(2, seed=5)
+    vectors = llm.embed(prompts, use_tqdm=False)
+    for got, want in zip(vectors, _reference(model_dir, prompts, Pooling("mean"))):
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-4, rtol=1e-4)
+    text_model = LLM(str(tiny_model_dir("llama")), dtype="float32", num_threads=1)
+    with pytest.raises(ValueError, match='task="embed"'):
+        text_model.embed("hi")
+    (cls,) = text_model.embed([[1, 5, 6]], pooling=Pooling("cls", normalize=False))
+    assert len(cls) == 64

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineArgs
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.pooling import Pooling
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.llm import LLM
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "Pooling", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -1,4 +1,5 @@
-"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``."""
+"""LLM: offline batch generation, ``LLM(model=...).generate(prompts, sampling_params)``, and
+embeddings, ``LLM(model=...).embed(prompts)``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from tokenmill.engine import LLMEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling import Pooling
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -69,6 +71,23 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: Pooling | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:  # fmt: skip
+        """Each prompt's embedding (pooling.py), in input order: by ``pooling``, else the
+        model's (an embedding checkpoint's, or task="embed"'s last-token default)."""
+        pooling = pooling or self.engine.info.pooling
+        if pooling is None:
+            raise ValueError(
+                f"{self.engine.info.model} is a text model: pass pooling=Pooling(...) or load it "
+                'with task="embed"'
+            )
+        params = SamplingParams(pooling=pooling, output_kind=RequestOutputKind.FINAL_ONLY)
+        prepared = [self.engine.prepare_request(p, params) for p in _as_prompt_list(prompts)]
+        outs = self._run(prepared, use_tqdm)
+        return [out.embedding for out in outs if out.embedding is not None]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
