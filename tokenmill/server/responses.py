@@ -295,14 +295,25 @@ class _Response:
     def snapshot(self, status: str) -> ResponseObject:
         b = self.body
         return ResponseObject(
-            id=self.chat.run.request_id, created_at=self.created, status=status, model=b.model,
-            output=[], instructions=b.instructions, max_output_tokens=b.max_output_tokens,
-            temperature=b.temperature, top_p=b.top_p, tools=b.tools or [],
-            tool_choice=b.tool_choice or "auto", parallel_tool_calls=b.parallel_tool_calls
-            is not False, text=b.text or {"format": {"type": "text"}}, reasoning=b.reasoning,
-            previous_response_id=b.previous_response_id, store=b.store,
-            metadata=b.metadata or {}, user=b.user,
-        )  # fmt: skip
+            id=self.chat.run.request_id,
+            created_at=self.created,
+            status=status,
+            model=b.model,
+            output=[],
+            instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens,
+            temperature=b.temperature,
+            top_p=b.top_p,
+            tools=b.tools or [],
+            tool_choice=b.tool_choice or "auto",
+            parallel_tool_calls=b.parallel_tool_calls is not False,
+            text=b.text or {"format": {"type": "text"}},
+            reasoning=b.reasoning,
+            previous_response_id=b.previous_response_id,
+            store=b.store,
+            metadata=b.metadata or {},
+            user=b.user,
+        )
 
     def final(self, out: RequestOutput, output: list[dict[str, Any]]) -> ResponseObject:
         completion = out.outputs[0]
@@ -363,17 +374,20 @@ class _ItemWriter:
         return events
 
     def function_call(self, call: tools_mod.ToolCall) -> list[str]:
+        """A call's events: its arguments come whole (the call is parsed once the text ends)."""
         events = self.close()
         item = _function_call(call)
-        output_index = len(self.done)
-        events.append(self.event("response.output_item.added", output_index=output_index,
-                                 item={**item, "arguments": "", "status": "in_progress"}))  # fmt: skip
-        for name, value in (("delta", call.arguments), ("arguments", call.arguments)):
-            kind = "response.function_call_arguments." + ("delta" if name == "delta" else "done")
-            events.append(self.event(kind, item_id=item["id"], output_index=output_index,
-                                     **{name: value}))  # fmt: skip
-        events.append(self.event("response.output_item.done", output_index=output_index,
-                                 item=item))  # fmt: skip
+        where = {"output_index": len(self.done)}
+        opened = {**item, "arguments": "", "status": "in_progress"}
+        arguments = {"item_id": item["id"], **where}
+        events += [
+            self.event("response.output_item.added", item=opened, **where),
+            self.event("response.function_call_arguments.delta", delta=call.arguments, **arguments),
+            self.event(
+                "response.function_call_arguments.done", arguments=call.arguments, **arguments
+            ),  # fmt: skip
+            self.event("response.output_item.done", item=item, **where),
+        ]
         self.done.append(item)
         return events
 
