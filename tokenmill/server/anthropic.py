@@ -25,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.reasoning import ReasoningStream, split_reasoning
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ChatCompletionRequest
@@ -34,7 +33,6 @@ from tokenmill.server.serving import (
     OpenAIServing,
     StartedChat,
     StreamBody,
-    merge_streams,
 )
 
 
@@ -151,7 +149,6 @@ class AnthropicServing:
 
     async def _events(self, chat: StartedChat, body: MessagesRequest) -> AsyncIterator[str]:
         run = chat.run
-        split = ReasoningStream(chat.thinking.opened) if chat.thinking is not None else None
         blocks = _BlockWriter()
         held = ""  # with tools: the text, parsed at the end
         try:
@@ -171,16 +168,8 @@ class AnthropicServing:
             yield _event("message_start", {"type": "message_start", "message": start})
             final: RequestOutput | None = None
             try:
-                async for _, out in merge_streams(run.streams):
-                    run.record(0, out)
+                async for out, thinking, text in chat.deltas():
                     final = out
-                    completion = out.outputs[0]
-                    thinking, text = "", completion.text_delta
-                    if split is not None:
-                        thinking, text = split.feed(text)
-                        if out.finished:
-                            tail_thinking, tail_text = split.finish()
-                            thinking, text = thinking + tail_thinking, text + tail_text
                     for event in blocks.delta("thinking", thinking):
                         yield event
                     if chat.parser is not None:
@@ -200,8 +189,8 @@ class AnthropicServing:
             assert final is not None
             calls: list[tools_mod.ToolCall] = []
             if chat.parser is not None:
-                content, calls = tools_mod.parse_tool_calls(held, chat.parser)
-                for event in blocks.delta("text", (content or "") if calls else held):
+                text, calls = chat.calls(held)
+                for event in blocks.delta("text", text):
                     yield event
             for call in calls:
                 for event in blocks.tool_use(call):
@@ -368,15 +357,7 @@ def _tool_choice(choice: dict[str, Any]) -> tuple[Any, bool | None]:
 def _blocks(
     chat: StartedChat, final: RequestOutput, body: MessagesRequest
 ) -> tuple[list[dict[str, Any]], str | None, str | None]:
-    completion = final.outputs[0]
-    thinking, text = None, completion.text
-    if chat.thinking is not None:
-        thinking, text = split_reasoning(text, chat.thinking.opened)
-    calls: list[tools_mod.ToolCall] = []
-    if chat.parser is not None:
-        content, calls = tools_mod.parse_tool_calls(text, chat.parser)
-        if calls:
-            text = content or ""
+    thinking, text, calls = chat.reply(final)
     blocks: list[dict[str, Any]] = []
     if thinking:
         blocks.append({"type": "thinking", "thinking": thinking, "signature": ""})

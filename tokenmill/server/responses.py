@@ -37,12 +37,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.outputs import RequestOutput
-from tokenmill.reasoning import ReasoningStream, split_reasoning
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import ChatCompletionRequest
-from tokenmill.server.serving import Aborted, OpenAIServing, StartedChat, StreamBody, merge_streams
+from tokenmill.server.serving import Aborted, OpenAIServing, StartedChat, StreamBody
 
 # Where "reasoning.effort" leaves the template's thinking switch (none: off).
 _EFFORTS = ("none", "low", "medium", "high")
@@ -228,7 +227,6 @@ class ResponsesServing:
 
     async def _events(self, chat: StartedChat, response: _Response) -> AsyncIterator[str]:
         run = chat.run
-        split = ReasoningStream(chat.thinking.opened) if chat.thinking is not None else None
         items = _ItemWriter()
         held = ""  # with tools: the text, parsed at the end
         try:
@@ -236,15 +234,8 @@ class ResponsesServing:
             yield items.event("response.in_progress", response=response.snapshot("in_progress"))
             final: RequestOutput | None = None
             try:
-                async for _, out in merge_streams(run.streams):
-                    run.record(0, out)
+                async for out, thinking, text in chat.deltas():
                     final = out
-                    thinking, text = "", out.outputs[0].text_delta
-                    if split is not None:
-                        thinking, text = split.feed(text)
-                        if out.finished:
-                            tail_thinking, tail_text = split.finish()
-                            thinking, text = thinking + tail_thinking, text + tail_text
                     for event in items.text("reasoning", thinking):
                         yield event
                     if chat.parser is not None:
@@ -263,8 +254,8 @@ class ResponsesServing:
                 return
             assert final is not None
             if chat.parser is not None:
-                content, calls = tools_mod.parse_tool_calls(held, chat.parser)
-                for event in items.text("message", (content or "") if calls else held):
+                text, calls = chat.calls(held)
+                for event in items.text("message", text):
                     yield event
                 for call in calls:
                     for event in items.function_call(call):
@@ -420,14 +411,7 @@ class _ItemWriter:
 
 def _items(chat: StartedChat, final: RequestOutput) -> list[dict[str, Any]]:
     """The output items of a finished run: reasoning, message, function calls."""
-    thinking, text = None, final.outputs[0].text
-    if chat.thinking is not None:
-        thinking, text = split_reasoning(text, chat.thinking.opened)
-    calls: list[tools_mod.ToolCall] = []
-    if chat.parser is not None:
-        content, calls = tools_mod.parse_tool_calls(text, chat.parser)
-        if calls:
-            text = content or ""
+    thinking, text, calls = chat.reply(final)
     items = [_item("reasoning", thinking)] if thinking else []
     if text:
         items.append(_item("message", text))

@@ -177,6 +177,34 @@ class StartedChat:
     parser: str | None
     thinking: Thinking | None
 
+    async def deltas(self) -> AsyncIterator[tuple[RequestOutput, str, str]]:
+        """Each output of the run (one prompt, one choice; recorded) with its new thinking and
+        its new answer text: what a stream of another API's events is made from."""
+        split = ReasoningStream(self.thinking.opened) if self.thinking is not None else None
+        async for _, out in merge_streams(self.run.streams):
+            self.run.record(0, out)
+            thinking, text = "", out.outputs[0].text_delta
+            if split is not None:
+                thinking, text = split.feed(text)
+                if out.finished:
+                    tail_thinking, tail_text = split.finish()
+                    thinking, text = thinking + tail_thinking, text + tail_text
+            yield out, thinking, text
+
+    def calls(self, text: str) -> tuple[str, list[tools_mod.ToolCall]]:
+        """(the answer text, the tool calls in it): with tools offered, the calls parsed out."""
+        if self.parser is None:
+            return text, []
+        content, calls = tools_mod.parse_tool_calls(text, self.parser)
+        return ((content or "") if calls else text), calls
+
+    def reply(self, final: RequestOutput) -> tuple[str | None, str, list[tools_mod.ToolCall]]:
+        """(thinking or None, answer text, tool calls) of the run's finished output."""
+        thinking, text = None, final.outputs[0].text
+        if self.thinking is not None:
+            thinking, text = split_reasoning(text, self.thinking.opened)
+        return (thinking, *self.calls(text))
+
 
 class OpenAIServing:
     def __init__(
