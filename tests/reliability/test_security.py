@@ -30,7 +30,7 @@ MAX_BODY = 8192
 # The routes that need no key: /health, and the pages that hold no data (their scripts ask the
 # user for the key and send it to the data routes). Anything else found in the app needs one.
 OPEN_ROUTES = {"/health", "/dashboard", "/docs", "/static/{name}"}
-PATH_PARAMS = {"{model_id}": MODEL_NAME, "{name}": "dashboard.js"}
+PATH_PARAMS = {"{model_id}": MODEL_NAME, "{name}": "dashboard.js", "{response_id}": "resp-x"}
 # About 100 byte-level tokens: several full 16-token blocks to cache.
 LONG_PROMPT = "A long shared system prompt that two tenants both send, word for word: " + "x" * 25
 BLOCK_SIZE = 16
