@@ -20,6 +20,27 @@ def available_memory() -> int | None:
     return None
 
 
+def total_memory() -> int | None:
+    """The machine's memory (MemTotal), or None where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def process_resident_bytes(pid: int) -> int | None:
+    """Another process's resident memory now (VmRSS), or None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory now (VmRSS), or None where /proc is absent."""
     try:

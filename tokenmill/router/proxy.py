@@ -108,13 +108,22 @@ class ProxyResponse(StreamingResponse):
 
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Any], **kw: Any):
         super().__init__(body, **kw)
-        self._on_close = on_close
+        self._on_close = [on_close]
+
+    def also_on_close(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` after the response closes (host/: a model's lease ends)."""
+        self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._on_close()
+            first, *after = self._on_close
+            try:
+                await first()
+            finally:
+                for callback in after:
+                    callback()
 
 
 class Proxy:
@@ -125,15 +134,17 @@ class Proxy:
         self.replicas = replicas
         self.max_body_bytes = max_body_bytes
 
-    async def forward(self, request: Request, routed: bool) -> Response:
-        """Send ``request`` on; ``routed``: by its prompt's prefix (else to the least loaded)."""
+    async def forward(self, request: Request, routed: bool, body: bytes | None = None) -> Response:
+        """Send ``request`` on; ``routed``: by its prompt's prefix (else to the least loaded).
+        ``body``: the request's body when the caller has read it (host/: to find the model)."""
         path = request.url.path
-        try:
-            body = await read_body(request, self.max_body_bytes)
-        except PayloadTooLarge:
-            return error_response(
-                path, 413, f"request body above {self.max_body_bytes} bytes", "body_too_large"
-            )
+        if body is None:
+            try:
+                body = await read_body(request, self.max_body_bytes)
+            except PayloadTooLarge:
+                return error_response(
+                    path, 413, f"request body above {self.max_body_bytes} bytes", "body_too_large"
+                )
         key = _key_of(body) if routed else None
         headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP_HEADERS]
         target = path + (f"?{request.url.query}" if request.url.query else "")
