@@ -20,7 +20,7 @@ ROOT = Path(tokenmill.__file__).parent
 LEVEL1 = {
     *("config", "cost", "kv_layout", "modelfile", "request", "sampling_params", "outputs"),
     *("architectures", "embedded", "memory", "pooling", "reasoning", "resolve", "store"),
-    "tokenizer",
+    *("catalog", "tokenizer"),
 }
 # Level 3: torch building blocks; they may use each other.
 # (_qgemm is the C extension built from tokenmill/csrc, loaded by the kernels package.)
@@ -42,9 +42,11 @@ ALLOWED: dict[str, set[str]] = {
     "server": PUBLIC_ENGINE,
     # The router is a light process in front of servers: level 1 only, no engine, no torch.
     "router": LEVEL1,
-    "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints", "router"},
+    # The host of many models is a light process too: it runs them as `serve` subprocesses.
+    "host": LEVEL1 | {"router"},
+    "cli": PUBLIC_ENGINE | {"server", "bench", "entrypoints", "router", "host"},
 }
-NO_TORCH = LEVEL1 | {"core", "executor", "engine", "router"}
+NO_TORCH = LEVEL1 | {"core", "executor", "engine", "router", "host"}
 # Modules of torch packages that torch-free ones import (their package's __init__ included).
 NO_TORCH_MODULES = {"structured/__init__.py", "structured/compiler.py"}
 TORCH_LIKE = ("torch", "numpy", "transformers", "triton")

@@ -13,9 +13,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineArgs
 from tokenmill.embedded import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from tokenmill.host.config import HostConfig
 
 # tokenmill chat's cap on a reply: ends what a base model would continue forever.
 CHAT_MAX_TOKENS = 512
@@ -134,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="N replicas of this server on ports PORT+1..PORT+N behind a prefix-aware router "
         "on PORT (default: 1, no router)",
     )
+    # Without a model, serve is the host of every model here (host/); these are its own.
+    serve.set_defaults(model=None)
+    many = serve.add_argument_group("without a model: every model here, each loaded on demand")
+    many.add_argument(
+        "--keep-alive",
+        default="5m",
+        help="how long an idle model stays loaded when a request does not say (Ollama's "
+        "keep_alive: '5m', '1h', seconds; 0: unload at once; negative: forever)",
+    )
+    many.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
+                      help="most models loaded at once (default: 3)")  # fmt: skip
+    many.add_argument(
+        "--memory-budget",
+        default=None,
+        help="memory the loaded models may take, e.g. '16GiB' (default: the machine's memory "
+        "less 10%% and at least 1 GiB)",
+    )
     from tokenmill.router.args import add_router_parser
 
     add_router_parser(sub)
@@ -210,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if ns.command == "serve":
+            if ns.model is None and ns.data_parallel_size == 1:
+                return _serve_host(ns, raw_argv, str(log_level).lower())
+            if ns.model is None:  # the replicas serve the default model
+                ns.model = DEFAULT_MODEL
+                at = raw_argv.index("serve") + 1
+                raw_argv = [*raw_argv[:at], DEFAULT_MODEL, *raw_argv[at:]]
             if ns.data_parallel_size != 1:
                 return _serve_data_parallel(ns, raw_argv, str(log_level).lower())
             return _serve(ns, str(log_level).lower())
@@ -258,6 +285,79 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         **declared_values(ns, ServerConfig),
     )
     return run_server(engine_args, config, log_level)
+
+
+def _serve_host(ns: argparse.Namespace, raw_argv: list[str], log_level: str) -> int:
+    """``tokenmill serve`` without a model: every model here, loaded on demand (host/)."""
+    import tempfile
+
+    from tokenmill.host.launcher import run_host
+    from tokenmill.server.usage import UsageStore
+
+    if ns.served_model_name:
+        raise ValueError("--served-model-name names a pinned model: give the model too")
+    # The flags every runner checks, checked here first: a mistake stops the host at once.
+    engine_args_from(argparse.Namespace(**{**vars(ns), "model": DEFAULT_MODEL}))
+    with tempfile.TemporaryDirectory(prefix="tokenmill-host-") as scratch:
+        # Without --usage-db, one file for the host's life that its runners share.
+        usage_db = ns.usage_db or str(Path(scratch) / "usage.sqlite")
+        UsageStore(usage_db).close()
+        return run_host(_host_config(ns, raw_argv, usage_db), log_level)
+
+
+def _host_config(ns: argparse.Namespace, raw_argv: list[str], usage_db: str) -> HostConfig:
+    from tokenmill.config.cache import parse_memory
+    from tokenmill.host.config import HostConfig
+    from tokenmill.host.keep_alive import parse_keep_alive
+    from tokenmill.memory import total_memory
+
+    kv = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory is not None else 512 * 2**20
+    if not isinstance(kv, int):
+        raise ValueError("without a model, --kv-cache-memory must be bytes (e.g. '512MiB'): a "
+                         "fraction would depend on which models loaded first")  # fmt: skip
+    if ns.memory_budget is not None:
+        budget = parse_memory(ns.memory_budget)
+        if not isinstance(budget, int):
+            raise ValueError(
+                f"--memory-budget must be bytes (e.g. '16GiB'); got {ns.memory_budget}"
+            )
+    else:
+        total = total_memory() or 8 * 2**30
+        budget = max(total - max(total // 10, 2**30), 2**30)
+    at = raw_argv.index("serve") + 1
+    runner_args = _without(raw_argv[at:], HOST_ONLY_FLAGS)
+    keys = (*ns.api_key, *([ns.admin_api_key] if ns.admin_api_key else []))
+    return HostConfig(
+        runner_args=(*runner_args, "--usage-db", usage_db),
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(keys),
+        max_loaded_models=ns.max_loaded_models,
+        memory_budget=budget,
+        keep_alive=parse_keep_alive(ns.keep_alive),
+        kv_cache_memory=kv,
+        stop_timeout=ns.shutdown_timeout + 15,
+        metrics_public=ns.metrics_public,
+        access_log=ns.access_log,
+    )
+
+
+# The host's own flags (with how many values each takes): its runners get the rest.
+HOST_ONLY_FLAGS = {"--host": 1, "--port": 1, "--keep-alive": 1, "--max-loaded-models": 1,
+                   "--memory-budget": 1, "--kv-cache-memory": 1}  # fmt: skip
+
+
+def _without(argv: list[str], flags: dict[str, int]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, _ = argv[i].partition("=")
+        if name in flags:
+            i += 1 if eq else 1 + flags[name]
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
 
 
 def _serve_data_parallel(ns: argparse.Namespace, raw_argv: list[str], log_level: str) -> int:

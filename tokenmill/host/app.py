@@ -1,0 +1,342 @@
+"""The host's HTTP app: every route, for every model.
+
+POST routes that name a model (``MODEL_ROUTES``)   the body's ``model`` picks the runner
+    (none: the default model), which loads on the first request; the request is proxied to
+    it, streamed through, and the runner's lease ends when the response does. Ollama's
+    ``keep_alive`` in the body sets how long the model stays after; an /api/generate or
+    /api/chat with no prompt (no messages) only loads it, or with keep_alive 0 unloads it.
+GET  /v1/models, /v1/models/{id}, /api/tags   every model here, loaded or not
+GET  /api/ps                                   the loaded ones: size, expiry
+GET  /v1/responses/{id}, DELETE                asked of each loaded runner in turn
+POST /reset_prefix_cache, /abort_request       sent to every loaded runner
+GET  /openapi.json, /docs, /dashboard, /v1/usage, /v1/stats, /static/...
+                                               a loaded model's runner answers (none loaded:
+                                               the default model's); /tokenizer_info the
+                                               default model's
+GET  /health, /api/version, /metrics           the host's own (/metrics: every runner's,
+                                               each sample labelled by its model_name)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from tokenmill import __version__
+from tokenmill.catalog import Entry, catalog
+from tokenmill.host.config import HostConfig
+from tokenmill.host.keep_alive import parse_keep_alive
+from tokenmill.host.metrics import merged_metrics
+from tokenmill.host.pool import HostError, Runner, RunnerPool, canonical, servable
+from tokenmill.router.app import _KeyCheck
+from tokenmill.router.proxy import PayloadTooLarge, ProxyResponse, error_response, read_body
+
+logger = logging.getLogger(__name__)
+
+MODEL_ROUTES = (
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+    "/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/show",
+)  # fmt: skip
+# Any loaded model's runner answers these alike (the usage database is shared); with none
+# loaded, the default model's loads.
+ANY_MODEL_ROUTES = (
+    "/openapi.json", "/docs", "/dashboard", "/v1/usage", "/v1/stats", "/static/{name:path}",
+)  # fmt: skip
+DEFAULT_MODEL_ROUTES = ("/tokenizer_info",)
+EACH_RUNNER = ("/v1/responses/{response_id}",)
+BROADCAST = ("/reset_prefix_cache", "/abort_request")
+FOREVER = "9999-12-31T23:59:59Z"
+
+
+def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
+    """The host app; ``pool`` (made in the lifespan when not given) holds the runners."""
+    holder: dict[str, RunnerPool] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(None, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            holder["pool"] = pool or RunnerPool(config, client, catalog)
+            reaper = asyncio.create_task(holder["pool"].reap_loop())
+            try:
+                yield
+            finally:
+                reaper.cancel()
+                await holder["pool"].shutdown()
+
+    def the_pool() -> RunnerPool:
+        return holder["pool"]
+
+    async def model_route(request: Request) -> Response:
+        path = request.url.path
+        try:
+            body = await read_body(request, config.max_body_bytes)
+        except PayloadTooLarge:
+            return error_response(path, 413, f"request body above {config.max_body_bytes} "
+                                  "bytes", "body_too_large")  # fmt: skip
+        try:
+            fields = json.loads(body) if body.strip() else {}
+        except ValueError:
+            fields = None  # not JSON: the runner of the default model says so
+        if not isinstance(fields, dict):
+            fields = {}
+        ollama = path.startswith("/api/")
+        name = fields.get("model") or fields.get("name")
+        pool = the_pool()
+        try:
+            keep_alive = (
+                parse_keep_alive(fields["keep_alive"]) if "keep_alive" in fields
+                else config.keep_alive
+            )  # fmt: skip
+        except ValueError as e:
+            return error_response(path, 400, str(e), "invalid_value")
+        try:
+            if ollama and _loads_only(path, fields):
+                return await _load_or_unload(pool, name, keep_alive)
+            runner = await pool.acquire(name if isinstance(name, str) else None)
+        except HostError as e:
+            return error_response(path, e.status, e.message, e.code)
+        if isinstance(name, str) and not ollama and canonical(name) != name:
+            fields["model"] = canonical(name)  # the runner serves it by its plain name
+            body = json.dumps(fields).encode()
+        return await _forward(pool, runner, request, body, keep_alive)
+
+    async def default_route(request: Request) -> Response:
+        pool = the_pool()
+        name = None
+        if request.url.path not in DEFAULT_MODEL_ROUTES and pool.runners:
+            name = max(pool.runners.values(), key=lambda r: r.last_used).name
+        try:
+            runner = await pool.acquire(name)
+        except HostError as e:
+            return error_response(request.url.path, e.status, e.message, e.code)
+        return await _forward(pool, runner, request, await request.body(), config.keep_alive)
+
+    async def each_runner(request: Request) -> Response:
+        """A stored response lives in the runner that made it: the first that has it."""
+        body = await request.body()
+        headers = _forwarded_headers(request)
+        pool = the_pool()
+        for runner in list(pool.runners.values()):
+            answer = await pool.client.request(request.method, runner.url + request.url.path,
+                                               headers=headers, content=body)  # fmt: skip
+            if answer.status_code != 404:
+                return Response(answer.content, answer.status_code, _plain(answer))
+        return error_response(request.url.path, 404, "no loaded model holds that response "
+                              "(a model's stored responses go when it unloads)", "not_found")  # fmt: skip
+
+    async def broadcast(request: Request) -> Response:
+        body = await request.body()
+        headers = _forwarded_headers(request)
+        pool = the_pool()
+        answers = [
+            await pool.client.request("POST", runner.url + request.url.path, headers=headers,
+                                      content=body)
+            for runner in list(pool.runners.values())
+        ]  # fmt: skip
+        if request.url.path == "/abort_request":
+            found = next((a for a in answers if a.status_code != 404), None)
+            if found is None:
+                return error_response(request.url.path, 404, "no unfinished request has that "
+                                      "id", "not_found")  # fmt: skip
+            return Response(found.content, found.status_code, _plain(found))
+        bad = next((a for a in answers if not a.is_success), None)
+        if bad is not None:
+            return Response(bad.content, bad.status_code, _plain(bad))
+        return JSONResponse({"status": "ok", "models": len(answers)})
+
+    async def openai_models(_: Request) -> JSONResponse:
+        cards = [_card(e) for e in _entries(the_pool())]
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def openai_model(request: Request) -> JSONResponse:
+        try:
+            entry = the_pool().find(request.path_params["model_id"])
+        except HostError as e:
+            return error_response(request.url.path, e.status, e.message, e.code)
+        return JSONResponse(_card(entry))
+
+    async def tags(_: Request) -> JSONResponse:
+        return JSONResponse({"models": [_tag(e) for e in _entries(the_pool())]})
+
+    async def ps(_: Request) -> JSONResponse:
+        pool = the_pool()
+        entries = {e.name: e for e in _entries(pool)}
+        models = []
+        for runner in list(pool.runners.values()):
+            item = _tag(entries[runner.name]) if runner.name in entries else {"name": runner.name}
+            item["size"] = runner.resident
+            item["size_vram"] = 0
+            item["expires_at"] = _expiry(pool, runner)
+            models.append(item)
+        return JSONResponse({"models": models})
+
+    async def version(_: Request) -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    async def health(_: Request) -> JSONResponse:
+        pool = the_pool()
+        loaded = [{"model": r.name, "leases": r.leases, "pid": r.process.pid}
+                  for r in pool.runners.values()]  # fmt: skip
+        return JSONResponse({"status": "ok", "loaded": loaded})
+
+    async def metrics(_: Request) -> Response:
+        pool = the_pool()
+        texts = []
+        for runner in list(pool.runners.values()):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await pool.client.get(runner.url + "/metrics", headers=_admin(config))
+                if r.status_code == 200:
+                    texts.append(r.text)
+        return Response(merged_metrics(texts, list(pool.runners)), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        path = request.url.path
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {path}"
+            return error_response(path, 405, message, "method_not_allowed")
+        return error_response(path, exc.status_code, f"no route {request.method} {path}",
+                              "not_found")  # fmt: skip
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/api/version", version),
+        Route("/version", version),
+        Route("/v1/models", openai_models),
+        Route("/v1/models/{model_id:path}", openai_model),
+        Route("/api/tags", tags),
+        Route("/api/ps", ps),
+        *(Route(p, model_route, methods=["POST"]) for p in MODEL_ROUTES),
+        *(
+            Route(p, default_route, methods=["GET"])
+            for p in (*ANY_MODEL_ROUTES, *DEFAULT_MODEL_ROUTES)
+        ),
+        *(Route(p, each_runner, methods=["GET", "DELETE"]) for p in EACH_RUNNER),
+        *(Route(p, broadcast, methods=["POST"]) for p in BROADCAST),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error}
+    )
+    app.state.host = holder
+    if config.api_keys:
+        public = ("/health", *(("/metrics",) if config.metrics_public else ()))
+        app.add_middleware(_KeyCheck, api_keys=config.api_keys, public_paths=public)
+    return app
+
+
+def _loads_only(path: str, fields: dict[str, Any]) -> bool:
+    """Ollama's way to load (or, with keep_alive 0, unload) a model: a request with nothing
+    to answer."""
+    if path == "/api/generate":
+        return not fields.get("prompt") and not fields.get("images")
+    if path == "/api/chat":
+        return not fields.get("messages")
+    return False
+
+
+async def _load_or_unload(pool: RunnerPool, name: object, keep_alive: float | None) -> Response:
+    model = name if isinstance(name, str) else None
+    if keep_alive == 0:
+        await pool.unload(model)
+        reason = "unload"
+    else:
+        await pool.load(model, keep_alive)
+        reason = "load"
+    now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return JSONResponse({"model": model or pool.config.default_model, "created_at": now,
+                         "response": "", "done": True, "done_reason": reason})  # fmt: skip
+
+
+async def _forward(
+    pool: RunnerPool, runner: Runner, request: Request, body: bytes, keep_alive: float | None
+) -> Response:
+    """Proxy to the runner; its lease ends with the response (a stream: when it closes)."""
+    try:
+        response = await runner.proxy.forward(request, routed=False, body=body)
+    except BaseException:
+        pool.release(runner, keep_alive)
+        raise
+    if not isinstance(response, ProxyResponse):
+        pool.release(runner, keep_alive)
+        return response
+    response.also_on_close(lambda: pool.release(runner, keep_alive))
+    return response
+
+
+def _forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    skip = {b"host", b"content-length", b"connection", b"transfer-encoding", b"accept-encoding"}
+    return [(k, v) for k, v in request.headers.raw if k.lower() not in skip]
+
+
+def _plain(answer: httpx.Response) -> dict[str, str]:
+    dropped = {"content-length", "transfer-encoding", "connection", "date", "server",
+               "content-encoding"}  # fmt: skip
+    return {k: v for k, v in answer.headers.items() if k.lower() not in dropped}
+
+
+def _admin(config: HostConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {config.api_keys[0]}"} if config.api_keys else {}
+
+
+def _entries(pool: RunnerPool) -> list[Entry]:
+    return [e for e in pool.models() if servable(e)]
+
+
+def _card(entry: Entry) -> dict[str, Any]:
+    context = entry.summary.context_length if entry.summary is not None else None
+    return {"id": entry.name, "object": "model", "created": 0, "owned_by": "tokenmill",
+            "max_model_len": context}  # fmt: skip
+
+
+def _tag(entry: Entry) -> dict[str, Any]:
+    s = entry.summary
+    identity = f"{entry.path}:{s.file_bytes if s else 0}"
+    return {
+        "name": f"{entry.name}:latest",
+        "model": f"{entry.name}:latest",
+        "modified_at": _modified(entry),
+        "size": s.file_bytes if s is not None else 0,
+        "digest": hashlib.sha256(identity.encode()).hexdigest(),
+        "details": {
+            "parent_model": "",
+            "format": "gguf" if s is not None and s.format == "gguf" else "safetensors",
+            "family": s.architecture if s is not None else "",
+            "families": [s.architecture] if s is not None else [],
+            "parameter_size": f"{s.num_parameters / 1e6:.0f}M" if s is not None else "",
+            "quantization_level": (s.file_type or "F32") if s is not None else "",
+        },
+    }
+
+
+def _modified(entry: Entry) -> str:
+    when = datetime.datetime.now(datetime.UTC)
+    if entry.path is not None:
+        with contextlib.suppress(OSError):
+            when = datetime.datetime.fromtimestamp(entry.path.stat().st_mtime, datetime.UTC)
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def _expiry(pool: RunnerPool, runner: Runner) -> str:
+    if runner.expires is None:
+        return FOREVER
+    left = max(runner.expires - pool.clock(), 0.0)
+    when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=left)
+    return when.isoformat().replace("+00:00", "Z")
