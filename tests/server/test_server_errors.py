@@ -352,6 +352,38 @@ def test_engine_failure_mid_stream_is_an_error_chunk_then_500(tiny_model_dir) ->
             srv.stop()
 
 
+def test_a_failure_reading_stats_mid_stream_fails_the_stream_too(tiny_model_dir) -> None:
+    """The engine reads its stats after each step, asking every tensor-parallel rank: a rank
+    lost between a step and that read must fail the stream (it hung the client before)."""
+    args = tiny_engine_args(tiny_model_dir("llama"))
+    srv = LiveServer(lambda: AsyncEngine.from_args(args)).start()
+    try:
+        llm = srv.engine.engine
+        real_stats = llm.stats
+        num_reads = 0
+
+        def failing_stats():
+            nonlocal num_reads
+            num_reads += 1
+            if num_reads > 3:
+                raise RuntimeError("rank 1 is gone")
+            return real_stats()
+
+        llm.stats = failing_stats
+        body = _completion(max_tokens=20, ignore_eos=True, stream=True)
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_error" and "rank 1 is gone" in error["message"]
+        srv.thread.join(30)
+        assert not srv.thread.is_alive() and srv.state.exit_status == 1
+        assert srv.state.num_admitted == 0
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+
+
 def test_a_dead_engine_answers_500_and_health_503_until_the_exit(tiny_model_dir) -> None:
     """Between the failed step and the server's exit, requests get 500 engine_error and
     /health 503 engine_failed (here the exit is held back to look at that window)."""

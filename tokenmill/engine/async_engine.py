@@ -214,15 +214,7 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # an engine bug: fail every request, keep the thread alive
-                logger.exception("engine step failed")
-                self._dead = e
-                for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                    stream = self._end(request_id)
-                    if stream is not None:
-                        stream.put(EngineDeadError(f"engine step failed: {e}"))
-                if self.on_dead is not None:
-                    self.on_dead(e)
+                self._fail(e, "engine step failed")
                 continue
             for out in outputs:
                 for hook in self.output_hooks:
@@ -236,4 +228,22 @@ class AsyncEngine:
             self._refresh_stats()
 
     def _refresh_stats(self) -> None:
-        self.stats = self.engine.stats()
+        if self._dead is not None:
+            return
+        try:
+            self.stats = self.engine.stats()
+        except Exception as e:  # stats ask every tensor-parallel rank, and one may be gone
+            self._fail(e, "reading the engine's stats failed")
+
+    def _fail(self, error: Exception, what: str) -> None:
+        """The engine cannot go on: every request fails with ``error``, the thread lives on
+        (to answer aborts), and ``on_dead`` tells the server."""
+        logger.exception(what, exc_info=error)
+        self._dead = error
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            stream = self._end(request_id)
+            if stream is not None:
+                stream.put(EngineDeadError(f"{what}: {error}"))
+        if self.on_dead is not None:
+            self.on_dead(error)
