@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenmill.embedded import EMBEDDED_MODELS, embedded_path
 from tokenmill.modelfile import ModelSummary, summarize
+from tokenmill.recipes import recipes
+from tokenmill.resolve import resolve_model
 from tokenmill.store import aliases, model_dir, model_files
 
 
@@ -21,6 +23,7 @@ class Entry:
     path: Path | None
     summary: ModelSummary | None
     error: str | None = None
+    created: bool = False  # made from a Modelfile (recipes.py): its path is its base's
 
 
 def catalog(directory: Path | None = None) -> list[Entry]:
@@ -29,19 +32,20 @@ def catalog(directory: Path | None = None) -> list[Entry]:
     entries: list[Entry] = []
     seen: set[Path] = set()
 
-    def add(name: str, resolve: Callable[[], Path]) -> None:
+    def add(name: str, resolve: Callable[[], Path], created: bool = False) -> None:
         try:
             path = Path(resolve()).resolve()
         except (ValueError, ImportError, OSError) as e:
-            entries.append(Entry(name, None, None, str(e)))
+            entries.append(Entry(name, None, None, str(e), created))
             return
-        if path in seen:
+        if path in seen and not created:
             return
-        seen.add(path)
+        if not created:  # a created model's base is listed under its own name too
+            seen.add(path)
         try:
-            entries.append(Entry(name, path, summarize(path)))
+            entries.append(Entry(name, path, summarize(path), None, created))
         except ValueError as e:
-            entries.append(Entry(name, path, None, str(e)))
+            entries.append(Entry(name, path, None, str(e), created))
 
     for name in EMBEDDED_MODELS:  # listing fetches nothing
         add(name, lambda name=name: embedded_path(name, fetch=False))
@@ -54,4 +58,18 @@ def catalog(directory: Path | None = None) -> list[Entry]:
         add(name, lambda path=path: path)
     for path in model_files(directory):
         add(path.stem if path.suffix == ".gguf" else path.name, lambda path=path: path)
+    try:
+        created = recipes(directory)
+    except ValueError as e:
+        entries.append(Entry("aliases.toml", directory / "aliases.toml", None, str(e)))
+        created = {}
+    for name, recipe in created.items():
+        add(name, lambda base=recipe.base: _base_path(base), created=True)
     return entries
+
+
+def _base_path(base: str) -> Path:
+    """A created model's weights, found without fetching (listing fetches nothing)."""
+    if base in EMBEDDED_MODELS:
+        return embedded_path(base, fetch=False)
+    return resolve_model(base).path

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.embedded import EMBEDDED_MODELS, embedded_path
+from tokenmill.recipes import recipes
 from tokenmill.store import aliases, model_dir
 
 
@@ -18,12 +19,17 @@ class ModelSource:
     format: str  # "gguf" | "hf"
 
 
-def resolve_model(spec: str) -> ModelSource:
+def resolve_model(spec: str, _depth: int = 0) -> ModelSource:
     """Turn a model name into a ModelSource: an embedded model's name (embedded.py), a ``.gguf`` path or
     a Hugging Face directory, an alias of the model directory's aliases.toml, or the name of a
     file or directory in the model directory (``qwen2.5-0.5b-q4_k_m`` for its .gguf)."""
     if spec in EMBEDDED_MODELS:
         return ModelSource(embedded_path(spec), "gguf")
+    created = recipes().get(spec.removesuffix(":latest")) if "/" not in spec else None
+    if created is not None:  # a model made from a Modelfile runs its base's weights
+        if _depth >= 8:
+            raise ValueError(f"model {spec!r}: its FROM chain is longer than 8 (a loop?)")
+        return resolve_model(created.base, _depth + 1)
     path = Path(spec).expanduser()
     if not path.exists() and spec:
         directory = model_dir()

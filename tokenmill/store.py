@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,15 +45,22 @@ def aliases(directory: Path | None = None) -> dict[str, Path]:
     Relative paths are relative to the directory. ValueError for a malformed file."""
     directory = directory or model_dir()
     file = directory / ALIAS_FILE
-    if not file.exists():
-        return {}
-    try:
-        table = tomllib.loads(file.read_text()).get("aliases", {})
-    except (tomllib.TOMLDecodeError, OSError) as e:
-        raise ValueError(f"{file}: {e}") from None
+    table = read_alias_file(directory).get("aliases", {})
     if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
         raise ValueError(f'{file}: [aliases] must map names to paths (name = "path")')
     return {name: (directory / Path(p).expanduser()) for name, p in table.items()}
+
+
+def read_alias_file(directory: Path | None = None) -> dict[str, Any]:
+    """The whole of the model directory's aliases.toml (its [aliases], and the [models] that
+    Modelfiles created: recipes.py); {} when there is none. ValueError for a malformed file."""
+    file = (directory or model_dir()) / ALIAS_FILE
+    if not file.exists():
+        return {}
+    try:
+        return tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, OSError) as e:
+        raise ValueError(f"{file}: {e}") from None
 
 
 def model_files(directory: Path | None = None) -> list[Path]:

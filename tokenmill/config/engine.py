@@ -234,6 +234,14 @@ class EngineArgs:
         + ", ".join(REASONING_PARSERS),
         choices=("auto", "none", *REASONING_PARSERS),
     )
+    # A chat template that replaces the model's: its text or a file holding it (vLLM's
+    # --chat-template); a model made from a Modelfile brings its TEMPLATE here (recipes.py).
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template (a file, or its text) that replaces the model's; rendered in the "
+        "same sandbox",
+        metavar="TEMPLATE",
+    )
     # Embeddings (pooling.py): "auto" serves them when the checkpoint is an embedding model
     # (sentence-transformers files, a GGUF's pooling_type), "embed" always, "generate" never.
     task: str = option(

@@ -19,11 +19,13 @@ SchedulerOutput / RunnerOutput, plain data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenmill.config import (
     CacheConfig,
@@ -76,6 +78,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(
             model_config.source.path, model_config.architecture
         )
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = template_text(args.chat_template)
         # The memory plan's line (the worker's) leaves the tokenizer out: it is the engine's.
         after_tokenizer = resident_bytes()
         tokenizer_bytes = (
@@ -361,6 +365,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model and the KV cache; the engine takes no more steps."""
         self.executor.shutdown()
+
+
+def template_text(value: str) -> str:
+    """A chat template given as a file's path or as its text."""
+    with contextlib.suppress(OSError, ValueError):
+        path = Path(value).expanduser()
+        if "\n" not in value and path.is_file():
+            return path.read_text()
+    return value
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

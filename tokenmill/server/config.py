@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import check_declared, option
 from tokenmill.cost import TokenPrices
+from tokenmill.recipes import Recipe
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # server/tools.py
 
@@ -110,6 +111,9 @@ class ServerConfig:
         1024, "most /v1/responses kept for previous_response_id, 0: none (in memory)", low=0
     )
     responses_ttl: float = option(3600.0, "seconds a stored /v1/responses response is kept", low=0)
+    # A model made from a Modelfile (recipes.py): its SYSTEM, MESSAGEs and PARAMETERs apply
+    # to every request (its TEMPLATE is the engine's chat template).
+    recipe: Recipe | None = None
     metrics_public: bool = option(
         False,
         "serve /metrics without an API key, for a scraper that sends none "

@@ -182,6 +182,7 @@ class ShowResponse(BaseModel):
     modelfile: str
     parameters: str
     template: str
+    system: str = ""
     details: ModelDetails
     model_info: dict[str, Any]
     capabilities: list[str]
@@ -256,11 +257,19 @@ class OllamaServing:
         capabilities = ["completion"]
         if "tools" in template:
             capabilities.append("tools")
+        recipe = self.config.recipe
+        parameters = ""
+        if recipe is not None:
+            parameters = "\n".join(
+                f"{k} {v}" for k, vs in recipe.parameters.items()
+                for v in (vs if isinstance(vs, list) else [vs])
+            )  # fmt: skip
         return {
             "license": "",
-            "modelfile": f"FROM {info.model}\n",
-            "parameters": "",
+            "modelfile": recipe.modelfile if recipe is not None else f"FROM {info.model}\n",
+            "parameters": parameters,
             "template": template,
+            "system": (recipe.system or "") if recipe is not None else "",
             "details": self._details(engine),
             "model_info": {
                 "general.architecture": info.architecture,
@@ -325,6 +334,8 @@ class OllamaServing:
         if not body.messages:  # Ollama's way to load a model: nothing to generate
             return JSONResponse(self._loaded(body, {"message": _message("")}))
         messages = [_chat_message(m) for m in body.messages]
+        if self.config.recipe is not None:
+            messages = self.config.recipe.conversation(messages)
         template_kwargs = _think_kwargs(engine, body)
         parser, calls_format = None, None
         if not body.tools:
@@ -385,6 +396,8 @@ class OllamaServing:
                     messages = [{"role": "user", "content": body.prompt}]
                     if body.system:
                         messages.insert(0, {"role": "system", "content": body.system})
+                    if self.config.recipe is not None:
+                        messages = self.config.recipe.conversation(messages)
                     ids += tokenizer.encode_chat(
                         messages, add_generation_prompt=True, **think_kwargs
                     )
@@ -414,6 +427,9 @@ class OllamaServing:
     ) -> SamplingParams:
         """SamplingParams from ``options`` and ``format``; 400 naming the option at fault."""
         opts = body.options or Options()
+        if self.config.recipe is not None and self.config.recipe.parameters:
+            given = opts.model_dump(exclude_unset=True)
+            opts = Options.model_validate({**self.config.recipe.parameters, **given})
         for name, value in (opts.model_extra or {}).items():
             if name in UNSUPPORTED_OPTIONS and value != UNSUPPORTED_OPTIONS[name]:
                 raise bad_request(f"option '{name}' is not supported by tokenmill", param=name)

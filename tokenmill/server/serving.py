@@ -43,6 +43,7 @@ from tokenmill.reasoning import (
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import NO_KEY_ID, OPEN_CALLER, Caller, caller_of
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, bad_request, from_value_error
 from tokenmill.server.limits import RateLimiter
 from tokenmill.server.metrics import RequestTracker, ServerMetrics
@@ -290,6 +291,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
         self.check_model(body.model)
+        body = with_recipe_defaults(body, self.config)
         body.check(self.config)
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         prompts = body.prompts()
@@ -340,6 +342,7 @@ class OpenAIServing:
 
     def chat_prompt(self, engine: AsyncEngine, body: ChatCompletionRequest) -> ChatPrompt:
         """A chat request checked, with its tools set up: what it renders and samples with."""
+        body = with_recipe_defaults(body, self.config)
         body.check()
         params = body.to_sampling_params(self.config, engine.info.max_model_len)
         params, messages, template_kwargs, parser = self._tool_setup(engine, body, params)
@@ -359,6 +362,8 @@ class OpenAIServing:
         """(params, messages, chat-template variables, tool-call parser or None): the tools
         in the prompt and, for tool_choice required or a named function, the call grammar."""
         messages = body.message_dicts()
+        if self.config.recipe is not None:
+            messages = self.config.recipe.conversation(messages)
         try:
             tools, mode = tools_mod.chosen_tools(
                 tools_mod.parse_tools(body.tools or []), body.tool_choice
@@ -530,6 +535,18 @@ class OpenAIServing:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
+
+def with_recipe_defaults(body: R, config: ServerConfig) -> R:
+    """A request with its model's Modelfile PARAMETERs where it sets none of its own."""
+    if config.recipe is None:
+        return body
+    unset = {k: v for k, v in config.recipe.openai_defaults().items()
+             if k not in body.model_fields_set}  # fmt: skip
+    return body.model_copy(update=unset) if unset else body
 
 
 def prepare_all(
