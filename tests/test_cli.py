@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,21 @@ def test_memory_flags_reach_the_engine_args() -> None:
     ns = parser.parse_args(["generate", "m", "--prompt", "x", "--kv-cache-memory", "2GiB"])
     assert engine_args_from(ns).kv_cache_memory == "2GiB"
     assert engine_args_from(parser.parse_args(["serve", "m"])).gpu_memory_utilization == 0.9
+
+
+def test_create_names_a_model_from_a_modelfile(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from tokenmill import recipes
+
+    monkeypatch.setenv("TOKENMILL_MODEL_DIR", str(tmp_path / "models"))
+    shutil.copytree(tiny_model_dir("llama"), tmp_path / "weights")
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text("FROM ./weights\nSYSTEM You are Mario.\nPARAMETER top_k 5\n")
+    assert main(["create", "mario", "-f", str(modelfile)]) == 0
+    assert "created mario" in capsys.readouterr().out
+    made = recipes.recipes()["mario"]
+    assert made.base == str(tmp_path / "weights") and made.parameters == {"top_k": 5}
+    modelfile.write_text("FROM nothing-here\n")
+    assert main(["create", "luigi", "-f", str(modelfile)]) == 2
+    assert "unknown model 'nothing-here'" in capsys.readouterr().err
+    assert main(["create", "luigi", "-f", str(tmp_path / "missing")]) == 2
+    assert "cannot read the Modelfile" in capsys.readouterr().err

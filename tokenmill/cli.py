@@ -204,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-thinking-tokens", type=int, default=None, metavar="N", help=THINKING_HELP
     )
 
+    create = sub.add_parser("create", help="name a model made from a Modelfile (Ollama's)")
+    create.add_argument("name", help="the new model's name")
+    create.add_argument(
+        "-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)"
+    )
     models = sub.add_parser("models", help="list the models here (alias, architecture, size)")
     models.add_argument("--model-dir", default=None, help="default: ~/.cache/tokenmill/models")
     show = sub.add_parser("show", help="a model's metadata, template and memory needs")
@@ -250,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(ns)
         if ns.command in ("models", "show"):
             return _models(ns)
+        if ns.command == "create":
+            return _create(ns)
         if ns.command == "estimate":
             from tokenmill.bench.estimate import run_estimate
 
@@ -269,11 +276,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(ns: argparse.Namespace, log_level: str) -> int:
     from tokenmill.cost import TokenPrices
+    from tokenmill.recipes import recipes
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.launcher import run_server
 
+    # A model made from a Modelfile: its base's weights, its TEMPLATE as the chat template,
+    # its SYSTEM, MESSAGEs and PARAMETERs applied by the server.
+    recipe = recipes().get(ns.model.removesuffix(":latest")) if "/" not in ns.model else None
+    if recipe is not None and recipe.template is not None and ns.chat_template is None:
+        ns.chat_template = recipe.template
     engine_args = engine_args_from(ns)
     config = ServerConfig(
+        recipe=recipe,
         served_model_name=ns.served_model_name or ns.model,
         api_keys=tuple(ns.api_key),
         max_queue=None if ns.max_queue is not None and ns.max_queue < 0 else ns.max_queue,
@@ -285,6 +299,29 @@ def _serve(ns: argparse.Namespace, log_level: str) -> int:
         **declared_values(ns, ServerConfig),
     )
     return run_server(engine_args, config, log_level)
+
+
+def _create(ns: argparse.Namespace) -> int:
+    """``tokenmill create NAME -f Modelfile``: the model is named in aliases.toml."""
+    from tokenmill import recipes
+    from tokenmill.embedded import EMBEDDED_MODELS
+    from tokenmill.resolve import resolve_model
+
+    file = Path(ns.file)
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the Modelfile {str(file)!r}: {e.strerror}") from None
+    recipe = recipes.parse_modelfile(ns.name, text)
+    base = recipe.base
+    if base.startswith(("./", "../", "/", "~")) or base.endswith(".gguf"):
+        path = Path(base).expanduser()  # a path: relative to the Modelfile, as Ollama reads it
+        base = str(path if path.is_absolute() else (file.parent / path).resolve())
+    if base not in EMBEDDED_MODELS:
+        resolve_model(base)  # an unknown base is an error now, not at the first request
+    recipes.save(dataclasses.replace(recipe, base=base))
+    print(f"created {recipe.name} (from {base})")
+    return 0
 
 
 def _serve_host(ns: argparse.Namespace, raw_argv: list[str], log_level: str) -> int:
@@ -332,6 +369,7 @@ def _host_config(ns: argparse.Namespace, raw_argv: list[str], usage_db: str) -> 
         host=ns.host,
         port=ns.port,
         api_keys=tuple(keys),
+        admin_api_key=ns.admin_api_key,
         max_loaded_models=ns.max_loaded_models,
         memory_budget=budget,
         keep_alive=parse_keep_alive(ns.keep_alive),

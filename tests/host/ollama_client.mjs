@@ -1,5 +1,6 @@
-// The npm `ollama` client against a tokenmill host: list, two models chatted with
-// alternately, ps, and keep_alive 0 unloading. Prints what it saw as one JSON object.
+// The npm `ollama` client against a tokenmill host: list, create from Modelfile fields, two
+// models chatted with alternately, ps, keep_alive 0 unloading, delete. Prints what it saw as
+// one JSON object.
 // Usage: node ollama_client.mjs URL KEY (NODE_PATH: where `ollama` is installed).
 import { createRequire } from "node:module";
 
@@ -12,15 +13,19 @@ const ask = async (model) =>
   (await client.chat({ model, messages: [{ role: "user", content: "hi" }], options }))
     .message.content;
 
+await client.create({ model: "mario-js", from: "alpha", system: "You are Mario." });
 const listed = (await client.list()).models.map((m) => m.name);
+const created = (await client.show({ model: "mario-js" })).modelfile;
 const replies = [await ask("alpha"), await ask("beta"), await ask("alpha"), await ask("beta")];
 const loaded = (await client.ps()).models.map((m) => m.name).sort();
 await client.generate({ model: "alpha", prompt: "", keep_alive: 0 });
 const after = (await client.ps()).models.map((m) => m.name).sort();
+await client.delete({ model: "mario-js" });
+const remaining = (await client.list()).models.map((m) => m.name);
 let missing = null;
 try {
   await ask("nope");
 } catch (e) {
   missing = e.status_code ?? e.status ?? String(e);
 }
-console.log(JSON.stringify({ listed, replies, loaded, after, missing }));
+console.log(JSON.stringify({ listed, created, replies, loaded, after, remaining, missing }));

@@ -151,6 +151,37 @@ def test_a_model_with_a_stream_in_flight_is_never_evicted(host, client) -> None:
     assert "".join(parts) == whole
 
 
+def test_models_made_from_a_modelfile(host, client) -> None:
+    client.create(model="mario", from_="alpha", system="You are Mario.",
+                  parameters={"num_predict": 3})  # fmt: skip
+    assert "mario:latest" in {m.model for m in client.list().models}
+    greedy = {"temperature": 0}
+    reply = client.chat(model="mario", messages=[{"role": "user", "content": "hi"}],
+                        options=greedy)  # fmt: skip
+    assert reply.eval_count == 3  # its PARAMETER
+    # The same as its base given the SYSTEM message by hand.
+    by_hand = client.chat(model="alpha", options={**greedy, "num_predict": 3}, messages=[
+        {"role": "system", "content": "You are Mario."}, {"role": "user", "content": "hi"}])  # fmt: skip
+    assert reply.message.content == by_hand.message.content
+    assert reply.prompt_eval_count == by_hand.prompt_eval_count
+    shown = client.show("mario")
+    assert 'SYSTEM """You are Mario."""' in shown.modelfile and "num_predict 3" in shown.parameters
+    client.copy("mario", "luigi")
+    assert client.chat(model="luigi", messages=[{"role": "user", "content": "hi"}],
+                       options=greedy).message.content == reply.message.content  # fmt: skip
+    client.delete("luigi")
+    assert "luigi:latest" not in {m.model for m in client.list().models}
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.delete("alpha")  # a model's own directory: never
+    assert exc.value.status_code == 400
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.create(model="t", from_="alpha", template="{{ messages }}")
+    assert exc.value.status_code == 403  # a TEMPLATE takes the admin key
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.create(model="t", from_="nope")
+    assert exc.value.status_code == 400 and "alpha" in str(exc.value)
+
+
 def test_metrics_carry_each_models_name(host, client) -> None:
     _chat(client, "alpha")
     text = httpx.get(f"{host.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
@@ -204,9 +235,19 @@ def test_the_npm_ollama_client(host, tmp_path_factory) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
-    assert {"alpha:latest", "beta:latest", "gamma:latest"} <= set(seen["listed"])
+    assert {"alpha:latest", "beta:latest", "gamma:latest", "mario-js:latest"} <= set(seen["listed"])
+    assert 'SYSTEM """You are Mario."""' in seen["created"]
+    assert "mario-js:latest" not in seen["remaining"]
     alpha, beta, alpha_again, beta_again = seen["replies"]
     assert alpha == alpha_again and beta == beta_again
     assert seen["loaded"] == ["alpha:latest", "beta:latest"]
     assert seen["after"] == ["beta:latest"]
     assert seen["missing"] == 404
+
+
+def test_openapi_describes_the_models_routes_and_the_hosts(host) -> None:
+    doc = httpx.get(f"{host.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    for path, method in (("/v1/chat/completions", "post"), ("/api/chat", "post"),
+                         ("/api/create", "post"), ("/api/copy", "post"),
+                         ("/api/delete", "delete")):  # fmt: skip
+        assert method in doc["paths"][path], path

@@ -13,6 +13,10 @@ GET  /openapi.json, /docs, /dashboard, /v1/usage, /v1/stats, /static/...
                                                a loaded model's runner answers (none loaded:
                                                the default model's); /tokenizer_info the
                                                default model's
+POST /api/create, /api/copy; DELETE /api/delete
+                                               created models (recipes.py): a Modelfile's
+                                               fields, or its text; a TEMPLATE takes the
+                                               admin key; no model file is ever touched
 GET  /health, /api/version, /metrics           the host's own (/metrics: every runner's,
                                                each sample labelled by its model_name)
 """
@@ -23,6 +27,7 @@ import asyncio
 import contextlib
 import datetime
 import hashlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -36,11 +41,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill import __version__
+from tokenmill import __version__, recipes
 from tokenmill.catalog import Entry, catalog
 from tokenmill.host.config import HostConfig
 from tokenmill.host.keep_alive import parse_keep_alive
 from tokenmill.host.metrics import merged_metrics
+from tokenmill.host.openapi import with_host_paths
 from tokenmill.host.pool import HostError, Runner, RunnerPool, canonical, servable
 from tokenmill.router.app import _KeyCheck
 from tokenmill.router.proxy import PayloadTooLarge, ProxyResponse, error_response, read_body
@@ -126,6 +132,15 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
             runner = await pool.acquire(name)
         except HostError as e:
             return error_response(request.url.path, e.status, e.message, e.code)
+        if request.url.path == "/openapi.json":  # the runner's routes, and the host's own
+            try:
+                answer = await pool.client.get(runner.url + "/openapi.json",
+                                               headers=_forwarded_headers(request))  # fmt: skip
+            finally:
+                pool.release(runner, config.keep_alive)
+            if answer.status_code != 200:
+                return Response(answer.content, answer.status_code, _plain(answer))
+            return JSONResponse(with_host_paths(answer.json()))
         return await _forward(pool, runner, request, await request.body(), config.keep_alive)
 
     async def each_runner(request: Request) -> Response:
@@ -160,6 +175,84 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         if bad is not None:
             return Response(bad.content, bad.status_code, _plain(bad))
         return JSONResponse({"status": "ok", "models": len(answers)})
+
+    async def create(request: Request) -> Response:
+        path = request.url.path
+        fields = await _json_object(request, config.max_body_bytes)
+        if fields is None:
+            return error_response(path, 400, "the body must be a JSON object", "invalid_json")
+        name = fields.get("model") or fields.get("name")
+        if not isinstance(name, str) or not name:
+            return error_response(path, 400, "model (the new model's name) is required",
+                                  "missing_field")  # fmt: skip
+        for unsupported in ("files", "adapters", "quantize"):
+            if fields.get(unsupported):
+                return error_response(path, 400, f"'{unsupported}' is not supported: create "
+                                      "from a model tokenmill models lists, or a path",
+                                      "unsupported")  # fmt: skip
+        try:
+            if isinstance(fields.get("modelfile"), str):  # older clients send the text
+                recipe = recipes.parse_modelfile(name, fields["modelfile"])
+            elif isinstance(fields.get("from"), str) and fields["from"]:
+                recipe = recipes.recipe_from_fields(
+                    name, fields["from"], fields.get("system"), fields.get("template"),
+                    fields.get("parameters"), fields.get("messages"),
+                )  # fmt: skip
+            else:
+                return error_response(path, 400, "from (the base model) is required",
+                                      "missing_field")  # fmt: skip
+        except ValueError as e:
+            return error_response(path, 400, str(e), "invalid_value")
+        if recipe.template is not None and not _is_admin(request, config):
+            return error_response(path, 403, "a model with a TEMPLATE is created with the admin "
+                                  "key (--admin-api-key)", "admin_only")  # fmt: skip
+        pool = the_pool()
+        try:
+            pool.find(recipe.base)
+        except HostError as e:
+            return error_response(path, 400, f"from: {e.message}", "model_not_found")
+        await asyncio.to_thread(recipes.save, recipe)
+        await pool.unload_if_loaded(recipe.name)  # the next request runs the new recipe
+        logger.info("created %s (from %s)", recipe.name, recipe.base)
+        done = {"status": "success"}
+        if fields.get("stream", True) is not False:
+            return Response(json.dumps(done) + "\n", media_type="application/x-ndjson")
+        return JSONResponse(done)
+
+    async def copy(request: Request) -> Response:
+        path = request.url.path
+        fields = await _json_object(request, config.max_body_bytes) or {}
+        source, destination = fields.get("source"), fields.get("destination")
+        if not isinstance(source, str) or not isinstance(destination, str):
+            return error_response(path, 400, "source and destination are required",
+                                  "missing_field")  # fmt: skip
+        try:
+            entry = the_pool().find(source)
+            await asyncio.to_thread(recipes.copy, entry.name, destination)
+        except HostError as e:
+            return error_response(path, e.status, e.message, e.code)
+        except ValueError as e:
+            return error_response(path, 400, str(e), "invalid_value")
+        return Response(status_code=200)
+
+    async def delete(request: Request) -> Response:
+        path = request.url.path
+        fields = await _json_object(request, config.max_body_bytes) or {}
+        name = fields.get("model") or fields.get("name")
+        if not isinstance(name, str) or not name:
+            return error_response(path, 400, "model is required", "missing_field")
+        pool = the_pool()
+        try:
+            entry = pool.find(name)
+        except HostError as e:
+            return error_response(path, e.status, e.message, e.code)
+        try:
+            await asyncio.to_thread(recipes.delete, entry.name)
+        except ValueError as e:
+            return error_response(path, 400, str(e), "invalid_value")
+        await pool.unload_if_loaded(entry.name)
+        logger.info("deleted %s", entry.name)
+        return Response(status_code=200)
 
     async def openai_models(_: Request) -> JSONResponse:
         cards = [_card(e) for e in _entries(the_pool())]
@@ -224,6 +317,9 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         Route("/v1/models/{model_id:path}", openai_model),
         Route("/api/tags", tags),
         Route("/api/ps", ps),
+        Route("/api/create", create, methods=["POST"]),
+        Route("/api/copy", copy, methods=["POST"]),
+        Route("/api/delete", delete, methods=["DELETE"]),
         *(Route(p, model_route, methods=["POST"]) for p in MODEL_ROUTES),
         *(
             Route(p, default_route, methods=["GET"])
@@ -240,6 +336,27 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         public = ("/health", *(("/metrics",) if config.metrics_public else ()))
         app.add_middleware(_KeyCheck, api_keys=config.api_keys, public_paths=public)
     return app
+
+
+async def _json_object(request: Request, max_bytes: int) -> dict[str, Any] | None:
+    try:
+        body = await read_body(request, max_bytes)
+        fields = json.loads(body)
+    except (PayloadTooLarge, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def _is_admin(request: Request, config: HostConfig) -> bool:
+    """Whether the request bears the admin key (a server without keys: anyone may)."""
+    if not config.api_keys:
+        return True
+    if config.admin_api_key is None:
+        return False
+    auth = request.headers.get("authorization", "")
+    presented = auth[7:].strip() if auth.lower().startswith("bearer ") else (
+        request.headers.get("x-api-key", "").strip())  # fmt: skip
+    return hmac.compare_digest(presented.encode(), config.admin_api_key.encode())
 
 
 def _loads_only(path: str, fields: dict[str, Any]) -> bool:

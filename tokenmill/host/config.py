@@ -20,6 +20,7 @@ class HostConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    admin_api_key: str | None = None  # creating a model with a TEMPLATE takes it
     default_model: str = "smollm2-135m-instruct"
     max_loaded_models: int = 3
     memory_budget: int = 8 * 2**30

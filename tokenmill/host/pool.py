@@ -65,6 +65,7 @@ class Runner:
     leases: int = 0
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic; None: never (keep_alive negative)
+    retired: bool = False  # recreated or deleted: it stops when its last lease ends
 
     @property
     def url(self) -> str:
@@ -130,8 +131,8 @@ class RunnerPool:
         runner.leases -= 1
         runner.last_used = self.clock()
         runner.expires = None if keep_alive is None else runner.last_used + keep_alive
-        if runner.leases == 0 and keep_alive == 0:
-            self._stop_later(runner, "keep_alive 0")
+        if runner.leases == 0 and (keep_alive == 0 or runner.retired):
+            self._stop_later(runner, "retired" if runner.retired else "keep_alive 0")
 
     # ---- loading --------------------------------------------------------------------------
 
@@ -230,9 +231,9 @@ class RunnerPool:
     def _stop_later(self, runner: Runner, why: str) -> None:
         if self.runners.get(runner.name) is runner:
             del self.runners[runner.name]  # no new lease reaches it
-            task = asyncio.ensure_future(self.stop(runner, why))
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+        task = asyncio.ensure_future(self.stop(runner, why))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     async def unload(self, name: str | None) -> Entry:
         """Unload a model now if it is idle (Ollama's keep_alive 0 with no prompt); a leased
@@ -244,6 +245,18 @@ class RunnerPool:
             if runner.leases == 0:
                 await self.stop(runner, "keep_alive 0")
         return entry
+
+    async def unload_if_loaded(self, name: str) -> None:
+        """Stop a model's runner now (idle) or when its last lease ends: it was recreated or
+        deleted."""
+        runner = self.runners.get(name)
+        if runner is None:
+            return
+        if runner.leases == 0:
+            await self.stop(runner, "recreated or deleted")
+        else:  # no new lease reaches it; the last one to end stops it
+            del self.runners[name]
+            runner.retired = True
 
     async def reap(self) -> None:
         """Stop the idle runners whose keep_alive ran out, and forget the ones that exited."""
@@ -287,7 +300,8 @@ def canonical(name: str) -> str:
 
 def runner_argv(config: HostConfig, entry: Entry, port: int) -> list[str]:
     """A runner's command: its model, the host's serve arguments, its address and name."""
-    model = str(entry.path) if entry.path is not None else entry.name
+    # A created model by its name (the runner applies its Modelfile), others by their path.
+    model = str(entry.path) if entry.path is not None and not entry.created else entry.name
     return [
         sys.executable, "-m", "tokenmill.cli", "serve", model, *config.runner_args,
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", entry.name,
