@@ -98,3 +98,31 @@ def test_create_names_a_model_from_a_modelfile(tmp_path, tiny_model_dir, monkeyp
     assert "unknown model 'nothing-here'" in capsys.readouterr().err
     assert main(["create", "luigi", "-f", str(tmp_path / "missing")]) == 2
     assert "cannot read the Modelfile" in capsys.readouterr().err
+
+
+def test_chat_runs_a_created_model_with_its_modelfile(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    import io
+
+    monkeypatch.setenv("TOKENMILL_MODEL_DIR", str(tmp_path / "models"))
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text(f"FROM {tiny_model_dir('llama')}\nPARAMETER temperature 0.1\n"
+                         "PARAMETER num_predict 7\nSYSTEM You are Mario.\n")  # fmt: skip
+    assert main(["create", "mario", "-f", str(modelfile)]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("/params\n"))
+    args = [
+        "chat",
+        "mario",
+        "--kv-cache-memory",
+        "8MiB",
+        "--max-model-len",
+        "128",
+        "--top-p",
+        "0.5",
+    ]
+    assert main(args) == 0
+    shown = capsys.readouterr()
+    params = shown.out + shown.err
+    # Its PARAMETERs where the command line sets none; the command line's where it does.
+    assert "temperature=0.1" in params and "max_tokens=7" in params and "top_p=0.5" in params

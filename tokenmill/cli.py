@@ -190,14 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with the model in the terminal (Ctrl-D leaves)")
     add_engine_args(chat)
     chat.add_argument("--system", default=None, help="system message")
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=0.9)
+    # Unset: a created model's PARAMETERs, else these defaults (_chat).
+    chat.add_argument("--temperature", type=float, default=None, help="default: 0.7")
+    chat.add_argument("--top-p", type=float, default=None, help="default: 0.9")
     chat.add_argument(
         "--max-tokens",
         type=int,
-        default=CHAT_MAX_TOKENS,
-        help="most tokens a reply (so the prompt comes back even from a model that does not stop;"
-        " /params max_tokens=N changes it)",
+        default=None,
+        help=f"most tokens a reply (default: {CHAT_MAX_TOKENS}, so the prompt comes back even "
+        "from a model that does not stop; /params max_tokens=N changes it)",
     )
     chat.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling")
     chat.add_argument(
@@ -502,21 +503,33 @@ def _models(ns: argparse.Namespace) -> int:
 
 def _chat(ns: argparse.Namespace) -> int:
     from tokenmill.engine import LLMEngine
-    from tokenmill.entrypoints.chat import run_chat
+    from tokenmill.entrypoints.chat import PARAMS, run_chat
+    from tokenmill.recipes import recipes
 
+    # A model made from a Modelfile: its TEMPLATE, SYSTEM, MESSAGEs and PARAMETERs, where the
+    # command line sets none.
+    recipe = recipes().get(ns.model.removesuffix(":latest")) if "/" not in ns.model else None
+    if recipe is not None and recipe.template is not None and ns.chat_template is None:
+        ns.chat_template = recipe.template
     engine = LLMEngine(engine_args_from(ns))
     if engine.tokenizer.chat_template is None:
         raise ValueError(f"{ns.model!r} has no chat template; use tokenmill generate")
     if ns.max_thinking_tokens is not None and engine.reasoning is None:
         raise ValueError(f"--max-thinking-tokens needs a reasoning model; {ns.model!r} is not one")
-    settings = {
+    given = {
         "temperature": ns.temperature,
         "top_p": ns.top_p,
         "max_tokens": ns.max_tokens,
         "seed": ns.sampling_seed,
         "max_thinking_tokens": ns.max_thinking_tokens,
     }
-    return run_chat(engine, ns.system, settings)
+    own = recipe.openai_defaults() if recipe is not None else {}
+    settings = {"temperature": 0.7, "top_p": 0.9, "max_tokens": CHAT_MAX_TOKENS}
+    settings |= {k: v for k, v in own.items() if k in PARAMS}
+    settings |= {k: v for k, v in given.items() if v is not None}
+    system = ns.system if ns.system is not None else (recipe.system if recipe else None)
+    turns = list(recipe.messages) if recipe is not None else []
+    return run_chat(engine, system, settings, turns)
 
 
 if __name__ == "__main__":

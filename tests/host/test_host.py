@@ -112,6 +112,9 @@ def test_every_model_is_listed_loaded_or_not(host, client) -> None:
     assert exc.value.status_code == 404 and "alpha" in str(exc.value)
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    shown = client.show("beta")  # read from its files, as Ollama's: nothing loads
+    assert shown.details.family == "qwen3" and shown.modelinfo["general.architecture"] == "qwen3"
+    assert host.loaded() == []
 
 
 def test_two_models_alternately_then_keep_alive_0_unloads(host, client) -> None:

@@ -188,10 +188,16 @@ class ChatSession:
         self.messages = [{"role": m["role"], "content": str(m["content"])} for m in messages]
 
 
-def run_chat(engine: LLMEngine, system: str | None, settings: dict[str, Any]) -> int:
-    """The chat loop on stdin / stdout; returns the exit status (0 on Ctrl-D or /bye)."""
+def run_chat(
+    engine: LLMEngine,
+    system: str | None,
+    settings: dict[str, Any],
+    turns: list[dict[str, str]] | None = None,
+) -> int:
+    """The chat loop on stdin / stdout; returns the exit status (0 on Ctrl-D or /bye).
+    ``turns``: messages the conversation starts with (a Modelfile's MESSAGEs)."""
     interactive = sys.stdin.isatty()
-    session = ChatSession(engine, system=system)
+    session = ChatSession(engine, system=system, messages=[dict(m) for m in turns or []])
     session.set_params([f"{k}={v}" for k, v in settings.items() if v is not None])
     if interactive:
         with contextlib.suppress(ImportError):

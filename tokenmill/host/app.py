@@ -7,6 +7,8 @@ POST routes that name a model (``MODEL_ROUTES``)   the body's ``model`` picks th
     /api/chat with no prompt (no messages) only loads it, or with keep_alive 0 unloads it.
 GET  /v1/models, /v1/models/{id}, /api/tags   every model here, loaded or not
 GET  /api/ps                                   the loaded ones: size, expiry
+POST /api/show                                 read from the model's files (and its
+                                               Modelfile), as Ollama's: nothing loads
 GET  /v1/responses/{id}, DELETE                asked of each loaded runner in turn
 POST /reset_prefix_cache, /abort_request       sent to every loaded runner
 GET  /openapi.json, /docs, /dashboard, /v1/usage, /v1/stats, /static/...
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 MODEL_ROUTES = (
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
     "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
-    "/api/generate", "/api/chat", "/api/embed", "/api/embeddings", "/api/show",
+    "/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
 )  # fmt: skip
 # Any loaded model's runner answers these alike (the usage database is shared); with none
 # loaded, the default model's loads.
@@ -280,6 +282,19 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
             models.append(item)
         return JSONResponse({"models": models})
 
+    async def show(request: Request) -> Response:
+        path = request.url.path
+        fields = await _json_object(request, config.max_body_bytes) or {}
+        name = fields.get("model") or fields.get("name")
+        try:
+            entry = the_pool().find(name if isinstance(name, str) else None)
+            recipe = recipes.recipes().get(entry.name) if entry.created else None
+        except HostError as e:
+            return error_response(path, e.status, e.message, e.code)
+        except ValueError as e:
+            return error_response(path, 400, str(e), "invalid_value")
+        return JSONResponse(_show(entry, recipe))
+
     async def version(_: Request) -> JSONResponse:
         return JSONResponse({"version": __version__})
 
@@ -317,6 +332,7 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         Route("/v1/models/{model_id:path}", openai_model),
         Route("/api/tags", tags),
         Route("/api/ps", ps),
+        Route("/api/show", show, methods=["POST"]),
         Route("/api/create", create, methods=["POST"]),
         Route("/api/copy", copy, methods=["POST"]),
         Route("/api/delete", delete, methods=["DELETE"]),
@@ -440,6 +456,34 @@ def _tag(entry: Entry) -> dict[str, Any]:
             "parameter_size": f"{s.num_parameters / 1e6:.0f}M" if s is not None else "",
             "quantization_level": (s.file_type or "F32") if s is not None else "",
         },
+    }
+
+
+def _show(entry: Entry, recipe: recipes.Recipe | None) -> dict[str, Any]:
+    """Ollama's /api/show of a model, from its files' headers and its Modelfile."""
+    s = entry.summary
+    template = (recipe.template if recipe is not None else None) or (
+        s.chat_template if s is not None else None) or ""  # fmt: skip
+    capabilities = ["completion", *(["tools"] if "tools" in template else [])]
+    parameters = ""
+    if recipe is not None:
+        parameters = "\n".join(f"{k} {v}" for k, vs in recipe.parameters.items()
+                              for v in (vs if isinstance(vs, list) else [vs]))  # fmt: skip
+    info: dict[str, Any] = {}
+    if s is not None:
+        info = {"general.architecture": s.architecture,
+                "general.parameter_count": s.num_parameters,
+                f"{s.architecture}.context_length": s.context_length}  # fmt: skip
+    return {
+        "license": "",
+        "modelfile": recipe.modelfile if recipe is not None else f"FROM {entry.path}\n",
+        "parameters": parameters,
+        "template": template,
+        "system": (recipe.system or "") if recipe is not None else "",
+        "details": _tag(entry)["details"],
+        "model_info": info,
+        "capabilities": capabilities,
+        "modified_at": _modified(entry),
     }
 
 
