@@ -89,6 +89,7 @@ def host(model_dir, tmp_path_factory):
     yield host
     log = host.stop()
     assert "Traceback" not in log, log[-3000:]
+    assert "[alpha] " in log and "tokenmill.server.api: serving 'alpha'" in log  # its runner's
 
 
 @pytest.fixture(scope="module")

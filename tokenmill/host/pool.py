@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -150,7 +151,10 @@ class RunnerPool:
         started = time.monotonic()
         logger.info("loading %s (%s, estimated %s) on port %d", entry.name,
                     entry.path or "embedded", human_bytes(estimate), port)  # fmt: skip
-        process = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+        threading.Thread(target=_relay, args=(process, entry.name), daemon=True).start()
         replicas = ReplicaSet.from_urls([f"http://127.0.0.1:{port}"])
         proxy = Proxy(self.client, replicas, self.config.max_body_bytes)
         runner = Runner(entry.name, estimate, port, process, proxy)
@@ -307,6 +311,15 @@ def runner_argv(config: HostConfig, entry: Entry, port: int) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", entry.name,
         "--kv-cache-memory", str(config.kv_cache_memory),
     ]  # fmt: skip
+
+
+def _relay(process: subprocess.Popen, name: str) -> None:
+    """A runner's log lines on the host's stdout, each prefixed with its model's name."""
+    assert process.stdout is not None
+    for line in iter(process.stdout.readline, b""):
+        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
+        sys.stdout.flush()
+    process.stdout.close()
 
 
 def _free_port() -> int:
