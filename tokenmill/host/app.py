@@ -109,7 +109,7 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         pool = the_pool()
         try:
             keep_alive = (
-                parse_keep_alive(fields["keep_alive"]) if "keep_alive" in fields
+                parse_keep_alive(fields["keep_alive"]) if fields.get("keep_alive") is not None
                 else config.keep_alive
             )  # fmt: skip
         except ValueError as e:
