@@ -147,6 +147,12 @@ def recipe_from_fields(
     messages: list[dict[str, Any]] | None = None,
 ) -> Recipe:
     """A recipe from Ollama's /api/create fields. ValueError naming the field at fault."""
+    for field_name, value, kind in (("system", system, str), ("template", template, str),
+                                    ("parameters", parameters, dict),
+                                    ("messages", messages, list)):  # fmt: skip
+        if value is not None and not isinstance(value, kind):
+            what = {str: "a string", dict: "an object", list: "a list"}[kind]
+            raise ValueError(f"{field_name} must be {what}; got {type(value).__name__}")
     checked: dict[str, Any] = {}
     for key, value in (parameters or {}).items():
         for one in value if isinstance(value, list) and key == "stop" else [value]:

@@ -255,3 +255,19 @@ def test_openapi_describes_the_models_routes_and_the_hosts(host) -> None:
                          ("/api/create", "post"), ("/api/copy", "post"),
                          ("/api/delete", "delete")):  # fmt: skip
         assert method in doc["paths"][path], path
+
+
+def test_fuzzed_requests_to_the_hosts_own_routes(host, tmp_path) -> None:
+    """schemathesis on the host's own operations (create, copy, delete, show, ps, tags): no
+    5xx, and answers as documented; its examples create, copy and delete a model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
+    from test_fuzz_openapi import run_fuzz
+
+    # The document comes from a loaded model's runner (else the default model's would load).
+    httpx.post(f"{host.url}/api/generate", json={"model": "alpha"},
+               headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+
+    run = run_fuzz(host.url, KEY, 30, tmp_path, paths="^/api/(create|copy|delete|show|ps|tags)$")
+    assert run.server_errors == [], run.server_errors[:5]
+    assert run.returncode == 0, run.output[-6000:]
+    assert run.statuses[("POST /api/create", 200)] >= 1

@@ -142,7 +142,7 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
                 pool.release(runner, config.keep_alive)
             if answer.status_code != 200:
                 return Response(answer.content, answer.status_code, _plain(answer))
-            return JSONResponse(with_host_paths(answer.json()))
+            return JSONResponse(with_host_paths(answer.json(), config.default_model))
         return await _forward(pool, runner, request, await request.body(), config.keep_alive)
 
     async def each_runner(request: Request) -> Response:
@@ -279,6 +279,7 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
             item["size"] = runner.resident
             item["size_vram"] = 0
             item["expires_at"] = _expiry(pool, runner)
+            item["context_length"] = runner.context_length
             models.append(item)
         return JSONResponse({"models": models})
 

@@ -12,8 +12,9 @@ _STATUS = {"type": "object", "properties": {"status": {"type": "string"}}}
 
 def _operation(summary: str, body: dict[str, Any], answer: dict[str, Any] | None) -> dict:
     ok: dict[str, Any] = {"description": "done"}
-    if answer is not None:
-        ok["content"] = {"application/json": {"schema": answer}}
+    if answer is not None:  # one object, or (stream, Ollama's default) NDJSON lines of them
+        ok["content"] = {"application/json": {"schema": answer},
+                         "application/x-ndjson": {"schema": {"type": "string"}}}  # fmt: skip
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
@@ -49,8 +50,18 @@ HOST_PATHS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def with_host_paths(document: dict[str, Any]) -> dict[str, Any]:
-    """A runner's OpenAPI document with the host's own operations in it."""
+def with_host_paths(document: dict[str, Any], default_model: str) -> dict[str, Any]:
+    """A runner's OpenAPI document with the host's own operations in it, each with an example
+    body (a fuzzer starts from them) made FROM ``default_model``."""
     merged = copy.deepcopy(document)
-    merged.setdefault("paths", {}).update(copy.deepcopy(HOST_PATHS))
+    paths = copy.deepcopy(HOST_PATHS)
+    examples = {
+        ("/api/create", "post"): {"model": "example-created", "from": default_model,
+                                  "system": "Be brief.", "stream": False},
+        ("/api/copy", "post"): {"source": default_model, "destination": "example-copy"},
+        ("/api/delete", "delete"): {"model": "example-copy"},
+    }  # fmt: skip
+    for (path, method), example in examples.items():
+        paths[path][method]["requestBody"]["content"]["application/json"]["example"] = example
+    merged.setdefault("paths", {}).update(paths)
     return merged

@@ -67,6 +67,7 @@ class Runner:
     last_used: float = 0.0  # monotonic
     expires: float | None = None  # monotonic; None: never (keep_alive negative)
     retired: bool = False  # recreated or deleted: it stops when its last lease ends
+    context_length: int = 0  # the context it serves (its /v1/models), for /api/ps
 
     @property
     def url(self) -> str:
@@ -164,6 +165,7 @@ class RunnerPool:
             await asyncio.to_thread(_stop_process, process, self.config.stop_timeout)
             raise
         replicas.mark_up(0)
+        runner.context_length = await self._context_length(runner)
         runner.loaded_at = time.time()
         runner.last_used = self.clock()
         self.runners[entry.name] = runner
@@ -176,7 +178,7 @@ class RunnerPool:
         while True:
             status = runner.process.poll()
             if status is not None:
-                raise HostError(500, f"model '{runner.name}' failed to load: its runner exited "
+                raise HostError(503, f"model '{runner.name}' failed to load: its runner exited "
                                 f"with status {status} (the server's log says why)",
                                 "load_failed")  # fmt: skip
             try:
@@ -184,7 +186,7 @@ class RunnerPool:
                 if r.status_code == 200:
                     return
                 if r.status_code == 503 and r.json().get("status") == "failed":
-                    raise HostError(500, f"model '{runner.name}' failed to load: "
+                    raise HostError(503, f"model '{runner.name}' failed to load: "
                                     f"{r.json().get('error', '')}", "load_failed")  # fmt: skip
             except (httpx.HTTPError, ValueError):
                 pass
@@ -192,6 +194,16 @@ class RunnerPool:
                 raise HostError(503, f"model '{runner.name}' did not load within "
                                 f"{self.config.load_timeout:g} s", "load_timeout")  # fmt: skip
             await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _context_length(self, runner: Runner) -> int:
+        """The context the runner serves (its --max-model-len, or the model's), for /api/ps."""
+        keys = self.config.api_keys
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        try:
+            r = await self.client.get(f"{runner.url}/v1/models", headers=headers, timeout=5.0)
+            return int(r.json()["data"][0]["max_model_len"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return 0
 
     def _estimate(self, entry: Entry) -> int:
         weights = entry.summary.weight_bytes_estimate if entry.summary is not None else 0
