@@ -68,6 +68,13 @@ def catalog(directory: Path | None = None) -> list[Entry]:
     return entries
 
 
+def parameter_size(n: int) -> str:
+    """Ollama's spelling of a parameter count: "268.1M", "7.2B"."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f}B"
+    return f"{n / 1e6:.1f}M"
+
+
 def _base_path(base: str) -> Path:
     """A created model's weights, found without fetching (listing fetches nothing)."""
     if base in EMBEDDED_MODELS:

@@ -10,30 +10,22 @@ import sys
 
 def available_memory() -> int | None:
     """Bytes the system can still give (MemAvailable), or None where /proc/meminfo is absent."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _meminfo("MemAvailable")
 
 
 def total_memory() -> int | None:
     """The machine's memory (MemTotal), or None where /proc/meminfo is absent."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _meminfo("MemTotal")
 
 
-def process_resident_bytes(pid: int) -> int | None:
-    """Another process's resident memory now (VmRSS), or None when it is gone or unreadable."""
+def resident_bytes() -> int | None:
+    """This process's resident memory now (VmRSS), or None where /proc is absent."""
+    return process_resident_bytes("self")
+
+
+def process_resident_bytes(pid: int | str) -> int | None:
+    """A process's resident memory now (VmRSS; pid "self": this one's), or None when it is
+    gone or /proc cannot be read."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -41,13 +33,15 @@ def process_resident_bytes(pid: int) -> int | None:
         return None
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory now (VmRSS), or None where /proc is absent."""
+def _meminfo(key: str) -> int | None:
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
         return None
+    return None
 
 
 def human_bytes(n: float) -> str:

@@ -60,15 +60,24 @@ class Recipe:
     def modelfile(self) -> str:
         """The Modelfile that creates it (what /api/show reports)."""
         lines = [f"FROM {self.base}"]
-        for key, value in self.parameters.items():
-            for one in value if isinstance(value, list) else [value]:
-                lines.append(f"PARAMETER {key} {json.dumps(one) if key == 'stop' else one}")
+        for key, value in self.parameter_pairs():
+            lines.append(f"PARAMETER {key} {json.dumps(value) if key == 'stop' else value}")
         if self.system is not None:
             lines.append(f'SYSTEM """{self.system}"""')
         if self.template is not None:
             lines.append(f'TEMPLATE """{self.template}"""')
         lines += [f'MESSAGE {m["role"]} """{m["content"]}"""' for m in self.messages]
         return "\n".join(lines) + "\n"
+
+    def parameter_pairs(self) -> list[tuple[str, Any]]:
+        """Its PARAMETERs one (name, value) each: a repeated ``stop`` once a value."""
+        return [(key, one) for key, value in self.parameters.items()
+                for one in (value if isinstance(value, list) else [value])]  # fmt: skip
+
+    @property
+    def parameters_text(self) -> str:
+        """Its PARAMETERs as Ollama's /api/show lists them, "name value" a line."""
+        return "\n".join(f"{key} {value}" for key, value in self.parameter_pairs())
 
     def conversation(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A request's messages as this model sees them: its SYSTEM first unless the request

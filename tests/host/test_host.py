@@ -6,6 +6,7 @@ a stream in flight never evicted (the stream completes exactly), 404s naming the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,9 @@ import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from browser import IN_CI  # noqa: E402
 
 KEY = "sk-host-test"
 NAMES = ("alpha", "beta", "gamma")
@@ -47,11 +51,9 @@ class Host:
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, log.read_text()
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
-                pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
 
@@ -224,7 +226,9 @@ def test_the_npm_ollama_client(host, tmp_path_factory) -> None:
     """The ollama JavaScript client from npm, run with Node: a second real client."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        pytest.skip("needs node and npm (.ci/run installs them)")
+        # CI has them (.ci/run installs them): there, their absence is a failure.
+        assert not IN_CI, "node and npm are missing in CI"
+        pytest.skip("needs node and npm")
     packages = Path.home() / ".cache" / "tokenmill-tests" / "npm"
     if not (packages / "node_modules" / "ollama").exists():
         subprocess.run([npm, "install", "--prefix", str(packages), "--no-audit", "--no-fund",

@@ -44,13 +44,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tokenmill import __version__, recipes
-from tokenmill.catalog import Entry, catalog
+from tokenmill.catalog import Entry, catalog, parameter_size
 from tokenmill.host.config import HostConfig
 from tokenmill.host.keep_alive import parse_keep_alive
 from tokenmill.host.metrics import merged_metrics
 from tokenmill.host.openapi import with_host_paths
 from tokenmill.host.pool import HostError, Runner, RunnerPool, canonical, servable
-from tokenmill.router.app import _KeyCheck
+from tokenmill.router.app import _KeyCheck, http_error
 from tokenmill.router.proxy import PayloadTooLarge, ProxyResponse, error_response, read_body
 
 logger = logging.getLogger(__name__)
@@ -315,15 +315,6 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
                     texts.append(r.text)
         return Response(merged_metrics(texts, list(pool.runners)), media_type=CONTENT_TYPE_LATEST)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        path = request.url.path
-        if exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {path}"
-            return error_response(path, 405, message, "method_not_allowed")
-        return error_response(path, exc.status_code, f"no route {request.method} {path}",
-                              "not_found")  # fmt: skip
-
     routes = [
         Route("/health", health),
         Route("/metrics", metrics),
@@ -454,7 +445,7 @@ def _tag(entry: Entry) -> dict[str, Any]:
             "format": "gguf" if s is not None and s.format == "gguf" else "safetensors",
             "family": s.architecture if s is not None else "",
             "families": [s.architecture] if s is not None else [],
-            "parameter_size": f"{s.num_parameters / 1e6:.0f}M" if s is not None else "",
+            "parameter_size": parameter_size(s.num_parameters) if s is not None else "",
             "quantization_level": (s.file_type or "F32") if s is not None else "",
         },
     }
@@ -466,10 +457,6 @@ def _show(entry: Entry, recipe: recipes.Recipe | None) -> dict[str, Any]:
     template = (recipe.template if recipe is not None else None) or (
         s.chat_template if s is not None else None) or ""  # fmt: skip
     capabilities = ["completion", *(["tools"] if "tools" in template else [])]
-    parameters = ""
-    if recipe is not None:
-        parameters = "\n".join(f"{k} {v}" for k, vs in recipe.parameters.items()
-                              for v in (vs if isinstance(vs, list) else [vs]))  # fmt: skip
     info: dict[str, Any] = {}
     if s is not None:
         info = {"general.architecture": s.architecture,
@@ -478,7 +465,7 @@ def _show(entry: Entry, recipe: recipes.Recipe | None) -> dict[str, Any]:
     return {
         "license": "",
         "modelfile": recipe.modelfile if recipe is not None else f"FROM {entry.path}\n",
-        "parameters": parameters,
+        "parameters": recipe.parameters_text if recipe is not None else "",
         "template": template,
         "system": (recipe.system or "") if recipe is not None else "",
         "details": _tag(entry)["details"],

@@ -30,10 +30,8 @@ def parse_keep_alive(value: object) -> float | None:
 
 
 def _duration(text: str) -> float:
-    try:
+    if re.fullmatch(r"[+-]?(\d+(\.\d*)?|\.\d+)", text):  # a bare number of seconds
         return float(text)
-    except ValueError:
-        pass
     sign = -1.0 if text.startswith("-") else 1.0
     rest = text.lstrip("+-")
     total, pos = 0.0, 0

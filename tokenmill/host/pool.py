@@ -16,6 +16,7 @@ changed around them, not during).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -181,15 +182,14 @@ class RunnerPool:
                 raise HostError(503, f"model '{runner.name}' failed to load: its runner exited "
                                 f"with status {status} (the server's log says why)",
                                 "load_failed")  # fmt: skip
-            try:
+            # Not listening yet, or not answering JSON: polled again below.
+            with contextlib.suppress(httpx.HTTPError, ValueError):
                 r = await self.client.get(f"{runner.url}/health", timeout=2.0)
                 if r.status_code == 200:
                     return
                 if r.status_code == 503 and r.json().get("status") == "failed":
                     raise HostError(503, f"model '{runner.name}' failed to load: "
                                     f"{r.json().get('error', '')}", "load_failed")  # fmt: skip
-            except (httpx.HTTPError, ValueError):
-                pass
             if time.monotonic() > deadline:
                 raise HostError(503, f"model '{runner.name}' did not load within "
                                 f"{self.config.load_timeout:g} s", "load_timeout")  # fmt: skip

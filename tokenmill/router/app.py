@@ -88,15 +88,6 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
     async def metrics(_: Request) -> Response:
         return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        path = request.url.path
-        if exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {path}"
-            return error_response(path, 405, message, "method_not_allowed")
-        return error_response(path, exc.status_code, f"no route {request.method} {path}",
-                              "not_found")  # fmt: skip
-
     routes = [
         Route("/health", health),
         Route("/metrics", metrics),
@@ -113,6 +104,17 @@ def create_app(config: RouterConfig, replicas: ReplicaSet | None = None) -> Star
         public = ("/health", *(("/metrics",) if config.metrics_public else ()))
         app.add_middleware(_KeyCheck, api_keys=config.api_keys, public_paths=public)
     return app
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 in the API's error shape (the router's and the host's)."""
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {path}"
+        return error_response(path, 405, message, "method_not_allowed")
+    return error_response(path, exc.status_code, f"no route {request.method} {path}",
+                          "not_found")  # fmt: skip
 
 
 class _KeyCheck:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from tokenmill.router.app import create_app
 from tokenmill.router.config import RouterConfig
@@ -55,16 +56,30 @@ def create_router_server(
     on_signal: Callable[[], None] | None = None,
 ) -> RouterServer:
     app = create_app(config, replicas)
+    return light_server(app, config.host, config.port, log_level, config.access_log, on_signal)
+
+
+def light_server(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    log_level: str,
+    access_log: bool,
+    on_signal: Callable[[], None] | None = None,
+    graceful_timeout: float | None = None,
+) -> RouterServer:
+    """A uvicorn server for a light process in front of servers (the router, the host)."""
     # httpx logs every request at INFO: one line per proxied request and health check.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     uv_config = uvicorn.Config(
         app,
-        host=config.host,
-        port=config.port,
+        host=host,
+        port=port,
         log_config=None,
         log_level=log_level,
-        access_log=config.access_log,
+        access_log=access_log,
         lifespan="on",
+        timeout_graceful_shutdown=None if graceful_timeout is None else int(graceful_timeout),
     )
     return RouterServer(uv_config, on_signal)
 

@@ -33,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.catalog import parameter_size
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
@@ -258,16 +259,10 @@ class OllamaServing:
         if "tools" in template:
             capabilities.append("tools")
         recipe = self.config.recipe
-        parameters = ""
-        if recipe is not None:
-            parameters = "\n".join(
-                f"{k} {v}" for k, vs in recipe.parameters.items()
-                for v in (vs if isinstance(vs, list) else [vs])
-            )  # fmt: skip
         return {
             "license": "",
             "modelfile": recipe.modelfile if recipe is not None else f"FROM {info.model}\n",
-            "parameters": parameters,
+            "parameters": recipe.parameters_text if recipe is not None else "",
             "template": template,
             "system": (recipe.system or "") if recipe is not None else "",
             "details": self._details(engine),
@@ -302,7 +297,7 @@ class OllamaServing:
             "format": "gguf" if info.weight_format == "gguf" else "safetensors",
             "family": info.architecture,
             "families": [info.architecture],
-            "parameter_size": _parameter_size(info.num_parameters),
+            "parameter_size": parameter_size(info.num_parameters),
             "quantization_level": info.file_type or (info.quantization or info.dtype).upper(),
         }
 
@@ -698,13 +693,6 @@ def _format(fmt: str | dict[str, Any] | None) -> StructuredOutputs | None:
 
 def _timestamp(when: datetime.datetime) -> str:
     return when.isoformat().replace("+00:00", "Z")
-
-
-def _parameter_size(n: int) -> str:
-    """Ollama's spelling of a parameter count: "268.1M", "7.2B"."""
-    if n >= 1e9:
-        return f"{n / 1e9:.1f}B"
-    return f"{n / 1e6:.1f}M"
 
 
 def _file_size(path: str) -> int:
