@@ -126,3 +126,29 @@ def test_chat_runs_a_created_model_with_its_modelfile(
     params = shown.out + shown.err
     # Its PARAMETERs where the command line sets none; the command line's where it does.
     assert "temperature=0.1" in params and "max_tokens=7" in params and "top_p=0.5" in params
+
+
+def test_generate_runs_a_created_model_with_its_modelfile(
+    tmp_path, tiny_model_dir, monkeypatch, capsys
+):
+    monkeypatch.setenv("TOKENMILL_MODEL_DIR", str(tmp_path / "models"))
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text(f"FROM {tiny_model_dir('llama')}\nPARAMETER num_predict 3\n"
+                         "SYSTEM You are Mario.\n")  # fmt: skip
+    assert main(["create", "mario", "-f", str(modelfile)]) == 0
+    capsys.readouterr()
+    small = ["--kv-cache-memory", "8MiB", "--max-model-len", "128", "--ignore-eos"]
+    assert main(["generate", "mario", "--prompt", "hi", "--chat", *small]) == 0
+    mario = capsys.readouterr()
+    assert "3 generated" in mario.err  # its PARAMETER
+    # Its SYSTEM message: the same prompt as its base given it by hand.
+    base = [str(tiny_model_dir("llama")), "--prompt", "hi", "--chat", "--max-tokens", "3"]
+    assert main(["generate", *base, "--system", "You are Mario.", *small]) == 0
+    by_hand = capsys.readouterr()
+    assert by_hand.out == mario.out and _prompt_tokens(by_hand.err) == _prompt_tokens(mario.err)
+    assert main(["generate", "mario", "--prompt", "hi", "--max-tokens", "5", *small]) == 0
+    assert "5 generated" in capsys.readouterr().err  # the command line's, where it sets one
+
+
+def _prompt_tokens(report: str) -> int:
+    return int(report.split("[", 1)[1].split(" prompt tokens")[0])

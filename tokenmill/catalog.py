@@ -16,6 +16,10 @@ from tokenmill.recipes import recipes
 from tokenmill.resolve import resolve_model
 from tokenmill.store import aliases, model_dir, model_files
 
+# How long a request waited for its model to load (seconds), from the host (host/) to the
+# model's runner, which reports it as Ollama's ``load_duration``.
+LOAD_DURATION_HEADER = "X-Tokenmill-Load-Duration"
+
 
 @dataclass(slots=True)
 class Entry:

@@ -20,9 +20,13 @@ from tokenmill.embedded import DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from tokenmill.host.config import HostConfig
+    from tokenmill.recipes import Recipe
 
 # tokenmill chat's cap on a reply: ends what a base model would continue forever.
 CHAT_MAX_TOKENS = 512
+# tokenmill generate's sampling where neither its flags nor a created model's PARAMETERs say.
+GENERATE_DEFAULTS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                     "min_p": 0.0, "repetition_penalty": 1.0}  # fmt: skip
 THINKING_HELP = (
     "a reasoning model's thinking ends after N tokens: its </think> is forced there, then it "
     "answers (default: no budget)"
@@ -164,15 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    # Unset: a created model's PARAMETERs, else GENERATE_DEFAULTS (_generate).
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: 128")
     gen.add_argument(
         "--max-thinking-tokens", type=int, default=None, metavar="N", help=THINKING_HELP
     )
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: -1 (all)")
+    gen.add_argument("--min-p", type=float, default=None, help="default: 0")
+    gen.add_argument("--repetition-penalty", type=float, default=None, help="default: 1")
     gen.add_argument(
         "--sampling-seed",
         type=int,
@@ -277,15 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(ns: argparse.Namespace, log_level: str) -> int:
     from tokenmill.cost import TokenPrices
-    from tokenmill.recipes import recipes
     from tokenmill.server.config import ServerConfig
     from tokenmill.server.launcher import run_server
 
-    # A model made from a Modelfile: its base's weights, its TEMPLATE as the chat template,
-    # its SYSTEM, MESSAGEs and PARAMETERs applied by the server.
-    recipe = recipes().get(ns.model.removesuffix(":latest")) if "/" not in ns.model else None
-    if recipe is not None and recipe.template is not None and ns.chat_template is None:
-        ns.chat_template = recipe.template
+    recipe = _recipe_of(ns)  # its SYSTEM, MESSAGEs and PARAMETERs: the server applies them
     engine_args = engine_args_from(ns)
     config = ServerConfig(
         recipe=recipe,
@@ -439,19 +439,39 @@ def _structured_outputs(ns: argparse.Namespace):
     return None
 
 
+def _recipe_of(ns: argparse.Namespace) -> Recipe | None:
+    """The Modelfile of a created model ``ns.model`` names (none for a path or a plain model);
+    its TEMPLATE becomes the chat template unless --chat-template says otherwise."""
+    from tokenmill.recipes import recipes
+
+    recipe = recipes().get(ns.model.removesuffix(":latest")) if "/" not in ns.model else None
+    if recipe is not None and recipe.template is not None and ns.chat_template is None:
+        ns.chat_template = recipe.template
+    return recipe
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from tokenmill.engine import LLMEngine
     from tokenmill.sampling_params import SamplingParams
 
+    recipe = _recipe_of(ns)
+    given = {
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "repetition_penalty": ns.repetition_penalty,
+        "seed": ns.sampling_seed,
+        "stop": ns.stop or None,
+    }
+    settings = dict(GENERATE_DEFAULTS)
+    settings |= recipe.openai_defaults() if recipe is not None else {}
+    settings |= {k: v for k, v in given.items() if v is not None}
+    if isinstance(settings.get("stop"), str):
+        settings["stop"] = [settings["stop"]]
     params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty,
-        seed=ns.sampling_seed,
-        stop=ns.stop,
+        **settings,
         ignore_eos=ns.ignore_eos,
         structured_outputs=_structured_outputs(ns),
         max_thinking_tokens=ns.max_thinking_tokens,
@@ -462,6 +482,8 @@ def _generate(ns: argparse.Namespace) -> int:
     if ns.chat:
         messages = [{"role": "system", "content": ns.system}] if ns.system else []
         messages.append({"role": "user", "content": ns.prompt})
+        if recipe is not None:  # its SYSTEM (unless --system) and MESSAGEs
+            messages = recipe.conversation(messages)
         prompt: str | list[int] = engine.tokenizer.encode_chat(messages)
     else:
         prompt = ns.prompt
@@ -504,13 +526,10 @@ def _models(ns: argparse.Namespace) -> int:
 def _chat(ns: argparse.Namespace) -> int:
     from tokenmill.engine import LLMEngine
     from tokenmill.entrypoints.chat import PARAMS, run_chat
-    from tokenmill.recipes import recipes
 
-    # A model made from a Modelfile: its TEMPLATE, SYSTEM, MESSAGEs and PARAMETERs, where the
-    # command line sets none.
-    recipe = recipes().get(ns.model.removesuffix(":latest")) if "/" not in ns.model else None
-    if recipe is not None and recipe.template is not None and ns.chat_template is None:
-        ns.chat_template = recipe.template
+    # A model made from a Modelfile: its SYSTEM, MESSAGEs and PARAMETERs, where the command
+    # line sets none.
+    recipe = _recipe_of(ns)
     engine = LLMEngine(engine_args_from(ns))
     if engine.tokenizer.chat_template is None:
         raise ValueError(f"{ns.model!r} has no chat template; use tokenmill generate")

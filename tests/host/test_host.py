@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from browser import IN_CI  # noqa: E402
+from browser import IN_CI, browser_context, requires_chromium  # noqa: E402
 
 KEY = "sk-host-test"
 NAMES = ("alpha", "beta", "gamma")
@@ -186,6 +186,51 @@ def test_models_made_from_a_modelfile(host, client) -> None:
     with pytest.raises(ollama.ResponseError) as exc:
         client.create(model="t", from_="nope")
     assert exc.value.status_code == 400 and "alpha" in str(exc.value)
+
+
+def test_load_duration_is_the_wait_for_the_load(host, client) -> None:
+    client.generate(model="alpha", keep_alive=0)
+    first = client.generate(model="alpha", prompt="x", options={"num_predict": 2})
+    assert first.load_duration > 10_000_000  # ns: a runner takes far more than 10 ms to start
+    assert first.total_duration > first.load_duration + first.eval_duration
+    again = client.generate(model="alpha", prompt="x", options={"num_predict": 2})
+    assert again.load_duration == 0
+    # Sent by a client, the host's header is replaced by its own.
+    spoofed = httpx.post(f"{host.url}/api/generate", headers={
+        "Authorization": f"Bearer {KEY}", "X-Tokenmill-Load-Duration": "99"}, json={
+        "model": "alpha", "prompt": "x", "stream": False, "options": {"num_predict": 2}})  # fmt: skip
+    assert spoofed.json()["load_duration"] == 0
+
+
+@requires_chromium
+def test_the_dashboard_shows_each_loaded_model(host, client, tmp_path) -> None:
+    """/dashboard on the host: a select of the loaded models; the chosen one's figures come
+    from its own runner, and watching it neither loads a model nor keeps one alive."""
+    _chat(client, "alpha")
+    _chat(client, "beta")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    expiry = {m.model: m.expires_at for m in client.ps().models}
+    stats = httpx.get(f"{host.url}/v1/stats", params={"model": "alpha"}, headers=auth)
+    assert stats.status_code == 200 and stats.json()["model"] == "alpha"
+    absent = httpx.get(f"{host.url}/v1/stats", params={"model": "gamma"}, headers=auth)
+    assert absent.status_code == 404 and "alpha, beta" in absent.text
+    with browser_context(tmp_path) as browser:
+        page = browser.new_page()
+        page.goto(f"{host.url}/dashboard?interval_ms=200")
+        page.wait_for_selector("#key-form.shown", timeout=10_000)
+        page.fill("#api-key", KEY)
+        page.click("#save-key")
+        page.wait_for_selector("#model-select:not([hidden])", timeout=10_000)
+        options = page.eval_on_selector_all("#model-select option", "os => os.map(o => o.value)")
+        assert sorted(options) == ["alpha", "beta"]
+        page.select_option("#model-select", "alpha")
+        page.wait_for_function("window.tokenmillDashboard.last?.model === 'alpha'", timeout=10_000)
+        assert "model=alpha" in page.url
+        page.select_option("#model-select", "beta")
+        page.wait_for_function("window.tokenmillDashboard.last?.model === 'beta'", timeout=10_000)
+    for m in client.ps().models:  # as they were (/api/ps computes them anew: jitter aside)
+        assert abs((m.expires_at - expiry[m.model]).total_seconds()) < 0.1, m.model
+    assert host.loaded() == ["alpha", "beta"]
 
 
 def test_metrics_carry_each_models_name(host, client) -> None:

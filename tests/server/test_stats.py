@@ -140,6 +140,11 @@ def test_live_stats_of_a_speculating_server(tiny_model_dir) -> None:
         server.wait_idle()
         stats = httpx.get(f"{server.url}/v1/stats", headers=headers).json()
         metrics = scrape(server.url, headers)
+        # ?model= (the dashboard of a server of many models) names this server's, or is a 404.
+        mine = httpx.get(f"{server.url}/v1/stats?model={MODEL_NAME}", headers=headers)
+        other = httpx.get(f"{server.url}/v1/stats?model=nope", headers=headers)
+    assert mine.status_code == 200 and mine.json()["model"] == MODEL_NAME
+    assert other.status_code == 404 and MODEL_NAME in other.json()["error"]["message"]
     drafts = metrics["tokenmill:spec_decode_num_draft_tokens_total"]
     accepted = metrics["tokenmill:spec_decode_num_accepted_tokens_total"]
     assert drafts > 0

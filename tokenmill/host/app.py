@@ -11,10 +11,11 @@ POST /api/show                                 read from the model's files (and 
                                                Modelfile), as Ollama's: nothing loads
 GET  /v1/responses/{id}, DELETE                asked of each loaded runner in turn
 POST /reset_prefix_cache, /abort_request       sent to every loaded runner
-GET  /openapi.json, /docs, /dashboard, /v1/usage, /v1/stats, /static/...
-                                               a loaded model's runner answers (none loaded:
-                                               the default model's); /tokenizer_info the
-                                               default model's
+GET  /openapi.json, /v1/usage, /v1/stats          a loaded model's runner answers (none
+                                               loaded: the default model's); /v1/stats?model=
+                                               that loaded model's (the dashboard's choice);
+                                               /tokenizer_info the default model's
+GET  /dashboard, /docs, /static/{name}         the pages (pages/), sent by the host itself
 POST /api/create, /api/copy; DELETE /api/delete
                                                created models (recipes.py): a Modelfile's
                                                fields, or its text; a TEMPLATE takes the
@@ -32,7 +33,8 @@ import hashlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -43,8 +45,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tokenmill import __version__, recipes
-from tokenmill.catalog import Entry, catalog, parameter_size
+from tokenmill import __version__, pages, recipes
+from tokenmill.catalog import LOAD_DURATION_HEADER, Entry, catalog, parameter_size
 from tokenmill.host.config import HostConfig
 from tokenmill.host.keep_alive import parse_keep_alive
 from tokenmill.host.metrics import merged_metrics
@@ -62,9 +64,7 @@ MODEL_ROUTES = (
 )  # fmt: skip
 # Any loaded model's runner answers these alike (the usage database is shared); with none
 # loaded, the default model's loads.
-ANY_MODEL_ROUTES = (
-    "/openapi.json", "/docs", "/dashboard", "/v1/usage", "/v1/stats", "/static/{name:path}",
-)  # fmt: skip
+ANY_MODEL_ROUTES = ("/openapi.json", "/v1/usage", "/v1/stats")
 DEFAULT_MODEL_ROUTES = ("/tokenizer_info",)
 EACH_RUNNER = ("/v1/responses/{response_id}",)
 BROADCAST = ("/reset_prefix_cache", "/abort_request")
@@ -117,33 +117,44 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         try:
             if ollama and _loads_only(path, fields):
                 return await _load_or_unload(pool, name, keep_alive)
+            asked, asked_wall = time.monotonic(), time.time()
             runner = await pool.acquire(name if isinstance(name, str) else None)
         except HostError as e:
             return error_response(path, e.status, e.message, e.code)
+        # The runner came up while this request waited: Ollama's load_duration is that wait.
+        waited = time.monotonic() - asked if runner.loaded_at >= asked_wall else 0.0
         if isinstance(name, str) and not ollama and canonical(name) != name:
             fields["model"] = canonical(name)  # the runner serves it by its plain name
             body = json.dumps(fields).encode()
-        return await _forward(pool, runner, request, body, keep_alive)
+        load = {LOAD_DURATION_HEADER: f"{waited:.6f}"}
+        return await _forward(runner, request, body, lambda: pool.release(runner, keep_alive), load)
 
     async def default_route(request: Request) -> Response:
+        """A page or figure any runner answers: watching a model neither loads it (save the
+        default model when none is loaded) nor extends its keep_alive."""
         pool = the_pool()
-        name = None
-        if request.url.path not in DEFAULT_MODEL_ROUTES and pool.runners:
-            name = max(pool.runners.values(), key=lambda r: r.last_used).name
+        path = request.url.path
         try:
-            runner = await pool.acquire(name)
+            if path == "/v1/stats" and "model" in request.query_params:
+                runner = pool.acquire_loaded(request.query_params["model"])
+            elif path not in DEFAULT_MODEL_ROUTES and pool.runners:
+                recent = max(pool.runners.values(), key=lambda r: r.last_used)
+                runner = pool.acquire_loaded(recent.name)
+            else:
+                runner = await pool.acquire(None)
         except HostError as e:
-            return error_response(request.url.path, e.status, e.message, e.code)
-        if request.url.path == "/openapi.json":  # the runner's routes, and the host's own
+            return error_response(path, e.status, e.message, e.code)
+        if path == "/openapi.json":  # the runner's routes, and the host's own
             try:
                 answer = await pool.client.get(runner.url + "/openapi.json",
                                                headers=_forwarded_headers(request))  # fmt: skip
             finally:
-                pool.release(runner, config.keep_alive)
+                pool.release_watcher(runner)
             if answer.status_code != 200:
                 return Response(answer.content, answer.status_code, _plain(answer))
             return JSONResponse(with_host_paths(answer.json(), config.default_model))
-        return await _forward(pool, runner, request, await request.body(), config.keep_alive)
+        body = await request.body()
+        return await _forward(runner, request, body, lambda: pool.release_watcher(runner))
 
     async def each_runner(request: Request) -> Response:
         """A stored response lives in the runner that made it: the first that has it."""
@@ -296,6 +307,14 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
             return error_response(path, 400, str(e), "invalid_value")
         return JSONResponse(_show(entry, recipe))
 
+    async def page(request: Request) -> Response:
+        """/dashboard, /docs and their scripts: the host's own (no key, no model loads)."""
+        name = pages.PAGES.get(request.url.path) or request.path_params.get("name", "")
+        if name not in (*pages.PAGES.values(), *pages.SCRIPTS):
+            return error_response(request.url.path, 404, f"no static file {name!r}", "not_found")
+        body, media_type = pages.read(name)
+        return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
     async def version(_: Request) -> JSONResponse:
         return JSONResponse({"version": __version__})
 
@@ -319,6 +338,7 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/api/version", version),
+        *(Route(p, page) for p in (*pages.PAGES, "/static/{name}")),
         Route("/version", version),
         Route("/v1/models", openai_models),
         Route("/v1/models/{model_id:path}", openai_model),
@@ -341,7 +361,10 @@ def create_app(config: HostConfig, pool: RunnerPool | None = None) -> Starlette:
     )
     app.state.host = holder
     if config.api_keys:
-        public = ("/health", *(("/metrics",) if config.metrics_public else ()))
+        public = (
+            "/health", *pages.PAGES, *(f"/static/{name}" for name in pages.SCRIPTS),
+            *(("/metrics",) if config.metrics_public else ()),
+        )  # fmt: skip
         app.add_middleware(_KeyCheck, api_keys=config.api_keys, public_paths=public)
     return app
 
@@ -391,18 +414,24 @@ async def _load_or_unload(pool: RunnerPool, name: object, keep_alive: float | No
 
 
 async def _forward(
-    pool: RunnerPool, runner: Runner, request: Request, body: bytes, keep_alive: float | None
+    runner: Runner,
+    request: Request,
+    body: bytes,
+    release: Callable[[], None],
+    set_headers: dict[str, str] | None = None,
 ) -> Response:
-    """Proxy to the runner; its lease ends with the response (a stream: when it closes)."""
+    """Proxy to the runner; its lease ends (``release``) with the response (a stream: when it
+    closes)."""
     try:
-        response = await runner.proxy.forward(request, routed=False, body=body)
+        response = await runner.proxy.forward(request, routed=False, body=body,
+                                              set_headers=set_headers)  # fmt: skip
     except BaseException:
-        pool.release(runner, keep_alive)
+        release()
         raise
     if not isinstance(response, ProxyResponse):
-        pool.release(runner, keep_alive)
+        release()
         return response
-    response.also_on_close(lambda: pool.release(runner, keep_alive))
+    response.also_on_close(release)
     return response
 
 

@@ -33,6 +33,7 @@ from tokenmill.catalog import Entry
 from tokenmill.embedded import EMBEDDED_MODELS
 from tokenmill.host.config import HostConfig
 from tokenmill.memory import human_bytes, process_resident_bytes
+from tokenmill.router.processes import die_with_parent, stop_process
 from tokenmill.router.proxy import Proxy
 from tokenmill.router.replicas import ReplicaSet
 
@@ -128,6 +129,18 @@ class RunnerPool:
         runner.last_used = self.clock()
         return runner
 
+    def acquire_loaded(self, name: str) -> Runner:
+        """A lease on a loaded model's runner, never loading it (the dashboard watches one);
+        404 naming the loaded ones."""
+        entry = self.find(name)
+        runner = self.runners.get(entry.name)
+        if runner is None:
+            loaded = ", ".join(sorted(self.runners)) or "none"
+            raise HostError(404, f"model '{name}' is not loaded; loaded now: {loaded}",
+                            "model_not_loaded")  # fmt: skip
+        runner.leases += 1
+        return runner
+
     def release(self, runner: Runner, keep_alive: float | None) -> None:
         """End a lease; the runner expires ``keep_alive`` seconds after it (None: never; 0:
         it stops once no lease is left)."""
@@ -136,6 +149,13 @@ class RunnerPool:
         runner.expires = None if keep_alive is None else runner.last_used + keep_alive
         if runner.leases == 0 and (keep_alive == 0 or runner.retired):
             self._stop_later(runner, "retired" if runner.retired else "keep_alive 0")
+
+    def release_watcher(self, runner: Runner) -> None:
+        """End a lease that only looked (a page, a figure): the model's keep_alive runs on
+        as its last request set it."""
+        runner.leases -= 1
+        if runner.leases == 0 and runner.retired:
+            self._stop_later(runner, "retired")
 
     # ---- loading --------------------------------------------------------------------------
 
@@ -154,7 +174,7 @@ class RunnerPool:
         logger.info("loading %s (%s, estimated %s) on port %d", entry.name,
                     entry.path or "embedded", human_bytes(estimate), port)  # fmt: skip
         process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )
         threading.Thread(target=_relay, args=(process, entry.name), daemon=True).start()
         replicas = ReplicaSet.from_urls([f"http://127.0.0.1:{port}"])
@@ -163,7 +183,7 @@ class RunnerPool:
         try:
             await self._wait_up(runner)
         except BaseException:
-            await asyncio.to_thread(_stop_process, process, self.config.stop_timeout)
+            await asyncio.to_thread(stop_process, process, self.config.stop_timeout, "runner")
             raise
         replicas.mark_up(0)
         runner.context_length = await self._context_length(runner)
@@ -242,7 +262,7 @@ class RunnerPool:
         if self.runners.get(runner.name) is runner:
             del self.runners[runner.name]
         logger.info("unloading %s (%s)", runner.name, why)
-        await asyncio.to_thread(_stop_process, runner.process, self.config.stop_timeout)
+        await asyncio.to_thread(stop_process, runner.process, self.config.stop_timeout, "runner")
 
     def _stop_later(self, runner: Runner, why: str) -> None:
         if self.runners.get(runner.name) is runner:
@@ -299,8 +319,8 @@ class RunnerPool:
         for runner in runners:
             if runner.process.poll() is None:
                 runner.process.send_signal(signal.SIGTERM)
-        await asyncio.gather(*(asyncio.to_thread(_stop_process, r.process,
-                                                 self.config.stop_timeout) for r in runners))  # fmt: skip
+        await asyncio.gather(*(asyncio.to_thread(stop_process, r.process, self.config.stop_timeout,
+                                                 "runner") for r in runners))  # fmt: skip
         await asyncio.gather(*self._stopping, return_exceptions=True)
 
 
@@ -338,23 +358,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop_process(process: subprocess.Popen, timeout: float) -> None:
-    """SIGTERM (the runner drains), then SIGKILL after ``timeout``."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        logger.error("runner pid %d did not stop in time: killing it", process.pid)
-        process.kill()
-        process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the host dies (Linux prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)

@@ -11,7 +11,6 @@ On Linux each replica also gets SIGTERM if the parent dies without cleaning up.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -28,6 +27,7 @@ from starlette.types import ASGIApp
 
 from tokenmill.router.app import create_app
 from tokenmill.router.config import RouterConfig
+from tokenmill.router.processes import die_with_parent, wait_or_kill
 from tokenmill.router.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class ReplicaProcesses:
 
     def start(self) -> None:
         for argv in self.argvs:
-            self.procs.append(subprocess.Popen(argv, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent))
         for proc, replica in zip(self.procs, self.replicas.replicas, strict=True):
             logger.info("replica %s: pid %d", replica.url, proc.pid)
         threading.Thread(target=self._watch, name="replica-watch", daemon=True).start()
@@ -151,12 +151,7 @@ class ReplicaProcesses:
     def wait(self) -> None:
         deadline = time.monotonic() + self.stop_timeout
         for proc in self.procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                logger.error("replica pid %d did not stop in time: killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+            wait_or_kill(proc, max(deadline - time.monotonic(), 0.1), "replica")
 
 
 def run_data_parallel(
@@ -207,10 +202,3 @@ def run_data_parallel(
         procs.terminate()
         procs.wait()
     return 1 if failed else 0
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        with_errno = ctypes.CDLL(None, use_errno=True)
-        with_errno.prctl(1, signal.SIGTERM)

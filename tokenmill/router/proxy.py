@@ -134,9 +134,16 @@ class Proxy:
         self.replicas = replicas
         self.max_body_bytes = max_body_bytes
 
-    async def forward(self, request: Request, routed: bool, body: bytes | None = None) -> Response:
+    async def forward(
+        self,
+        request: Request,
+        routed: bool,
+        body: bytes | None = None,
+        set_headers: dict[str, str] | None = None,
+    ) -> Response:
         """Send ``request`` on; ``routed``: by its prompt's prefix (else to the least loaded).
-        ``body``: the request's body when the caller has read it (host/: to find the model)."""
+        ``body``: the request's body when the caller has read it (host/: to find the model);
+        ``set_headers``: headers of the caller's, in place of any the client sent."""
         path = request.url.path
         if body is None:
             try:
@@ -146,7 +153,10 @@ class Proxy:
                     path, 413, f"request body above {self.max_body_bytes} bytes", "body_too_large"
                 )
         key = _key_of(body) if routed else None
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP_HEADERS]
+        own = {k.lower().encode(): v.encode() for k, v in (set_headers or {}).items()}
+        headers = [(k, v) for k, v in request.headers.raw
+                   if k.lower() not in _HOP_HEADERS and k.lower() not in own]  # fmt: skip
+        headers += own.items()
         target = path + (f"?{request.url.query}" if request.url.query else "")
         tried: list[int] = []
         failure: Response | None = None

@@ -33,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.catalog import parameter_size
+from tokenmill.catalog import LOAD_DURATION_HEADER, parameter_size
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
@@ -488,7 +488,7 @@ class OllamaServing:
         thinking: Thinking | None = None,
     ) -> Response:
         run = self.openai.start(engine, "ollama", [prepared], caller=caller_of(raw))
-        chunks = _Chunks(body.model, ids, chat, parser, thinking)
+        chunks = _Chunks(body.model, ids, chat, parser, thinking, _load_seconds(raw))
         if body.stream:
             return StreamBody(self._ndjson(run, chunks), on_close=run.close, media_type=NDJSON)
         try:
@@ -555,9 +555,11 @@ class _Chunks:
         chat: bool,
         parser: str | None = None,
         thinking: Thinking | None = None,
+        load_seconds: float = 0.0,
     ) -> None:
         self.model = model
         self.prompt_ids = prompt_ids
+        self.load_seconds = load_seconds  # waited for the model to load (a host's runner)
         self.chat = chat
         self.parser = parser
         self._held = ""
@@ -615,8 +617,8 @@ class _Chunks:
             **self.delta(text, thinking),
             "done": True,
             "done_reason": "length" if completion.finish_reason == "length" else "stop",
-            "total_duration": int((end - m.arrival_time) * ns),
-            "load_duration": 0,
+            "total_duration": int((end - m.arrival_time + self.load_seconds) * ns),
+            "load_duration": int(self.load_seconds * ns),
             "prompt_eval_count": m.num_prompt_tokens,
             "prompt_eval_duration": int((first - m.arrival_time) * ns),
             "eval_count": len(completion.token_ids),
@@ -629,6 +631,15 @@ class _Chunks:
         if not self.chat:  # the tokens so far, for a follow-up's ``context``
             final["context"] = self.prompt_ids + list(completion.token_ids)
         return final
+
+
+def _load_seconds(raw: Request) -> float:
+    """The wait for the model's load that the host (serve with no model) measured."""
+    try:
+        seconds = float(raw.headers.get(LOAD_DURATION_HEADER, 0.0))
+    except ValueError:
+        return 0.0
+    return seconds if 0.0 <= seconds < 86_400.0 else 0.0
 
 
 def _message(text: str, thinking: str = "") -> dict[str, Any]:

@@ -93,13 +93,24 @@ async def usage(request: Request, app: App) -> JSONResponse:
     return JSONResponse(report.model_dump(mode="json"))
 
 
+STATS_MODEL = _query(
+    "model",
+    "Whose figures (a server of many models: a loaded one; default: the most recently used)",
+)
+
+
 @router.get(
     "/v1/stats",
     summary="Live figures over a sliding window (the dashboard's data)",
     response_model=LiveStats,
+    openapi_extra={"parameters": [STATS_MODEL]},
 )
-async def live_stats(app: App) -> JSONResponse:
+async def live_stats(request: Request, app: App) -> JSONResponse:
     config = app.config
+    model = request.query_params.get("model")
+    if model is not None and model.removesuffix(":latest") != config.served_model_name:
+        raise APIError(404, f"model '{model}' is not served here; this server serves "
+                       f"'{config.served_model_name}'", code="model_not_found")  # fmt: skip
     stats = app.metrics.window.snapshot(
         app.state.stats() or EngineStats(),
         config.prices,

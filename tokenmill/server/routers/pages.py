@@ -3,26 +3,17 @@ OpenAPI document they read."""
 
 from __future__ import annotations
 
-import importlib.resources
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from tokenmill import pages
 from tokenmill.server.errors import APIError
 from tokenmill.server.openapi import openapi_schema
 from tokenmill.server.routing import PUBLIC, App
 
 router = APIRouter()
-
-# The files under static/ the server sends (package data), and their types.
-STATIC_FILES = {
-    "dashboard.html": "text/html; charset=utf-8",
-    "dashboard.js": "text/javascript; charset=utf-8",
-    "docs.html": "text/html; charset=utf-8",
-    "docs.js": "text/javascript; charset=utf-8",
-}
-SCRIPTS = ("dashboard.js", "docs.js")  # what /static/{name} serves
 
 
 @router.get(
@@ -56,9 +47,9 @@ class JavaScriptResponse(Response):
     openapi_extra=PUBLIC,
 )
 async def static(
-    name: Annotated[str, Path(json_schema_extra={"enum": list(SCRIPTS)})],
+    name: Annotated[str, Path(json_schema_extra={"enum": list(pages.SCRIPTS)})],
 ) -> Response:
-    if name not in SCRIPTS:  # the pages have their own routes
+    if name not in pages.SCRIPTS:  # the pages have their own routes
         raise APIError(404, f"no static file {name!r}", code="not_found")
     return _static_response(name)
 
@@ -78,7 +69,5 @@ async def openapi(request: Request, app: App) -> JSONResponse:
 
 
 def _static_response(name: str) -> Response:
-    if name not in STATIC_FILES:
-        raise APIError(404, f"no static file {name!r}", code="not_found")
-    body = (importlib.resources.files("tokenmill.server") / "static" / name).read_bytes()
-    return Response(body, media_type=STATIC_FILES[name], headers={"Cache-Control": "no-cache"})
+    body, media_type = pages.read(name)
+    return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})

@@ -1,5 +1,7 @@
 // tokenmill's live dashboard: polls GET /v1/stats and draws its figures on canvases.
-// No libraries. The API key (asked for when the stats route answers 401) stays in this tab's
+// A server of many models (tokenmill serve with no model) has a figure set per loaded model:
+// the models GET /api/ps lists fill a select, and the chosen one (?model= in the address) is
+// asked for as /v1/stats?model=NAME. No libraries. The API key (asked for when the stats route answers 401) stays in this tab's
 // sessionStorage and goes out as "Authorization: Bearer <key>".
 "use strict";
 
@@ -7,6 +9,7 @@ const KEY_STORAGE = "tokenmill.apiKey";
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(200, Number(params.get("interval_ms")) || 1000);
 const MAX_POINTS = 180;
+const MODELS_EVERY = 5;  // polls between two looks at which models are loaded
 const COLORS = ["#4cc2ff", "#ffb347", "#5fd38d", "#ff6b6b", "#c38dff"];
 
 // Each chart: its title, unit, and the series read from one stats object.
@@ -51,6 +54,7 @@ const TILES = [
                                 s.usd_per_million_total_tokens, "", 4)],
 ];
 
+function emptyHistory() { return CHARTS.map((c) => c.series.map(() => [])); }
 function pct(x) { return x == null ? null : 100 * x; }
 function ms(x) { return x == null ? null : 1000 * x; }
 function fmt(x, unit = "", digits = 1) {
@@ -58,7 +62,8 @@ function fmt(x, unit = "", digits = 1) {
   return (Math.abs(x) >= 100 ? Math.round(x) : x.toFixed(digits)) + unit;
 }
 
-const state = { polls: 0, errors: 0, last: null, history: CHARTS.map((c) => c.series.map(() => [])) };
+const state = { polls: 0, errors: 0, ticks: 0, last: null, model: params.get("model"),
+                models: [], history: emptyHistory() };
 window.tokenmillDashboard = state;  // for tests and the curious
 
 function el(tag, attrs = {}, text = "") {
@@ -171,11 +176,43 @@ function askForKey(message) {
   document.getElementById("api-key").focus();
 }
 
+// The loaded models, into the select (shown when there is a choice).
+async function listModels(headers) {
+  const response = await fetch("/api/ps", { headers, cache: "no-store" });
+  if (!response.ok) return;
+  const names = (await response.json()).models.map((m) => m.name.replace(/:latest$/, ""));
+  state.models = names;
+  const select = document.getElementById("model-select");
+  const shown = state.model ?? state.last?.model;
+  select.replaceChildren(...names.map((name) => {
+    const option = el("option", { value: name }, name);
+    option.selected = name === shown;
+    return option;
+  }));
+  select.hidden = names.length < 2;
+  document.getElementById("model").hidden = !select.hidden;
+}
+
+function chooseModel(name) {
+  state.model = name;
+  state.history = emptyHistory();
+  const address = new URL(location.href);
+  address.searchParams.set("model", name);
+  history.replaceState(null, "", address);
+}
+
 async function poll() {
   const key = sessionStorage.getItem(KEY_STORAGE);
   const headers = key ? { Authorization: `Bearer ${key}` } : {};
   try {
-    const response = await fetch("/v1/stats", { headers, cache: "no-store" });
+    if (state.ticks++ % MODELS_EVERY === 0) await listModels(headers);
+    const query = state.model ? `?model=${encodeURIComponent(state.model)}` : "";
+    const response = await fetch(`/v1/stats${query}`, { headers, cache: "no-store" });
+    if (response.status === 404 && state.model) {  // that model was unloaded
+      state.model = null;
+      state.ticks = 0;  // the models are listed again
+      throw new Error("the chosen model is no longer loaded");
+    }
     if (response.status === 401) {
       sessionStorage.removeItem(KEY_STORAGE);
       askForKey(key ? "That key was refused." : "");
@@ -201,6 +238,10 @@ document.getElementById("key-form").addEventListener("submit", (event) => {
   document.getElementById("key-form").classList.remove("shown");
   document.getElementById("main").style.display = "";
   poll();
+});
+
+document.getElementById("model-select").addEventListener("change", (event) => {
+  chooseModel(event.target.value);
 });
 
 build();
