@@ -72,6 +72,12 @@ TINY_COMMON = dict(
 )
 
 
+PHI3_LONGROPE = {
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+    "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.2, 2.5, 4.0, 7.5],
+}  # fmt: skip
+
+
 def _tiny_hf_config(arch: str):
     import transformers as tf
 
@@ -94,6 +100,13 @@ def _tiny_hf_config(arch: str):
         return tf.Qwen2Config(**TINY_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
     if arch == "qwen3":
         return tf.Qwen3Config(**TINY_COMMON, num_hidden_layers=2)
+    if arch == "smollm3":  # NoPE every second layer (the released models: every fourth)
+        return tf.SmolLM3Config(**TINY_COMMON, num_hidden_layers=4, no_rope_layer_interval=2)
+    if arch == "olmo2":
+        return tf.Olmo2Config(**TINY_COMMON, num_hidden_layers=2)
+    if arch == "phi3":  # LongRoPE on half of each head (Phi-4-mini: 3/4), a 256-token original
+        return tf.Phi3Config(**TINY_COMMON, num_hidden_layers=2, original_max_position_embeddings=256,
+                             rope_parameters=PHI3_LONGROPE)  # fmt: skip
     if arch == "gemma3":
         return tf.Gemma3TextConfig(
             **TINY_COMMON, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=16

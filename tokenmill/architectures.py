@@ -23,8 +23,8 @@ class Architecture:
     gguf_norm_topk: bool | None = None
 
 
-# Mistral, Qwen2 and Qwen3 differ from Llama only in flags ModelConfig carries (window, q/k/v
-# bias, QK-norm), so they share its file; the mixtures of experts share theirs.
+# Mistral, Qwen2, Qwen3 and SmolLM3 differ from Llama only in flags ModelConfig carries (window,
+# q/k/v bias, QK-norm, NoPE layers), so they share its file; the mixtures of experts share theirs.
 _LLAMA = "tokenmill.models.llama:LlamaForCausalLM"
 _MOE = "tokenmill.models.moe:MoeForCausalLM"
 ARCHITECTURES = (
@@ -39,6 +39,9 @@ ARCHITECTURES = (
     Architecture("mistral", _LLAMA, ("mistral",)),
     Architecture("qwen2", _LLAMA, ("qwen2",), ("qwen2",)),
     Architecture("qwen3", _LLAMA, ("qwen3",), ("qwen3",)),
+    Architecture("smollm3", _LLAMA, ("smollm3",), ("smollm3",)),
+    Architecture("phi3", "tokenmill.models.phi3:Phi3ForCausalLM", ("phi3",), ("phi3",)),
+    Architecture("olmo2", "tokenmill.models.olmo2:Olmo2ForCausalLM", ("olmo2",), ("olmo2",)),
     Architecture("mixtral", _MOE, ("mixtral",)),
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
     Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +46,18 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // num_heads
     num_layers = cfg["num_hidden_layers"]
-    rope_theta, rope_scaling, rope_local = _hf_rope(cfg)
+    rope_theta, rope_scaling, rope_local = _hf_rope(cfg, head_dim)
     sliding_window = cfg.get("sliding_window")
     layer_types = tuple(cfg.get("layer_types") or ())
     if arch == "gemma3":
         if not layer_types:
             pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
             layer_types = _gemma3_layer_types(num_layers, pattern)
-    elif arch in ("mistral", "mixtral"):
+    elif arch in ("mistral", "mixtral", "phi3"):
         layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
+    elif arch == "smollm3":
+        if not cfg.get("use_sliding_window", False):
+            sliding_window = None
     elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window", False):
             sliding_window = None
@@ -97,14 +101,24 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=_hf_moe(cfg, arch, num_layers),
-        qk_norm_full=arch == "olmoe",
+        qk_norm_full=arch in ("olmoe", "olmo2"),
         clip_qkv=cfg.get("clip_qkv"),
+        rotary_dim=_hf_rotary_dim(cfg, head_dim),
+        # SmolLM3's no_rope_layers: 1 where a layer rotates, 0 where it does not.
+        rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
         source=ModelSource(model_dir, "hf"),
     )
 
 
-def config_from_gguf(path: Path, metadata: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
-    """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it."""
+def config_from_gguf(
+    path: Path,
+    metadata: dict[str, Any],
+    tensor_names: set[str],
+    rope_factors: dict[str, tuple[float, ...]] | None = None,
+) -> ModelConfig:
+    """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it.
+    ``rope_factors``: the file's ``rope_factors_short`` / ``_long`` tensors (Phi-3's LongRoPE
+    keeps them there), by those names; None where they were not read (a memory estimate)."""
     gguf_arch = metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -206,10 +220,32 @@ def config_from_gguf(path: Path, metadata: dict[str, Any], tensor_names: set[str
             layer_types=(SLIDING_ATTENTION,) * num_layers,
             **common,
         )
+    if arch == "phi3":
+        rope_dims = get("rope.dimension_count")
+        if isinstance(rope_dims, int) and 0 < rope_dims < head_dim:
+            common["rotary_dim"] = rope_dims
+        if rope_factors and "rope_factors_long" in rope_factors:
+            original = int(get("rope.scaling.original_context_length") or common[
+                "max_position_embeddings"])  # fmt: skip
+            common["rope_scaling"] = RopeScaling(
+                rope_type="longrope",
+                factor=common["max_position_embeddings"] / original,
+                original_max_position_embeddings=original,
+                short_factor=rope_factors["rope_factors_short"],
+                long_factor=rope_factors["rope_factors_long"],
+                attention_factor=float(get("rope.scaling.attn_factor", 1.0)),
+            )
+        if sliding_window:  # every layer, as transformers' Phi-3 has it
+            common |= dict(sliding_window=int(sliding_window),
+                           layer_types=(SLIDING_ATTENTION,) * num_layers)  # fmt: skip
+    if arch == "smollm3":
+        # NOTE: llama.cpp fixes SmolLM3's NoPE layers at every fourth (its converter keeps no
+        # no_rope_layers), as the released models have them.
+        common["rope_layers"] = tuple((i + 1) % 4 != 0 for i in range(num_layers))
     return ModelConfig(
         architecture=arch,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm_full=arch == "olmoe",
+        qk_norm_full=arch in ("olmoe", "olmo2"),
         **common,
     )
 
@@ -269,7 +305,19 @@ def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
     )
 
 
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
+def _hf_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated dimensions of a head (``partial_rotary_factor``, top level or among the
+    rope parameters), or None for all of them."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    dim = int(head_dim * float(factor))
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {factor} leaves {dim} of {head_dim} dimensions "
+                         "to rotate; it must be an even number above 0")  # fmt: skip
+    return None if dim == head_dim else dim
+
+
+def _hf_rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None, float]:
     """(global theta, global scaling, local theta) from either transformers key layout."""
     params = cfg.get("rope_parameters")
     local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
@@ -286,8 +334,12 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
     rope_type = scaling_dict.get("rope_type") or scaling_dict.get("type") or "default"
     if rope_type == "default":
         return theta, None, local_theta
+    if rope_type == "longrope":
+        return theta, _longrope(cfg, scaling_dict), local_theta
     if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3")
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3, longrope"
+        )
     scaling = RopeScaling(
         rope_type=rope_type,
         factor=float(scaling_dict.get("factor", 1.0)),
@@ -298,3 +350,27 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float]:
         ),
     )
     return theta, scaling, local_theta
+
+
+def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """Phi-3's LongRoPE, as transformers reads it: the attention factor from the context's
+    growth over the original one unless given."""
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096))  # fmt: skip
+    factor = params.get("factor")
+    if factor is None:
+        factor = cfg.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeScaling(
+        rope_type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(x) for x in params["short_factor"]),
+        long_factor=tuple(float(x) for x in params["long_factor"]),
+        attention_factor=float(attention_factor),
+    )

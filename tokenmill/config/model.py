@@ -13,13 +13,19 @@ SLIDING_ATTENTION = "sliding_attention"
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling (``linear`` or Llama 3's ``llama3``)."""
+    """Rotary-embedding frequency scaling: ``linear``, Llama 3's ``llama3``, or Phi-3's
+    ``longrope`` (per-frequency divisors: ``short_factor`` for positions within
+    ``original_max_position_embeddings``, ``long_factor`` beyond, and cos/sin scaled by
+    ``attention_factor``)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +86,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Sparse MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); None: every MLP is dense.
     moe: MoEConfig | None = None
-    # OLMoE: q and k are RMS-normalized over all their heads at once (Qwen3 and Gemma 3 norm each
-    # head), and q/k/v clipped to ±clip_qkv when set.
+    # OLMoE and OLMo 2: q and k are RMS-normalized over all their heads at once (Qwen3 and Gemma
+    # 3 norm each head), and (OLMoE) q/k/v clipped to ±clip_qkv when set.
     qk_norm_full: bool = False
     clip_qkv: float | None = None
+    # The leading dimensions of each head RoPE rotates (Phi-4-mini: 3/4 of them); None: all.
+    rotary_dim: int | None = None
+    # SmolLM3: per layer, whether it rotates q and k (its NoPE layers do not); empty: all do.
+    rope_layers: tuple[bool, ...] = ()
     # A GGUF's llama.cpp file type ("Q4_K_M", "F16", ...; general.file_type), else None.
     file_type: str | None = None
     source: ModelSource | None = None
@@ -136,6 +146,9 @@ class ModelConfig:
             raise ValueError(
                 f"tensor_parallel_size {size} must divide the MLP width {self.intermediate_size}"
             )
+
+    def layer_uses_rope(self, layer_idx: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer_idx]
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of a layer in tokens, or None for full attention."""

@@ -18,11 +18,15 @@ from tokenmill.layers.norm import RMSNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """The rotation frequencies of a head's ``head_dim`` rotated dimensions (for ``longrope``
+    with its short factors: positions beyond the original context take ``longrope_tables``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":
+        return inv_freq / _factors(scaling.short_factor, head_dim)
     # llama3
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -38,7 +42,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k at given positions, from a cos/sin table built once."""
+    """Applies RoPE to q and k at given positions, from a cos/sin table built once.
+
+    ``rotary_dim`` (Phi-4-mini's partial rotary): only each head's leading dimensions rotate,
+    the rest pass through."""
 
     def __init__(
         self,
@@ -46,10 +53,19 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         theta: float,
         scaling: RopeScaling | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).float()
+        self.rotary_dim = rotary_dim if rotary_dim is not None and rotary_dim < head_dim else None
+        self.scaling = scaling
+        dim = self.rotary_dim or head_dim
+        inv_freq = rope_inv_freq(dim, theta, scaling).float()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        long_freq = None
+        if scaling is not None and scaling.rope_type == "longrope":
+            base = rope_inv_freq(dim, theta, None)
+            long_freq = (base / _factors(scaling.long_factor, dim)).float()
+        self.register_buffer("long_inv_freq", long_freq, persistent=False)
         self.resize_(max_position)
         self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
 
@@ -59,15 +75,31 @@ class RotaryEmbedding(nn.Module):
         values a model built at this length has."""
         positions = torch.arange(max_position, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(positions, self.inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        if self.long_inv_freq is not None:
+            # LongRoPE by position, as vLLM has it: the long factors from the original context
+            # on. (transformers switches every position to them once a sequence is longer, which
+            # would re-rotate keys already cached; within the original context both agree.)
+            original = self.scaling.original_max_position_embeddings
+            long = torch.outer(positions, self.long_inv_freq)
+            freqs = torch.where(positions[:, None] < original, freqs, long)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling is not None and self.scaling.rope_type == "longrope":
+            cos, sin = cos * self.scaling.attention_factor, sin * self.scaling.attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]; q and
         # k may be rotated in place (fresh projections, or views of one, no one else holds).
-        return self.kernels.rotary(positions, q, k, self.cos, self.sin)
+        if self.rotary_dim is None:
+            return self.kernels.rotary(positions, q, k, self.cos, self.sin)
+        d = self.rotary_dim
+        q_rot, k_rot = self.kernels.rotary(
+            positions, q[..., :d].contiguous(), k[..., :d].contiguous(), self.cos, self.sin
+        )
+        return torch.cat([q_rot, q[..., d:]], -1), torch.cat([k_rot, k[..., d:]], -1)
 
     def with_qk_norm(
         self,
@@ -79,8 +111,18 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of q and k after their per-head QK-norm (``RMSNorm`` modules of head_dim):
         one backend op, which may fuse them."""
+        assert self.rotary_dim is None, "per-head QK-norm with partial rotary: no family has it"
         assert q_norm.weight_offset == k_norm.weight_offset and q_norm.eps == k_norm.eps
         return self.kernels.qk_norm_rotary(
             positions, q, k, q_norm.weight, k_norm.weight, q_norm.weight_offset, q_norm.eps,
             self.cos, self.sin,
         )  # fmt: skip
+
+
+def _factors(factors: tuple[float, ...], dim: int) -> torch.Tensor:
+    """LongRoPE's per-frequency divisors (one per rotated pair)."""
+    if len(factors) != dim // 2:
+        raise ValueError(
+            f"longrope scaling needs {dim // 2} factors (one per rotated pair); got {len(factors)}"
+        )
+    return torch.tensor(factors, dtype=torch.float64)

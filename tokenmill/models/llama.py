@@ -1,10 +1,13 @@
-"""Llama (Touvron et al., 2023) and the families that share its block: Mistral, Qwen2, Qwen3.
+"""Llama (Touvron et al., 2023) and the families that share its block: Mistral, Qwen2, Qwen3,
+SmolLM3, Phi-3.
 
     h = x + Attn(RMSNorm(x));  out = h + MLP(RMSNorm(h)),   MLP = down(act(gate(h)) * up(h))
 
 Qwen2 adds biases to q/k/v; Qwen3 drops them and RMS-normalizes each head of q and k before
-RoPE; Mistral attends within a sliding window. The mixture-of-experts families (models/moe.py)
-keep this block and swap its MLP.
+RoPE; Mistral attends within a sliding window; SmolLM3 leaves RoPE out of every fourth layer
+(NoPE); Phi-3 stores q/k/v and gate/up fused (models/phi3.py splits them) and scales RoPE by
+LongRoPE, rotating only part of each head in Phi-4-mini. The mixture-of-experts families
+(models/moe.py) keep this block and swap its MLP; OLMo 2 (models/olmo2.py) moves its norms.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ class LlamaAttention(nn.Module):
     """q/k/v projections, optional per-head QK-norm, RoPE, paged attention, output projection.
 
     ``qk_norm`` is the norm class for QK-norm (Qwen3: RMSNorm, Gemma 3: GemmaRMSNorm), or None.
-    OLMoE norms q and k over all their heads at once (``config.qk_norm_full``) and may clip
-    q, k and v to ±``config.clip_qkv``.
+    OLMoE and OLMo 2 norm q and k over all their heads at once (``config.qk_norm_full``); OLMoE
+    may clip q, k and v to ±``config.clip_qkv``. ``rotary`` None: a layer without positions
+    (SmolLM3's NoPE layers).
     """
 
     def __init__(
         self,
         config: ModelConfig,
         layer_idx: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         qk_norm: type[RMSNorm] | None = None,
     ) -> None:
         super().__init__()
@@ -70,7 +74,7 @@ class LlamaAttention(nn.Module):
             kv_shard=kv_shard,
         )
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, shard=out_shard)
-        if qk_norm is None and c.architecture in ("qwen3", "qwen3_moe", "olmoe"):
+        if qk_norm is None and c.architecture in ("qwen3", "qwen3_moe", "olmoe", "olmo2"):
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
         self.qk_norm_full = c.qk_norm_full
@@ -101,7 +105,10 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm and not self.qk_norm_full:  # per head: norm and rotate, one op
+        if self.rotary is None:  # a NoPE layer
+            if self.has_qk_norm and not self.qk_norm_full:
+                q, k = self.q_norm(q), self.k_norm(k)
+        elif self.has_qk_norm and not self.qk_norm_full:  # per head: norm and rotate, one op
             q, k = self.rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(positions, q, k)
@@ -138,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         layer_idx: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
@@ -155,21 +162,29 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaBackbone(nn.Module):
     """Embedding, decoder layers, final norm. ``make_mlp(layer_idx)``, if given, builds each
-    layer's MLP (a mixture of experts, models/moe.py); None keeps LlamaMLP."""
+    layer's MLP (a mixture of experts, models/moe.py); None keeps LlamaMLP. ``layer``: the
+    decoder layer's class (OLMo 2 moves its norms)."""
 
     def __init__(
         self,
         config: ModelConfig,
         max_position: int,
         make_mlp: Callable[[int], nn.Module | None] | None = None,
+        layer: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, config.tp)
         rotary = RotaryEmbedding(
-            config.head_dim, max_position, config.rope_theta, config.rope_scaling
-        )
+            config.head_dim, max_position, config.rope_theta, config.rope_scaling,
+            config.rotary_dim,
+        )  # fmt: skip
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, make_mlp(i) if make_mlp else None)
+            layer(
+                config,
+                i,
+                rotary if config.layer_uses_rope(i) else None,
+                make_mlp(i) if make_mlp else None,
+            )  # fmt: skip
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -187,11 +202,12 @@ STACKED_PARAMS = (
 
 class LlamaForCausalLM(CausalLM):
     stacked_params = STACKED_PARAMS
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config, max_position, self.make_mlp)
+        self.model = LlamaBackbone(config, max_position, self.make_mlp, self.decoder_layer)
         if not config.tie_word_embeddings:
             self.lm_head = head_linear(config)
 

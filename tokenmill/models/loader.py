@@ -69,6 +69,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The architectures whose q/k rows llama.cpp's converter permutes for its interleaved RoPE.
+ROPE_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
 # Tensors kept float whatever their type in the file: the routers (tiny, and they pick experts).
 _FLOAT_ONLY = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
@@ -77,7 +79,14 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     if source.format == "hf":
         return config_from_hf(source.path)
     gguf_file = GGUFFile(source.path)
-    config = config_from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names())
+    factors = {
+        t.name.removesuffix(".weight"): tuple(
+            dequantize(gguf_file.tensor_bytes(t), t.ggml_type, t.shape).reshape(-1).tolist()
+        )
+        for t in gguf_file.tensors
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+    }
+    config = config_from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names(), factors)
     _check_gguf_shapes(config, gguf_file)
     return config
 
@@ -93,6 +102,10 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
         "blk.0.attn_q.weight": (config.num_attention_heads * config.head_dim, hidden),
         "blk.0.attn_k.weight": (config.num_key_value_heads * config.head_dim, hidden),
         "blk.0.attn_v.weight": (config.num_key_value_heads * config.head_dim, hidden),
+        "blk.0.attn_qkv.weight": (
+            (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim,
+            hidden,
+        ),
     }
     for name, shape in expected.items():
         if name in shapes and tuple(shapes[name]) != shape:
@@ -314,7 +327,7 @@ def _iter_gguf(
                 weight = weight.reshape(1, -1)  # llama.cpp stores the [1, H] gate as [H]
         if config.architecture == "gemma3" and name.endswith("norm.weight"):
             weight = weight - 1.0
-        if config.architecture in ("llama", "mistral", "mixtral"):
+        if config.architecture in ROPE_PERMUTED:
             in_place = place is not None  # its place in a joined weight
             if name.endswith("q_proj.weight"):
                 weight = _unpermute_rope(weight, config.num_attention_heads, in_place)
@@ -433,7 +446,10 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
     if not m:
         return None
     layer, part, kind = m.groups()
-    if part == "ffn_norm":
+    if architecture == "phi3" and part in ("attn_qkv", "ffn_up"):
+        # Fused as in Phi-3's own checkpoints (models/phi3.py splits them): q/k/v, gate/up.
+        hf = "self_attn.qkv_proj" if part == "attn_qkv" else "mlp.gate_up_proj"
+    elif part == "ffn_norm":
         # Llama's second norm; Gemma's pre-MLP norm (it also has post-attention/post-MLP norms).
         hf = "pre_feedforward_layernorm" if architecture == "gemma3" else "post_attention_layernorm"
     else:

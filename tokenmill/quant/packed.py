@@ -114,6 +114,18 @@ class PackedWeight:
             self.zero,
         )
 
+    def split_rows(self, sizes: list[int]) -> list[PackedWeight]:
+        """Consecutive blocks of ``sizes`` rows, each its own weight (a checkpoint's fused
+        q/k/v or gate/up, split into the parts a model's layers load)."""
+        parts, start = [], 0
+        for size in sizes:
+            rows = slice(start, start + size)
+            offsets = None if self.offsets is None else self.offsets[rows]
+            parts.append(PackedWeight(self.kind, self.codes[rows], self.scales[rows], offsets,
+                                      self.group, (size, self.shape[1]), self.zero))  # fmt: skip
+            start += size
+        return parts
+
     def permute_rows_(self, index: torch.Tensor) -> None:
         """Put rows ``index`` (a permutation) in place of rows 0.., in the same tensors (as
         select_rows, for a weight whose tensors are views into a joined weight's: the loader's
@@ -741,6 +753,12 @@ class GGUFBlocks:
 
     def select_rows(self, index: torch.Tensor) -> GGUFBlocks:
         return GGUFBlocks(self.raw[index], self.ggml_type, self.shape)
+
+    def split_rows(self, sizes: list[int]) -> list[GGUFBlocks]:
+        """Consecutive blocks of ``sizes`` rows (as PackedWeight.split_rows)."""
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [GGUFBlocks(self.raw[a : a + n], self.ggml_type, (n, self.shape[1]))
+                for a, n in zip(starts, sizes)]  # fmt: skip
 
     def shard(self, dim: int, idx: int, count: int) -> GGUFBlocks:
         """Slice ``idx`` of ``count`` equal slices along ``dim`` (ValueError where they do not
