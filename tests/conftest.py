@@ -107,6 +107,10 @@ def _tiny_hf_config(arch: str):
     if arch == "phi3":  # LongRoPE on half of each head (Phi-4-mini: 3/4), a 256-token original
         return tf.Phi3Config(**TINY_COMMON, num_hidden_layers=2, original_max_position_embeddings=256,
                              rope_parameters=PHI3_LONGROPE)  # fmt: skip
+    if arch == "gemma2":  # caps low enough to bend these random models' scores and logits
+        return tf.Gemma2Config(**TINY_COMMON, num_hidden_layers=4, sliding_window=24,
+                               query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=5.0)  # fmt: skip
     if arch == "gemma3":
         return tf.Gemma3TextConfig(
             **TINY_COMMON, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=16

@@ -42,6 +42,7 @@ ARCHITECTURES = (
     Architecture("smollm3", _LLAMA, ("smollm3",), ("smollm3",)),
     Architecture("phi3", "tokenmill.models.phi3:Phi3ForCausalLM", ("phi3",), ("phi3",)),
     Architecture("olmo2", "tokenmill.models.olmo2:Olmo2ForCausalLM", ("olmo2",), ("olmo2",)),
+    Architecture("gemma2", "tokenmill.models.gemma3:Gemma3ForCausalLM", ("gemma2",), ("gemma2",)),
     Architecture("mixtral", _MOE, ("mixtral",)),
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
     Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),

@@ -61,7 +61,7 @@ def cuda_graph_path(monkeypatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3", "gemma2"])
 def test_triton_path_with_graph_buffers_equals_torch_eager(
     tiny_model_dir, triton_device, cuda_graph_path, arch: str
 ) -> None:

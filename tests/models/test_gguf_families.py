@@ -1,6 +1,7 @@
 """The dense families added after Llama from GGUF: OLMo 2 (post-norms, q/k norms over all
-heads), SmolLM3 (a NoPE layer every fourth, q/k rows permuted as for Llama) and Phi-3 (fused
-``attn_qkv`` and gate/up ``ffn_up``, LongRoPE's factors as tensors, partial rotary), each
+heads), SmolLM3 (a NoPE layer every fourth, q/k rows permuted as for Llama), Phi-3 (fused
+``attn_qkv`` and gate/up ``ffn_up``, LongRoPE's factors as tensors, partial rotary) and Gemma 2
+(soft-capped attention scores and logits, alternating windows, norms stored as 1 + w), each
 written as llama.cpp's converter writes it, with its projections in Q8_0.
 
 Oracle: transformers' model of the same config holding the weights the file stands for (each
@@ -28,7 +29,8 @@ from tokenmill.sampling_params import SamplingParams
 
 HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV, HEAD_DIM = 256, 512, 4, 2, 64
 PROMPT_LEN, TOP = 24, 20
-LAYERS = {"olmo2": 2, "smollm3": 4, "phi3": 2}
+LAYERS = {"olmo2": 2, "smollm3": 4, "phi3": 2, "gemma2": 2}
+GEMMA2 = dict(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
 # Phi-3's LongRoPE on half of each head; the prompt stays within the original context.
 ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
         "short_factor": [1.0 + i / 8 for i in range(16)],
@@ -61,6 +63,9 @@ def hf_config(arch: str):
         return tf.Olmo2Config(**common, rope_theta=5e5)
     if arch == "smollm3":
         return tf.SmolLM3Config(**common, rope_theta=5e5)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**common, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                               rope_theta=10000.0, **GEMMA2)  # fmt: skip
     return tf.Phi3Config(**common, original_max_position_embeddings=256, rope_parameters=ROPE)
 
 
@@ -83,7 +88,11 @@ def write_family_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(5e5 if arch != "phi3" else 10000.0)
+    writer.add_rope_freq_base(5e5 if arch in ("olmo2", "smollm3") else 10000.0)
+    if arch == "gemma2":
+        writer.add_sliding_window(GEMMA2["sliding_window"])
+        writer.add_attn_logit_softcapping(GEMMA2["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(GEMMA2["final_logit_softcapping"])
     if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes it
         writer.add_rope_dimension_count(HEAD_DIM // 2)
         writer.add_rope_scaling_orig_ctx_len(256)
@@ -101,27 +110,38 @@ def write_family_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
 
     def weight(name: str) -> np.ndarray:
         shape = state[name].shape
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and arch != "gemma2":
             return rng.normal(1.0, 0.1, size=shape).astype(np.float32)
         return rng.normal(0.0, 0.1, size=shape).astype(np.float32)
+
+    def add_norm(name: str, w: np.ndarray) -> np.ndarray:
+        """Gemma's norms: transformers' w, llama.cpp's 1 + w."""
+        if arch != "gemma2":
+            return add(name, w)
+        return add(name, w + 1.0) - 1.0
 
     globals_ = (("model.embed_tokens", "token_embd"), ("lm_head", "output"),
                 ("model.norm", "output_norm"))  # fmt: skip
     for hf, gg in globals_:
-        state[f"{hf}.weight"] = torch.from_numpy(add(f"{gg}.weight", weight(f"{hf}.weight")))
+        put = add_norm if hf == "model.norm" else add
+        state[f"{hf}.weight"] = torch.from_numpy(put(f"{gg}.weight", weight(f"{hf}.weight")))
     for layer in range(LAYERS[arch]):
         prefix = f"model.layers.{layer}."
         for name in [n for n in state if n.startswith(prefix)]:
             module, _, kind = name.removeprefix(prefix).rpartition(".")
             gg = LAYER_NAMES.get(module)
-            if module == "post_attention_layernorm":  # OLMo 2's is after attention
-                gg = "post_attention_norm" if arch == "olmo2" else "ffn_norm"
+            if module == "post_attention_layernorm":  # OLMo 2's and Gemma's: after attention
+                gg = "post_attention_norm" if arch in ("olmo2", "gemma2") else "ffn_norm"
+            if module == "pre_feedforward_layernorm":  # Gemma's
+                gg = "ffn_norm"
             w = weight(name)
             heads = {"self_attn.q_proj": NUM_HEADS, "self_attn.k_proj": NUM_KV}.get(module)
             if arch == "smollm3" and heads:  # llama.cpp's row order for its RoPE
                 stored = _permute(w, heads).reshape(w.shape)
                 ref = add(f"blk.{layer}.{gg}.{kind}", stored)
                 ref = ref.reshape(heads, -1, 2, HIDDEN).swapaxes(1, 2).reshape(w.shape)
+            elif module.endswith("norm"):
+                ref = add_norm(f"blk.{layer}.{gg}.{kind}", w)
             else:
                 ref = add(f"blk.{layer}.{gg}.{kind}", w)
             state[name] = torch.from_numpy(np.ascontiguousarray(ref))
@@ -149,6 +169,9 @@ def test_config_comes_from_the_metadata(family_gguf) -> None:
         assert config.rope_layers == (True, True, True, False)
     if arch == "olmo2":
         assert config.qk_norm_full
+    if arch == "gemma2":
+        assert config.attn_logit_softcapping == 2.0 and config.final_logit_softcapping == 5.0
+        assert config.layer_windows == (8, None)
     if arch == "phi3":
         assert config.rotary_dim == HEAD_DIM // 2
         scaling = config.rope_scaling

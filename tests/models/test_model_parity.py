@@ -25,6 +25,7 @@ ARCHS = [
     "smollm3",
     "phi3",
     "olmo2",
+    "gemma2",
     "gemma3",
     "mixtral",
     "qwen2_moe",

@@ -19,6 +19,7 @@ class Attention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -27,6 +28,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # Gemma 2: scores soft-capped before the softmax
         # The torch backend until the loader binds the one chosen (CausalLM.bind_kernels).
         self.backend: AttentionBackend = TorchAttentionBackend()
 
@@ -38,5 +40,6 @@ class Attention(nn.Module):
         kv_scales = (scales[0], scales[1]) if scales else None  # quantized cache
         attn = fwd.layer_attn(self.layer_idx)
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, kv_scales
-        )
+            q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, kv_scales,
+            self.softcap,
+        )  # fmt: skip

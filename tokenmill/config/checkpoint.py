@@ -53,6 +53,9 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         if not layer_types:
             pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
             layer_types = _gemma3_layer_types(num_layers, pattern)
+    elif arch == "gemma2":  # local and global layers alternate, local first
+        layer_types = layer_types or _gemma3_layer_types(num_layers, 2)
+        rope_local = rope_theta
     elif arch in ("mistral", "mixtral", "phi3"):
         layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
     elif arch == "smollm3":
@@ -88,16 +91,17 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rope_local_theta=rope_local if arch == "gemma3" else None,
+        rope_local_theta=rope_local if arch in ("gemma2", "gemma3") else None,
         sliding_window=sliding_window,
         layer_types=layer_types,
         tie_word_embeddings=cfg.get(
-            "tie_word_embeddings", arch == "gemma3"
+            "tie_word_embeddings", arch in ("gemma2", "gemma3")
         ),  # Gemma ties by default
         attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "gemma2" else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         moe=_hf_moe(cfg, arch, num_layers),
@@ -209,6 +213,19 @@ def config_from_gguf(
             hidden_act="gelu_pytorch_tanh",
             # Gemma 3 27B scales queries by hidden/heads, the others by head_dim.
             query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
+            **common,
+        )
+    if gguf_arch == "gemma2":
+        return ModelConfig(
+            architecture="gemma2",
+            rope_local_theta=common["rope_theta"],
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=_gemma3_layer_types(num_layers, 2),
+            hidden_act="gelu_pytorch_tanh",
+            # Gemma 2 27B scales queries by hidden/heads, the others by head_dim (llama.cpp).
+            query_pre_attn_scalar=hidden // num_heads if num_layers == 46 else head_dim,
+            attn_logit_softcapping=get("attn_logit_softcapping"),
+            final_logit_softcapping=get("final_logit_softcapping"),
             **common,
         )
     if arch == "llama" and common["moe"] is not None:

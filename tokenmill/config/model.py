@@ -82,6 +82,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Gemma 2: attention scores are soft-capped (cap · tanh(s / cap)) before the softmax.
+    attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sparse MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); None: every MLP is dense.

@@ -1,4 +1,4 @@
-"""Gemma 3 text model (Gemma Team, 2025).
+"""Gemma 3 text model (Gemma Team, 2025), and Gemma 2 (Gemma Team, 2024) by its flags.
 
 Differences from Llama, all in this file:
 - embeddings scaled by sqrt(hidden_size); RMSNorm weights are offsets from 1;
@@ -8,6 +8,9 @@ Differences from Llama, all in this file:
 - local layers attend within a sliding window and use RoPE base 10k; every 6th layer is global
   with its own base (1M) and scaling;
 - GeGLU MLP (tanh-approximated GELU); tied output embedding.
+
+Gemma 2 has the same block without QK-norm, with its attention scores and its logits soft-capped
+(``cap · tanh(x / cap)``), local and global layers alternating, and one RoPE base for both.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(dim, eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, qk_norm=GemmaRMSNorm)
+        qk_norm = None if config.architecture == "gemma2" else GemmaRMSNorm
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, qk_norm=qk_norm)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
         self.mlp = LlamaMLP(config)

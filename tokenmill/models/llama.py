@@ -93,6 +93,7 @@ class LlamaAttention(nn.Module):
             c.head_dim,
             c.attention_scale,
             c.layer_sliding_window(layer_idx),
+            c.attn_logit_softcapping,
         )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:

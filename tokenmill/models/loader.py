@@ -325,7 +325,7 @@ def _iter_gguf(
             weight = dequantize(data, tensor.ggml_type, tensor.shape)
             if tensor.name.endswith("ffn_gate_inp_shexp.weight"):
                 weight = weight.reshape(1, -1)  # llama.cpp stores the [1, H] gate as [H]
-        if config.architecture == "gemma3" and name.endswith("norm.weight"):
+        if config.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight - 1.0
         if config.architecture in ROPE_PERMUTED:
             in_place = place is not None  # its place in a joined weight
@@ -451,7 +451,8 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
         hf = "self_attn.qkv_proj" if part == "attn_qkv" else "mlp.gate_up_proj"
     elif part == "ffn_norm":
         # Llama's second norm; Gemma's pre-MLP norm (it also has post-attention/post-MLP norms).
-        hf = "pre_feedforward_layernorm" if architecture == "gemma3" else "post_attention_layernorm"
+        gemma = architecture in ("gemma2", "gemma3")
+        hf = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
     else:
         hf = _GGUF_LAYER_NAMES.get(part)
     if hf is None:

@@ -31,8 +31,10 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write k and v at ``meta.slot_mapping``, then attend every query of the step (decodes
         first, then each prefill chunk; see metadata.py) causally, within ``window`` if given.
-        A quantized cache (int8 / fp8) comes with its scales. Returns [num_tokens, num_heads,
-        head_dim] in q's dtype."""
+        A quantized cache (int8 / fp8) comes with its scales. ``softcap``: the scores are
+        soft-capped before the softmax (Gemma 2). Returns [num_tokens, num_heads, head_dim] in
+        q's dtype."""

@@ -38,11 +38,16 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self.store_kv(k, v, meta.slot_mapping, k_cache, v_cache, kv_scales)
         dtype = q.dtype
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
+        if softcap is not None:
+            out = self.attend_softcapped(q, k, v, k_cache, v_cache, meta, scale, window,
+                                         kv_scales, softcap)  # fmt: skip
+            return out.to(dtype)
         nd = meta.num_decodes
         if nd == q.shape[0]:  # decodes only: their output is the whole output
             out = self.attend_decodes(q, k_cache, v_cache, meta, scale, window, kv_scales)
@@ -90,20 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One query per decoding sequence against its paged K/V."""
-        nd, max_blocks = meta.decode_block_table.shape
-        _, bs, nkv, hd = k_cache.shape
-        flat_table = meta.decode_block_table.reshape(-1)
-        k_buf = v_buf = None
-        if meta.gather_buffers is not None:
-            k_buf, v_buf = (b[: flat_table.numel()] for b in meta.gather_buffers)
-        keys = _gather_blocks(k_cache, flat_table, k_buf).view(nd, max_blocks * bs, nkv, hd)
-        values = _gather_blocks(v_cache, flat_table, v_buf).view(nd, max_blocks * bs, nkv, hd)
-        if kv_scales is not None:
-            k_scale, v_scale = (
-                _gather_blocks(s, flat_table).view(nd, max_blocks * bs, nkv) for s in kv_scales
-            )
-            keys = dequantize_kv(keys, k_scale, q.dtype)
-            values = dequantize_kv(values, v_scale, q.dtype)
+        keys, values = _decode_context(k_cache, v_cache, meta, kv_scales, q.dtype)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [nd, num_heads, 1, head_dim]
             keys.transpose(1, 2).to(q.dtype),  # [nd, num_kv_heads, max_ctx, head_dim]
@@ -113,6 +105,42 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return out.squeeze(2)
+
+    def attend_softcapped(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+        softcap: float,
+    ) -> torch.Tensor:
+        """Every query of the step with its scores soft-capped before the softmax (Gemma 2:
+        ``softcap · tanh(scores / softcap)``), which SDPA cannot do: explicit matmuls, the
+        oracle's way, for decodes and prefill chunks alike (the C kernels never run it)."""
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            keys, values = _decode_context(k_cache, v_cache, meta, kv_scales, q.dtype)
+            out[:nd] = _softcapped_attention(
+                q[:nd].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                meta.decode_mask(window), scale, softcap,
+            ).squeeze(2)  # fmt: skip
+        for seq in meta.prefills:
+            s, e = seq.token_start, seq.token_start + seq.query_len
+            keys, values, base = self._prefill_context(
+                q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, window, kv_scales
+            )
+            mask = _position_mask(seq.num_computed, e - s, base, keys.shape[0], window, q.device)
+            out[s:e] = _softcapped_attention(
+                _heads_first(q[s:e]), _heads_first(keys), _heads_first(values), mask, scale,
+                softcap,
+            ).squeeze(0).transpose(0, 1)  # fmt: skip
+        return out
 
     def _prefill(
         self,
@@ -126,6 +154,24 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
+        keys, values, base = self._prefill_context(
+            q, k, v, k_cache, v_cache, seq, window, kv_scales
+        )
+        return self.attend_run(q, keys, values, seq.num_computed, base, scale, window)
+
+    def _prefill_context(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq: PrefillSeq,
+        window: int | None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The keys and values a prefill chunk attends to (in q's dtype), and the position of
+        the first."""
         _, bs, nkv, hd = k_cache.shape
         # Keys before the chunk's first query's window are never read, and a window group's
         # table holds only the null block there (kv_layout.py): the context is gathered from
@@ -144,8 +190,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             keys = _gather_blocks(k_cache, blocks).view(-1, nkv, hd)[:n]
             values = _gather_blocks(v_cache, blocks).view(-1, nkv, hd)[:n]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        return self.attend_run(q, keys, values, seq.num_computed, base, scale, window)
+        return keys.to(q.dtype), values.to(q.dtype), base
 
     def attend_prompts(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float
@@ -187,6 +232,52 @@ class TorchAttentionBackend(AttentionBackend):
                 scale, window,
             )  # fmt: skip
         return out
+
+
+def _decode_context(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' keys and values [num_decodes, max_ctx, num_kv_heads, head_dim], gathered
+    from their blocks (dequantized from an int8 / fp8 cache); past a sequence's length, the
+    mask's to hide."""
+    nd, max_blocks = meta.decode_block_table.shape
+    _, bs, nkv, hd = k_cache.shape
+    flat_table = meta.decode_block_table.reshape(-1)
+    k_buf = v_buf = None
+    if meta.gather_buffers is not None:
+        k_buf, v_buf = (b[: flat_table.numel()] for b in meta.gather_buffers)
+    keys = _gather_blocks(k_cache, flat_table, k_buf).view(nd, max_blocks * bs, nkv, hd)
+    values = _gather_blocks(v_cache, flat_table, v_buf).view(nd, max_blocks * bs, nkv, hd)
+    if kv_scales is not None:
+        k_scale, v_scale = (
+            _gather_blocks(s, flat_table).view(nd, max_blocks * bs, nkv) for s in kv_scales
+        )
+        keys = dequantize_kv(keys, k_scale, dtype)
+        values = dequantize_kv(values, v_scale, dtype)
+    return keys, values
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [batch, heads, queries, head_dim]
+    keys: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
+    values: torch.Tensor,
+    mask: torch.Tensor,  # bool, broadcast to [batch, heads, queries, keys]: True attends
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """softmax(softcap · tanh(q·kᵀ · scale / softcap), masked) · v, as transformers' Gemma 2."""
+    groups = q.shape[1] // keys.shape[1]
+    keys = keys.to(q.dtype).repeat_interleave(groups, dim=1)
+    values = values.to(q.dtype).repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, values)
 
 
 def _prefill_runs(

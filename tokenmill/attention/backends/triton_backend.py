@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention.backends.base import AttentionBackend
+from tokenmill.attention.backends.torch_backend import TorchAttentionBackend
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.attention.triton import decode_attention, prefill_attention, store_kv
 
@@ -45,7 +46,12 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # Gemma 2's soft-capped scores: the torch backend's matmuls
+            return TorchAttentionBackend().forward(
+                q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap
+            )
         store_kv(k, v, meta.slot_mapping, k_cache, v_cache, kv_scales)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
