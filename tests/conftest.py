@@ -144,6 +144,12 @@ def _tiny_hf_config(arch: str):
         )
     if arch == "olmoe":
         return tf.OlmoeConfig(**TINY_COMMON, **moe, num_experts=8, norm_topk_prob=False)
+    if arch == "gpt_oss":  # YaRN over a 64-token original context; a low clamp that bites
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}  # fmt: skip
+        return tf.GptOssConfig(**(TINY_COMMON | dict(intermediate_size=64)), **moe,
+                               num_local_experts=8, sliding_window=24, swiglu_limit=0.1,
+                               rope_parameters=yarn)  # fmt: skip
     raise ValueError(arch)
 
 

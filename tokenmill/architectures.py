@@ -47,6 +47,7 @@ ARCHITECTURES = (
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
     Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),
     Architecture("olmoe", _MOE, ("olmoe",), ("olmoe",), gguf_norm_topk=False),
+    Architecture("gpt_oss", "tokenmill.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",)),
 )
 
 BY_NAME = {a.name: a for a in ARCHITECTURES}

@@ -19,6 +19,7 @@ from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 
 pytest.importorskip("triton")
 
+ARCHS = ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gpt_oss"]
 PROMPTS = ["hello world", "the quick brown fox", "a", "numbers 1 2 3 4 5 6 7 8 9"]
 
 
@@ -61,7 +62,7 @@ def cuda_graph_path(monkeypatch) -> list[int]:
     return rows
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3", "gemma2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_triton_path_with_graph_buffers_equals_torch_eager(
     tiny_model_dir, triton_device, cuda_graph_path, arch: str
 ) -> None:

@@ -31,6 +31,7 @@ ARCHS = [
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
+    "gpt_oss",
 ]
 ATOL = 1e-4
 _HF: dict[str, object] = {}

@@ -33,13 +33,19 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fwd: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
+        # sinks: [num_heads] (gpt-oss), the model's parameter
         k_cache, v_cache, *scales = fwd.kv_caches[self.layer_idx]
         kv_scales = (scales[0], scales[1]) if scales else None  # quantized cache
         attn = fwd.layer_attn(self.layer_idx)
         return self.backend.forward(
             q, k, v, k_cache, v_cache, attn, self.scale, self.sliding_window, kv_scales,
-            self.softcap,
+            self.softcap, sinks,
         )  # fmt: skip

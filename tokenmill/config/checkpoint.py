@@ -58,6 +58,8 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         rope_local = rope_theta
     elif arch in ("mistral", "mixtral", "phi3"):
         layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
+    elif arch == "gpt_oss":  # its layer_types alternate local and global
+        pass
     elif arch == "smollm3":
         if not cfg.get("use_sliding_window", False):
             sliding_window = None
@@ -98,6 +100,9 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
             "tie_word_embeddings", arch in ("gemma2", "gemma3")
         ),  # Gemma ties by default
         attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
+        # Qwen2's bias stops at q/k/v; gpt-oss's goes on to the output projection.
+        o_proj_bias=arch == "gpt_oss" and bool(cfg.get("attention_bias", True)),
+        attention_sinks=arch == "gpt_oss",
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
@@ -269,10 +274,10 @@ def config_from_gguf(
 
 def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
     """The sparse MLPs of a Hugging Face config (None for a dense architecture)."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return None
     num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if arch == "mixtral":  # every layer sparse, weights always renormalized
+    if arch in ("mixtral", "gpt_oss"):  # every layer sparse, a softmax over the top k
         step, dense_only, renormalize = 1, (), True
     else:
         step = cfg.get("decoder_sparse_step") or 1
@@ -289,6 +294,7 @@ def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None
         renormalize=renormalize,
         sparse_layers=sparse,
         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if arch == "gpt_oss" else None,
     )
 
 
@@ -353,9 +359,11 @@ def _hf_rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | N
         return theta, None, local_theta
     if rope_type == "longrope":
         return theta, _longrope(cfg, scaling_dict), local_theta
+    if rope_type == "yarn":
+        return theta, _yarn(cfg, scaling_dict), local_theta
     if rope_type not in ("linear", "llama3"):
         raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3, longrope"
+            f"unsupported rope scaling type {rope_type!r}; supported: linear, llama3, longrope, yarn"
         )
     scaling = RopeScaling(
         rope_type=rope_type,
@@ -390,4 +398,23 @@ def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
         short_factor=tuple(float(x) for x in params["short_factor"]),
         long_factor=tuple(float(x) for x in params["long_factor"]),
         attention_factor=float(attention_factor),
+    )
+
+
+def _yarn(cfg: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """YaRN as transformers reads it: cos/sin scaled by 0.1 · ln(factor) + 1 unless given."""
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or 4096)  # fmt: skip
+    factor = float(params.get("factor") or cfg.get("max_position_embeddings", original) / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
     )

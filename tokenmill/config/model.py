@@ -13,10 +13,10 @@ SLIDING_ATTENTION = "sliding_attention"
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling: ``linear``, Llama 3's ``llama3``, or Phi-3's
+    """Rotary-embedding frequency scaling: ``linear``, Llama 3's ``llama3``, Phi-3's
     ``longrope`` (per-frequency divisors: ``short_factor`` for positions within
     ``original_max_position_embeddings``, ``long_factor`` beyond, and cos/sin scaled by
-    ``attention_factor``)."""
+    ``attention_factor``), or ``yarn`` (gpt-oss)."""
 
     rope_type: str
     factor: float = 1.0
@@ -25,7 +25,13 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # cos and sin are scaled by it (longrope, yarn).
     attention_factor: float = 1.0
+    # YaRN (gpt-oss): frequencies blended between interpolated and original over the band of
+    # dimensions that turn between beta_slow and beta_fast times in the original context.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,9 @@ class MoEConfig:
     renormalize: bool
     sparse_layers: tuple[bool, ...]
     shared_intermediate_size: int = 0
+    # gpt-oss: router and experts carry biases, and each expert's GLU is clamped to ±limit:
+    # gate · σ(1.702 · gate) · (up + 1) with gate ≤ limit and |up| ≤ limit.
+    swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # Gemma 2: attention scores are soft-capped (cap · tanh(s / cap)) before the softmax.
     attn_logit_softcapping: float | None = None
+    # gpt-oss: a learned logit per head joins each softmax (a "sink" that takes weight and
+    # gives no value), and the attention output projection has a bias.
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Sparse MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); None: every MLP is dense.

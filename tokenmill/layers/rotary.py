@@ -27,6 +27,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq / scaling.factor
     if scaling.rope_type == "longrope":
         return inv_freq / _factors(scaling.short_factor, head_dim)
+    if scaling.rope_type == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     # llama3
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -83,7 +85,7 @@ class RotaryEmbedding(nn.Module):
             long = torch.outer(positions, self.long_inv_freq)
             freqs = torch.where(positions[:, None] < original, freqs, long)
         cos, sin = freqs.cos(), freqs.sin()
-        if self.scaling is not None and self.scaling.rope_type == "longrope":
+        if self.scaling is not None and self.scaling.rope_type in ("longrope", "yarn"):
             cos, sin = cos * self.scaling.attention_factor, sin * self.scaling.attention_factor
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -126,3 +128,23 @@ def _factors(factors: tuple[float, ...], dim: int) -> torch.Tensor:
             f"longrope scaling needs {dim // 2} factors (one per rotated pair); got {len(factors)}"
         )
     return torch.tensor(factors, dtype=torch.float64)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN (Peng et al., 2023): high frequencies (many turns in the original context) kept,
+    low ones interpolated by the factor, a linear ramp between, over the dimensions whose
+    frequencies turn between beta_slow and beta_fast times in the original context."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_turning(turns: float) -> float:
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(scaling.beta_fast), dim_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep

@@ -73,7 +73,15 @@ class LlamaAttention(nn.Module):
             shard=shard,
             kv_shard=kv_shard,
         )
-        self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size, shard=out_shard)
+        self.o_proj = Linear(
+            self.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias, shard=out_shard
+        )
+        # gpt-oss: a learned sink logit per head (this rank's heads).
+        self.sinks = (
+            nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+            if c.attention_sinks
+            else None
+        )
         if qk_norm is None and c.architecture in ("qwen3", "qwen3_moe", "olmoe", "olmo2"):
             qk_norm = RMSNorm
         self.has_qk_norm = qk_norm is not None
@@ -113,7 +121,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary.with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, fwd)  # [num_tokens, num_heads, head_dim]
+        out = self.attn(q, k, v, fwd, self.sinks)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 

@@ -32,9 +32,11 @@ class AttentionBackend(ABC):
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float
     ) -> torch.Tensor:
         """Write k and v at ``meta.slot_mapping``, then attend every query of the step (decodes
         first, then each prefill chunk; see metadata.py) causally, within ``window`` if given.
         A quantized cache (int8 / fp8) comes with its scales. ``softcap``: the scores are
-        soft-capped before the softmax (Gemma 2). Returns [num_tokens, num_heads, head_dim] in
+        soft-capped before the softmax (Gemma 2); ``sinks``: a logit per head that joins each
+        softmax (gpt-oss). Returns [num_tokens, num_heads, head_dim] in
         q's dtype."""

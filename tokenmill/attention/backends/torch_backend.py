@@ -39,14 +39,15 @@ class TorchAttentionBackend(AttentionBackend):
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.store_kv(k, v, meta.slot_mapping, k_cache, v_cache, kv_scales)
         dtype = q.dtype
         if q.device.type == "cpu" and q.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
-        if softcap is not None:
-            out = self.attend_softcapped(q, k, v, k_cache, v_cache, meta, scale, window,
-                                         kv_scales, softcap)  # fmt: skip
+        if softcap is not None or sinks is not None:
+            out = self.attend_explicit(q, k, v, k_cache, v_cache, meta, scale, window,
+                                       kv_scales, softcap, sinks)  # fmt: skip
             return out.to(dtype)
         nd = meta.num_decodes
         if nd == q.shape[0]:  # decodes only: their output is the whole output
@@ -106,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out.squeeze(2)
 
-    def attend_softcapped(
+    def attend_explicit(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -117,18 +118,20 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-        softcap: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every query of the step with its scores soft-capped before the softmax (Gemma 2:
-        ``softcap · tanh(scores / softcap)``), which SDPA cannot do: explicit matmuls, the
-        oracle's way, for decodes and prefill chunks alike (the C kernels never run it)."""
+        ``softcap · tanh(scores / softcap)``) and/or a sink logit per head in the softmax
+        (gpt-oss), which SDPA cannot do: explicit matmuls, the oracle's way, for decodes and
+        prefill chunks alike (the C kernels never run it)."""
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             keys, values = _decode_context(k_cache, v_cache, meta, kv_scales, q.dtype)
-            out[:nd] = _softcapped_attention(
+            out[:nd] = _explicit_attention(
                 q[:nd].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                meta.decode_mask(window), scale, softcap,
+                meta.decode_mask(window), scale, softcap, sinks,
             ).squeeze(2)  # fmt: skip
         for seq in meta.prefills:
             s, e = seq.token_start, seq.token_start + seq.query_len
@@ -136,9 +139,9 @@ class TorchAttentionBackend(AttentionBackend):
                 q[s:e], k[s:e], v[s:e], k_cache, v_cache, seq, window, kv_scales
             )
             mask = _position_mask(seq.num_computed, e - s, base, keys.shape[0], window, q.device)
-            out[s:e] = _softcapped_attention(
+            out[s:e] = _explicit_attention(
                 _heads_first(q[s:e]), _heads_first(keys), _heads_first(values), mask, scale,
-                softcap,
+                softcap, sinks,
             ).squeeze(0).transpose(0, 1)  # fmt: skip
         return out
 
@@ -261,23 +264,31 @@ def _decode_context(
     return keys, values
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,  # [batch, heads, queries, head_dim]
     keys: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
     values: torch.Tensor,
     mask: torch.Tensor,  # bool, broadcast to [batch, heads, queries, keys]: True attends
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [heads]
 ) -> torch.Tensor:
-    """softmax(softcap · tanh(q·kᵀ · scale / softcap), masked) · v, as transformers' Gemma 2."""
+    """softmax(softcap · tanh(q·kᵀ · scale / softcap), masked) · v, as transformers' Gemma 2;
+    with ``sinks``, each head's sink logit joins the softmax's denominator (and gives no
+    value), as transformers' gpt-oss."""
     groups = q.shape[1] // keys.shape[1]
     keys = keys.to(q.dtype).repeat_interleave(groups, dim=1)
     values = values.to(q.dtype).repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(weights, values)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), values)
 
 
 def _prefill_runs(

@@ -47,10 +47,11 @@ class TritonAttentionBackend(AttentionBackend):
         window: int | None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [num_blocks, bs, nkv] f32
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # Gemma 2's soft-capped scores: the torch backend's matmuls
+        if softcap is not None or sinks is not None:  # the torch backend's explicit matmuls
             return TorchAttentionBackend().forward(
-                q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap
+                q, k, v, k_cache, v_cache, meta, scale, window, kv_scales, softcap, sinks
             )
         store_kv(k, v, meta.slot_mapping, k_cache, v_cache, kv_scales)
         q = q if q.stride(-1) == 1 else q.contiguous()
