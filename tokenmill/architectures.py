@@ -47,7 +47,13 @@ ARCHITECTURES = (
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
     Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),
     Architecture("olmoe", _MOE, ("olmoe",), ("olmoe",), gguf_norm_topk=False),
-    Architecture("gpt_oss", "tokenmill.models.gpt_oss:GptOssForCausalLM", ("gpt_oss",)),
+    Architecture(
+        "gpt_oss",
+        "tokenmill.models.gpt_oss:GptOssForCausalLM",
+        ("gpt_oss",),
+        ("gpt-oss",),
+        gguf_norm_topk=True,  # a softmax over the top k's logits
+    ),
 )
 
 BY_NAME = {a.name: a for a in ARCHITECTURES}

@@ -5,6 +5,7 @@ downstream reads plain fields. Which names are supported is architectures.py's."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -124,10 +125,12 @@ def config_from_gguf(
     metadata: dict[str, Any],
     tensor_names: set[str],
     rope_factors: dict[str, tuple[float, ...]] | None = None,
+    tensor_types: dict[str, int] | None = None,
 ) -> ModelConfig:
     """Build from GGUF metadata (``{key: value}``) as llama.cpp's converter writes it.
     ``rope_factors``: the file's ``rope_factors_short`` / ``_long`` tensors (Phi-3's LongRoPE
-    keeps them there), by those names; None where they were not read (a memory estimate)."""
+    keeps them there), by those names; ``tensor_types``: each tensor's GGML type (gpt-oss's
+    experts may be MXFP4); None where they were not read (a memory estimate)."""
     gguf_arch = metadata.get("general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -233,6 +236,34 @@ def config_from_gguf(
             final_logit_softcapping=get("final_logit_softcapping"),
             **common,
         )
+    if gguf_arch == "gpt-oss":
+        assert common["moe"] is not None
+        expert_type = (tensor_types or {}).get("blk.0.ffn_gate_exps.weight")
+        # NOTE: llama.cpp fixes the clamp at 7, YaRN's betas at 32 and 1 (untruncated, as
+        # gpt-oss's config has them), and local layers first, alternating.
+        moe = dataclasses.replace(common.pop("moe"), swiglu_limit=7.0,
+                                  expert_format="mxfp4" if expert_type == 39 else "float")  # fmt: skip
+        if get("rope.scaling.type") == "yarn":
+            factor = float(get("rope.scaling.factor", 1.0))
+            common["rope_scaling"] = RopeScaling(
+                rope_type="yarn",
+                factor=factor,
+                original_max_position_embeddings=int(
+                    get("rope.scaling.original_context_length", 4096)
+                ),
+                attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0,
+                truncate=False,
+            )
+        return ModelConfig(
+            architecture="gpt_oss",
+            sliding_window=int(sliding_window) if sliding_window else None,
+            layer_types=_gemma3_layer_types(num_layers, 2),
+            attention_bias=True,
+            o_proj_bias=True,
+            attention_sinks=True,
+            moe=moe,
+            **common,
+        )
     if arch == "llama" and common["moe"] is not None:
         arch = "mixtral"
     if arch in ("llama", "mixtral") and sliding_window:
@@ -295,6 +326,12 @@ def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None
         sparse_layers=sparse,
         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if arch == "gpt_oss" else None,
+        # gpt-oss's released checkpoints keep their experts in MXFP4 (``*_blocks``/``_scales``).
+        expert_format=(
+            "mxfp4"
+            if (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+            else "float"
+        ),
     )
 
 

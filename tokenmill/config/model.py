@@ -55,6 +55,8 @@ class MoEConfig:
     # gpt-oss: router and experts carry biases, and each expert's GLU is clamped to ±limit:
     # gate · σ(1.702 · gate) · (up + 1) with gate ≤ limit and |up| ≤ limit.
     swiglu_limit: float | None = None
+    # How the experts' weights are kept: "float", or "mxfp4" as gpt-oss's files hold them.
+    expert_format: str = "float"
 
 
 @dataclass(frozen=True, slots=True)

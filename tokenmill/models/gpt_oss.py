@@ -2,20 +2,24 @@
 
     h = x + Attn(RMSNorm(x));  out = h + MoE(RMSNorm(h))
     MoE(h) = Σ_{e ∈ top-k(h Rᵀ + b)} softmax_top-k(h Rᵀ + b)_e · Expert_e(h)
-    Expert_e(h) = W_down (GLU(W_gate_up h + b_gate_up)) + b_down
-    GLU: gate, up = the even and odd columns; gate ≤ limit, |up| ≤ limit;
-         gate · σ(1.702 · gate) · (up + 1)
+    Expert_e(h) = W_down GLU(W_gate h + b_gate, W_up h + b_up) + b_down
+    GLU(g, u) = g · σ(1.702 · g) · (u + 1),  with g ≤ limit and |u| ≤ limit
 
 Attention: q/k/v and output projections with biases; every head has a learned sink logit that
 joins its softmax (weight that goes nowhere: the torch backend's explicit attention computes
 it); local (128-token window) and global layers alternate; YaRN-scaled RoPE.
 
-The experts run in torch, each chosen expert once on its tokens (as transformers does), from
-the checkpoint's float tensors (``mlp.experts.gate_up_proj`` [E, H, 2I] and ``down_proj``
-[E, I, H], with their biases); MXFP4 checkpoints and GGUFs are not read yet.
+The experts run in torch, each chosen expert once on its tokens (as transformers does). Their
+weights are kept as the checkpoint holds them: float, or MXFP4 (quant/mxfp4.py; the released
+checkpoints and llama.cpp's GGUFs), dequantized an expert at a time as a step chooses it. Each
+checkpoint layout is translated here into one: per expert, gate and up [I, H] and down [H, I]
+(rows are outputs). Hugging Face stores gate and up interleaved (``gate_up_proj``: the even
+columns gate, the odd up; its float tensors transposed, [E, H, 2I]); llama.cpp apart.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,10 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.quant.gguf import PackedQuantMethod
+from tokenmill.quant.mxfp4 import BLOCK, Mxfp4Weight
+
+Weight = torch.Tensor | Mxfp4Weight
 
 SWIGLU_ALPHA = 1.702
 
@@ -43,28 +51,43 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    """The experts' stacked weights, as the checkpoint names and lays them out."""
+    """The experts' weights, per expert: gate, up [E, I, H] and down [E, H, I], float
+    (``*_weight``) or MXFP4 (``*_scales`` and ``*_codes``), and their biases."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int, limit: float) -> None:
+    def __init__(self, num: int, hidden: int, width: int, limit: float, mxfp4: bool) -> None:
         super().__init__()
         self.limit = limit
-        empty = dict(requires_grad=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * width), **empty)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width), **empty)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden), **empty)
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), **empty)
+        self.mxfp4 = mxfp4
+        shapes = {"gate": (num, width, hidden), "up": (num, width, hidden),
+                  "down": (num, hidden, width)}  # fmt: skip
+        for name, (e, n, k) in shapes.items():
+            if mxfp4:
+                self._add(f"{name}_scales", (e, n, k // BLOCK), torch.uint8)
+                self._add(f"{name}_codes", (e, n, k // BLOCK, BLOCK // 2), torch.uint8)
+            else:
+                self._add(f"{name}_weight", (e, n, k), torch.float32)
+            self._add(f"{name}_bias", (e, n), torch.float32)
 
-    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+    def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+
+    def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's matrix [rows, K] in ``dtype``."""
+        if not self.mxfp4:
+            return getattr(self, f"{name}_weight")[expert]
+        scales, codes = getattr(self, f"{name}_scales"), getattr(self, f"{name}_codes")
+        return Mxfp4Weight(scales[expert], codes[expert]).dequantize(dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():  # each chosen expert once, on its tokens' rows
             tokens, slot = torch.where(ids == expert)
-            h = x[tokens] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            y = self.glu(h) @ self.down_proj[expert] + self.down_proj_bias[expert]
+            h = x[tokens]
+            gate = F.linear(h, self.weight("gate", expert, x.dtype), self.gate_bias[expert])
+            up = F.linear(h, self.weight("up", expert, x.dtype), self.up_bias[expert])
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+            y = F.linear(glu, self.weight("down", expert, x.dtype), self.down_bias[expert])
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out
 
@@ -76,8 +99,9 @@ class GptOssMoE(nn.Module):
         assert moe is not None and moe.swiglu_limit is not None
         self.router = GptOssRouter(moe.num_experts, config.hidden_size, moe.top_k)
         self.experts = GptOssExperts(
-            moe.num_experts, config.hidden_size, moe.intermediate_size, moe.swiglu_limit
-        )
+            moe.num_experts, config.hidden_size, moe.intermediate_size, moe.swiglu_limit,
+            moe.expert_format == "mxfp4",
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
@@ -87,3 +111,73 @@ class GptOssMoE(nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         return GptOssMoE(self.config)
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, Weight]],
+        on_loaded: Callable[[str], None] | None = None,
+        packed_method: PackedQuantMethod | None = None,
+    ) -> None:
+        super().load_weights(_one_layout(weights), on_loaded, packed_method)
+
+
+def _one_layout(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors by the names and layout of the modules here."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 blocks waiting for their scales
+    for name, w in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".mlp.gate"):  # llama.cpp's name of the router
+            yield prefix.removesuffix("gate") + f"router.{leaf}", w
+        elif name.endswith(".self_attn.sinks.weight"):  # llama.cpp's name of the sinks
+            yield prefix, w
+        elif prefix.endswith(".mlp.experts") and leaf.endswith(("_blocks", "_scales")):
+            key, _, part = leaf.rpartition("_")
+            pair = pending.setdefault(f"{prefix}.{key}", {})
+            pair[part] = w
+            if len(pair) == 2:
+                del pending[f"{prefix}.{key}"]
+                packed = Mxfp4Weight.from_hf(pair["blocks"], pair["scales"])
+                yield from _experts(prefix, key, packed)
+        elif prefix.endswith(".mlp.experts"):  # Hugging Face's float tensors and biases
+            yield from _experts(prefix, leaf, w)
+        elif ".mlp.experts." in name:  # llama.cpp's: gate_proj.weight, gate_proj.bias, ...
+            experts, _, part = prefix.rpartition(".")
+            part = part.removesuffix("_proj")
+            if leaf == "bias":
+                yield f"{experts}.{part}_bias", w
+            else:
+                yield from _packed_or_float(f"{experts}.{part}", w)
+        else:
+            yield name, w
+    if pending:
+        raise ValueError(f"MXFP4 tensors without their pair: {', '.join(sorted(pending))}")
+
+
+def _experts(prefix: str, leaf: str, w: Weight) -> Iterator[tuple[str, Weight]]:
+    """Hugging Face's expert tensors (``gate_up_proj`` and ``down_proj``, float [E, H, 2I] /
+    [E, I, H] or MXFP4 [E, 2I, ...] / [E, H, ...], and their ``_bias``) as gate, up, down."""
+    if leaf == "gate_up_proj_bias":
+        yield f"{prefix}.gate_bias", w[:, ::2]
+        yield f"{prefix}.up_bias", w[:, 1::2]
+    elif leaf == "down_proj_bias":
+        yield f"{prefix}.down_bias", w
+    elif leaf == "gate_up_proj" and isinstance(w, Mxfp4Weight):
+        yield from _packed_or_float(f"{prefix}.gate", w.rows(slice(0, None, 2)))
+        yield from _packed_or_float(f"{prefix}.up", w.rows(slice(1, None, 2)))
+    elif leaf == "gate_up_proj":
+        yield f"{prefix}.gate_weight", w[..., ::2].transpose(1, 2)
+        yield f"{prefix}.up_weight", w[..., 1::2].transpose(1, 2)
+    elif leaf == "down_proj":
+        yield from _packed_or_float(
+            f"{prefix}.down", w if isinstance(w, Mxfp4Weight) else w.transpose(1, 2)
+        )
+    else:
+        raise ValueError(f"unexpected gpt-oss expert tensor {prefix}.{leaf}")
+
+
+def _packed_or_float(name: str, w: Weight) -> Iterator[tuple[str, Weight]]:
+    if isinstance(w, Mxfp4Weight):
+        yield f"{name}_scales", w.scales
+        yield f"{name}_codes", w.codes
+    else:
+        yield f"{name}_weight", w

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,6 +34,7 @@ from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
+from tokenmill.quant.mxfp4 import GGML_MXFP4, Mxfp4Weight
 from tokenmill.quant.packed import (
     HALF_GGML_TYPES,
     GGUFBlocks,
@@ -68,6 +70,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_sinks": "self_attn.sinks",  # gpt-oss
 }
 # The architectures whose q/k rows llama.cpp's converter permutes for its interleaved RoPE.
 ROPE_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
@@ -86,7 +89,10 @@ def load_model_config(source: ModelSource) -> ModelConfig:
         for t in gguf_file.tensors
         if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
     }
-    config = config_from_gguf(source.path, gguf_file.metadata, gguf_file.tensor_names(), factors)
+    types = {t.name: t.ggml_type for t in gguf_file.tensors}
+    config = config_from_gguf(
+        source.path, gguf_file.metadata, gguf_file.tensor_names(), factors, types
+    )
     _check_gguf_shapes(config, gguf_file)
     return config
 
@@ -305,7 +311,11 @@ def _iter_gguf(
         weight: torch.Tensor | PackedWeight | GGUFBlocks
         float_only = any(f".{part}." in tensor.name for part in _FLOAT_ONLY)
         packable = tensor.ggml_type in BLOCK_CODES or tensor.ggml_type in HALF_GGML_TYPES
-        if keep_packed and packable and len(tensor.shape) in (2, 3) and not float_only:
+        if tensor.ggml_type == GGML_MXFP4 and config.architecture == "gpt_oss":
+            # gpt-oss's experts as the file keeps them (a copy out of the map).
+            raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(-1)
+            weight = Mxfp4Weight.from_ggml(raw, tuple(tensor.shape))
+        elif keep_packed and packable and len(tensor.shape) in (2, 3) and not float_only:
             with warnings.catch_warnings():  # a read-only map: the bytes are only read
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(data).reshape(-1)  # no copy of the file's bytes
@@ -418,7 +428,8 @@ def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
     float32 (the torch paths compute them; several times the file's memory and time)."""
     slow: dict[str, int] = {}
     for t in gguf_file.tensors:
-        if len(t.shape) >= 2 and t.ggml_type not in BLOCK_CODES.keys() | HALF_GGML_TYPES.keys():
+        kept = BLOCK_CODES.keys() | HALF_GGML_TYPES.keys() | {GGML_MXFP4}  # MXFP4: gpt-oss
+        if len(t.shape) >= 2 and t.ggml_type not in kept:
             slow[t.type_name] = slow.get(t.type_name, 0) + 1
     for type_name, count in sorted(slow.items()):
         level = logging.INFO if type_name in _FLOAT_TYPES else logging.WARNING
