@@ -218,6 +218,47 @@ def reasoning_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[[str], Pat
     return make
 
 
+# harmony's special tokens (gpt-oss's), and a compact template in its format (not gpt-oss's own,
+# which the real checkpoints ship): a system turn, the tools, history with thinking and calls.
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>")  # fmt: skip
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}\n"
+    "# Valid channels: analysis, commentary, final.<|end|>"
+    "{% if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}"
+    "{{ t.function.name }}{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}"
+    "<|end|>{% endif %}<|start|>assistant to=functions.{{ m.tool_calls[0].function.name }}"
+    "<|channel|>commentary json<|message|>{{ m.tool_calls[0].function.arguments | tojson }}"
+    "<|call|>{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{% elif m.role == 'tool' %}<|start|>functions to=assistant"
+    "<|channel|>commentary<|message|>{{ m.content | tojson }}<|end|>{% else %}"
+    "<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def harmony_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny random gpt-oss with harmony's tokens (special, as gpt-oss's are) and a
+    harmony template; ``<|return|>`` ends a sequence."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-harmony")
+    source = tiny_model_dir("gpt_oss")
+    shutil.copy(source / "model.safetensors", path / "model.safetensors")
+    write_byte_tokenizer(path, 384, HARMONY_TOKENS, HARMONY_TEMPLATE, "<|return|>",
+                         HARMONY_TOKENS)  # fmt: skip
+    config = json.loads((source / "config.json").read_text())
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    # gpt-oss's ends of generation: <|return|> (answered) and <|call|> (a tool call).
+    config["eos_token_id"] = [vocab["<|return|>"], vocab["<|call|>"]]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="session")
 def embedding_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
     """``embedding_model_dir("mean", normalize=True)``: the tiny random Qwen3 with

@@ -20,7 +20,7 @@ ROOT = Path(tokenmill.__file__).parent
 LEVEL1 = {
     *("config", "cost", "kv_layout", "modelfile", "request", "sampling_params", "outputs"),
     *("architectures", "embedded", "memory", "pooling", "reasoning", "resolve", "store"),
-    *("catalog", "recipes", "tokenizer", "pages"),
+    *("catalog", "recipes", "tokenizer", "pages", "harmony"),
 }
 # Level 3: torch building blocks; they may use each other.
 # (_qgemm is the C extension built from tokenmill/csrc, loaded by the kernels package.)

@@ -1,7 +1,7 @@
 """Reasoning models: the thinking they write before their answer, told apart from the answer.
 
 Qwen3, QwQ, DeepSeek-R1 and its distills think inside ``<think>...</think>`` and answer after
-it. Some chat templates open the block themselves (the generation prompt ends in ``<think>``:
+it; gpt-oss thinks in harmony's ``analysis`` channel (harmony.py). Some chat templates open the block themselves (the generation prompt ends in ``<think>``:
 DeepSeek-R1's, QwQ's), so the output starts inside it; others leave it to the model (Qwen3),
 or close it at once when thinking is off (Qwen3's ``enable_thinking: false`` writes an empty
 block into the prompt).
@@ -21,30 +21,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill import harmony
+
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-# --reasoning-parser's names: one format, named after the families that use it (vLLM's names).
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# --reasoning-parser's names (vLLM's), each the format of the families that use it.
+REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony"}
+# Each format's tags around the thinking: where a thinking budget ends it, and what counts as
+# thinking tokens.
+REASONING_TAGS = {
+    "think": (THINK_START, THINK_END),
+    "harmony": (harmony.THINKING_START, harmony.THINKING_END),
+}
 
 
 def reasoning_format(chat_template: str | None, parser: str = "auto") -> str | None:
-    """The reasoning format of a model: ``parser`` when it names one, None for "none", else
-    ("auto") "think" when the chat template writes a ``<think>`` block."""
+    """The reasoning format of a model: ``parser``'s when it names one, None for "none", else
+    ("auto") "think" when the chat template writes a ``<think>`` block, "harmony" when it
+    writes harmony's channels (gpt-oss)."""
     if parser == "none":
         return None
     if parser in REASONING_PARSERS:
-        return "think"
+        return REASONING_PARSERS[parser]
     if parser != "auto":
         raise ValueError(
             f"reasoning_parser must be auto, none or one of {', '.join(REASONING_PARSERS)}; "
             f"got {parser!r}"
         )
-    if chat_template is not None and THINK_START in chat_template and THINK_END in chat_template:
+    template = chat_template or ""
+    if harmony.CHANNEL in template and "analysis" in template:
+        return "harmony"
+    if THINK_START in template and THINK_END in template:
         return "think"
     return None
+
+
+def reasoning_stream(fmt: str, opened: bool) -> ReasoningStream | harmony.HarmonyStream:
+    """The splitter of an output of the format ``fmt`` (``reasoning_format``'s)."""
+    return harmony.HarmonyStream() if fmt == "harmony" else ReasoningStream(opened)
 
 
 def opens_thinking(prompt: str) -> bool:
@@ -64,12 +81,12 @@ def prompt_opens_thinking(tokenizer: Tokenizer, prompt_ids: list[int]) -> bool:
     return opens_thinking(tail)
 
 
-def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:
+def split_reasoning(text: str, opened: bool, fmt: str = "think") -> tuple[str | None, str]:
     """(reasoning, content) of a finished output; ``opened``: the prompt opened the block.
 
     An output that never closes its block is all reasoning (it ran out of tokens thinking);
     one that never opens it is all content."""
-    stream = ReasoningStream(opened)
+    stream = reasoning_stream(fmt, opened)
     reasoning, content = stream.feed(text)
     tail_reasoning, tail_content = stream.finish()
     reasoning += tail_reasoning

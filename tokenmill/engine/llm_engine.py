@@ -42,6 +42,7 @@ from tokenmill.memory import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.pooling import Pooling, serving_pooling
 from tokenmill.reasoning import (
+    REASONING_TAGS,
     THINK_END,
     THINK_START,
     ThinkingBudget,
@@ -97,11 +98,12 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, self.eos_token_ids, args.json_number_digits
         )
-        # The model's reasoning format (reasoning.py): "think", or None.
+        # The model's reasoning format (reasoning.py): "think", "harmony", or None.
         self.reasoning = reasoning_format(self.tokenizer.chat_template, args.reasoning_parser)
-        self._think_ids = (
-            (self._tag_ids(THINK_START), self._tag_ids(THINK_END)) if self.reasoning else None
-        )
+        self._think_ids = None
+        if self.reasoning is not None:
+            start, end = REASONING_TAGS[self.reasoning]
+            self._think_ids = (self._tag_ids(start), self._tag_ids(end))
         self._ids = itertools.count()
         self.async_scheduling = worker.async_scheduling
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
@@ -198,7 +200,7 @@ class LLMEngine:
                 "would hold the thinking too); drop one of them"
             )
         start_ids, end_ids = self._think_ids
-        opened = prompt_opens_thinking(self.tokenizer, prompt_ids)
+        opened = self.reasoning == "think" and prompt_opens_thinking(self.tokenizer, prompt_ids)
         return ThinkingBudget(params.max_thinking_tokens, start_ids, end_ids, opened)
 
     def _tag_ids(self, tag: str) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tokenmill.engine import LLMEngine
+from tokenmill.harmony import HarmonyStream
 from tokenmill.outputs import RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 
@@ -75,6 +76,8 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     last: ReplyStats | None = None
     notice: Callable[[str], None] = lambda text: print(text, file=sys.stderr)
+    # A reasoning model's thinking as it streams (harmony's): stderr, without line breaks added.
+    notice_part: Callable[[str], None] = lambda text: print(text, end="", file=sys.stderr)
 
     def reply(self, text: str, write: Callable[[str], None]) -> str | None:
         """Add the user's ``text``, stream the model's reply through ``write`` and keep it.
@@ -88,7 +91,11 @@ class ChatSession:
             room = self.engine.info.max_model_len - len(ids)
             settings = dict(self.settings)
             max_tokens = min(settings.pop("max_tokens", room), room)
-            params = SamplingParams(max_tokens=max_tokens, **settings)
+            # harmony (gpt-oss): its channels are special tokens, kept for the splitter, which
+            # sends the thinking to stderr and the answer to ``write``.
+            split = HarmonyStream() if self.engine.reasoning == "harmony" else None
+            params = SamplingParams(max_tokens=max_tokens, skip_special_tokens=split is None,
+                                    **settings)  # fmt: skip
             request_id = self.engine.add_request(ids, params)
             parts: list[str] = []
             last = None
@@ -98,8 +105,16 @@ class ChatSession:
                     self.notice("\n[interrupted]")
                     break
                 for out in self.engine.step():
-                    parts.append(out.outputs[0].text_delta)
-                    write(out.outputs[0].text_delta)
+                    delta = out.outputs[0].text_delta
+                    if split is not None:
+                        thinking, delta = split.feed(delta)
+                        if out.finished:
+                            tail_thinking, tail = split.finish()
+                            thinking, delta = thinking + tail_thinking, delta + tail
+                        if thinking:
+                            self.notice_part(thinking)
+                    parts.append(delta)
+                    write(delta)
                     last = out
         reply = "".join(parts)
         self.messages.append({"role": "assistant", "content": reply})

@@ -37,7 +37,6 @@ from tokenmill.catalog import LOAD_DURATION_HEADER, parameter_size
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.reasoning import ReasoningStream
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
@@ -49,6 +48,7 @@ from tokenmill.server.serving import (
     Run,
     StreamBody,
     Thinking,
+    keeps_markup,
     merge_streams,
     prepare_all,
     thinking_of,
@@ -363,11 +363,10 @@ class OllamaServing:
             return ids, self._prepare(engine, body, ids, "messages", calls_format)
 
         ids, prepared = await asyncio.to_thread(prepare)
-        # "think": true asks for the thinking apart, as message.thinking.
-        thinking = thinking_of(engine, ids) if body.think not in (None, False) else None
         return await self._respond(
-            engine, body, raw, ids, prepared, chat=True, parser=parser, thinking=thinking
-        )
+            engine, body, raw, ids, prepared, chat=True, parser=parser,
+            thinking=_thinking(engine, body, ids),
+        )  # fmt: skip
 
     async def generate(self, body: GenerateRequest, raw: Request) -> Response:
         engine = self.state.require_engine()
@@ -401,7 +400,7 @@ class OllamaServing:
             return ids, self._prepare(engine, body, ids, "prompt")
 
         ids, prepared = await asyncio.to_thread(prepare)
-        thinking = thinking_of(engine, ids) if body.think not in (None, False) else None
+        thinking = None if body.raw else _thinking(engine, body, ids)
         return await self._respond(engine, body, raw, ids, prepared, chat=False, thinking=thinking)
 
     def _prepare(
@@ -412,7 +411,9 @@ class OllamaServing:
         prompt_param: str,
         calls_format: StructuredOutputs | None = None,
     ) -> PreparedRequest:
-        params = self._sampling_params(body, len(ids), engine.info.max_model_len)
+        params = keeps_markup(
+            engine, self._sampling_params(body, len(ids), engine.info.max_model_len)
+        )
         if calls_format is not None:
             params = dataclasses.replace(params, structured_outputs=calls_format)
         return prepare_all(engine, [ids], params, OLLAMA_NAMES, prompt_param)[0]
@@ -488,7 +489,8 @@ class OllamaServing:
         thinking: Thinking | None = None,
     ) -> Response:
         run = self.openai.start(engine, "ollama", [prepared], caller=caller_of(raw))
-        chunks = _Chunks(body.model, ids, chat, parser, thinking, _load_seconds(raw))
+        chunks = _Chunks(body.model, ids, chat, parser, thinking, _load_seconds(raw),
+                         show_thinking=body.think not in (None, False))  # fmt: skip
         if body.stream:
             return StreamBody(self._ndjson(run, chunks), on_close=run.close, media_type=NDJSON)
         try:
@@ -556,6 +558,7 @@ class _Chunks:
         parser: str | None = None,
         thinking: Thinking | None = None,
         load_seconds: float = 0.0,
+        show_thinking: bool = True,
     ) -> None:
         self.model = model
         self.prompt_ids = prompt_ids
@@ -564,7 +567,8 @@ class _Chunks:
         self.parser = parser
         self._held = ""
         self._streaming = parser is None
-        self._split = ReasoningStream(thinking.opened) if thinking is not None else None
+        self._split = thinking.stream() if thinking is not None else None
+        self.show_thinking = show_thinking  # else the thinking is split off and dropped
 
     def split(self, text: str, finished: bool = True) -> tuple[str, str]:
         """(thinking, the rest) of new ``text`` ("think": true; ``finished``: the output
@@ -575,7 +579,7 @@ class _Chunks:
         if finished:
             tail_thinking, tail_text = self._split.finish()
             thinking, text = thinking + tail_thinking, text + tail_text
-        return thinking, text
+        return (thinking if self.show_thinking else ""), text
 
     def streamed(self, text: str) -> str:
         """What of the new ``text`` goes out now (the rest is held until the end)."""
@@ -647,6 +651,14 @@ def _message(text: str, thinking: str = "") -> dict[str, Any]:
     if thinking:
         message["thinking"] = thinking
     return message
+
+
+def _thinking(engine: AsyncEngine, body: _OllamaRequest, ids: list[int]) -> Thinking | None:
+    """How a reply's thinking is split off: "think" asks for it apart (message.thinking); a
+    harmony model's is always split off (its channels are markup), and dropped unless asked."""
+    if body.think not in (None, False) or engine.info.reasoning == "harmony":
+        return thinking_of(engine, ids)
+    return None
 
 
 def _think_kwargs(engine: AsyncEngine, body: _OllamaRequest) -> dict[str, Any]:

@@ -32,12 +32,13 @@ from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from tokenmill.engine.llm_engine import PreparedRequest
+from tokenmill.harmony import HarmonyStream
 from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tokenmill.reasoning import (
-    THINK_END,
-    THINK_START,
+    REASONING_TAGS,
     ReasoningStream,
     prompt_opens_thinking,
+    reasoning_stream,
     split_reasoning,
 )
 from tokenmill.sampling_params import SamplingParams
@@ -181,7 +182,7 @@ class StartedChat:
     async def deltas(self) -> AsyncIterator[tuple[RequestOutput, str, str]]:
         """Each output of the run (one prompt, one choice; recorded) with its new thinking and
         its new answer text: what a stream of another API's events is made from."""
-        split = ReasoningStream(self.thinking.opened) if self.thinking is not None else None
+        split = self.thinking.stream() if self.thinking is not None else None
         async for _, out in merge_streams(self.run.streams):
             self.run.record(0, out)
             thinking, text = "", out.outputs[0].text_delta
@@ -203,7 +204,7 @@ class StartedChat:
         """(thinking or None, answer text, tool calls) of the run's finished output."""
         thinking, text = None, final.outputs[0].text
         if self.thinking is not None:
-            thinking, text = split_reasoning(text, self.thinking.opened)
+            thinking, text = self.thinking.split(text)
         return (thinking, *self.calls(text))
 
 
@@ -344,7 +345,9 @@ class OpenAIServing:
         """A chat request checked, with its tools set up: what it renders and samples with."""
         body = with_recipe_defaults(body, self.config)
         body.check()
-        params = body.to_sampling_params(self.config, engine.info.max_model_len)
+        params = keeps_markup(
+            engine, body.to_sampling_params(self.config, engine.info.max_model_len)
+        )
         params, messages, template_kwargs, parser = self._tool_setup(engine, body, params)
         template_kwargs = {**(body.chat_template_kwargs or {}), **template_kwargs}
         return ChatPrompt(messages, template_kwargs, body.add_generation_prompt, params, parser)
@@ -722,23 +725,32 @@ def _usage(finals: list[RequestOutput], reasoning_tokens: int | None = None) -> 
 
 @dataclass(frozen=True)
 class Thinking:
-    """A reasoning model's thinking in one run's outputs: whether the prompt opened the block,
-    and the tokenizer that tells how many of an output's tokens it took."""
+    """A reasoning model's thinking in one run's outputs: its format (reasoning.py), whether
+    the prompt opened the block, and the tokenizer that tells how many of an output's tokens
+    it took."""
 
     opened: bool
     tokenizer: Tokenizer
+    format: str = "think"
+
+    def stream(self) -> ReasoningStream | HarmonyStream:
+        return reasoning_stream(self.format, self.opened)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return split_reasoning(text, self.opened, self.format)
 
     def num_tokens(self, token_ids: list[int]) -> int:
         """The tokens of the thinking, its closing tag included: read off the text (a tag may
         come as one token or several)."""
+        start_tag, end_tag = REASONING_TAGS[self.format]
 
         def holds(tag: str) -> Callable[[int], bool]:
             return lambda k: tag in self.tokenizer.decode(token_ids[:k], skip_special_tokens=False)
 
-        start = 0 if self.opened else _first(len(token_ids), holds(THINK_START))
+        start = 0 if self.opened else _first(len(token_ids), holds(start_tag))
         if start is None:
             return 0
-        end = _first(len(token_ids), holds(THINK_END))
+        end = _first(len(token_ids), holds(end_tag))
         return (len(token_ids) if end is None else end) - start
 
 
@@ -758,9 +770,19 @@ def _first(n: int, holds: Callable[[int], bool]) -> int | None:
 
 def thinking_of(engine: AsyncEngine, prompt_ids: list[int]) -> Thinking | None:
     """How to split a run's outputs (None: the model does not reason, or its parser is off)."""
-    if engine.info.reasoning is None:
+    fmt = engine.info.reasoning
+    if fmt is None:
         return None
-    return Thinking(prompt_opens_thinking(engine.tokenizer, prompt_ids), engine.tokenizer)
+    opened = fmt == "think" and prompt_opens_thinking(engine.tokenizer, prompt_ids)
+    return Thinking(opened, engine.tokenizer, fmt)
+
+
+def keeps_markup(engine: AsyncEngine, params: SamplingParams) -> SamplingParams:
+    """A chat request's parameters for its model's reasoning format: harmony's messages are
+    told apart by special tokens, so its text keeps them (the splitter takes them out)."""
+    if engine.info.reasoning != "harmony":
+        return params
+    return dataclasses.replace(params, skip_special_tokens=False)
 
 
 def _timings(finals: list[RequestOutput]) -> Timings:
@@ -846,7 +868,7 @@ class _ChatChunks:
         # A reasoning model's thinking goes out as reasoning_content, apart from the answer
         # (which alone may hold tool calls).
         self.thinking = thinking
-        self._split = [ReasoningStream(thinking.opened) for _ in range(run.n)] if thinking else []
+        self._split = [thinking.stream() for _ in range(run.n)] if thinking else []
         self._num_sent_logprobs = [0] * run.n
         self._finished: set[int] = set()
         self._held = [""] * run.n  # text that may still be a tool call, per choice
@@ -940,7 +962,7 @@ class _ChatChunks:
         for c in finals[0].outputs:
             reasoning, text = None, c.text
             if self.thinking is not None:
-                reasoning, text = split_reasoning(c.text, self.thinking.opened)
+                reasoning, text = self.thinking.split(c.text)
             content, calls = self._parse(text)
             finish_reason = c.finish_reason
             if calls and finish_reason == "stop":

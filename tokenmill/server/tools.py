@@ -27,7 +27,8 @@ from typing import Any
 
 from tokenmill.sampling_params import StructuredOutputs
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
+# harmony (gpt-oss): its splitter (tokenmill/harmony.py) writes each call as a Hermes block.
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -187,6 +188,8 @@ def pick_parser(chat_template: str | None, configured: str | None) -> str:
     if configured:
         return configured
     template = chat_template or ""
+    if is_harmony(template):
+        return "harmony"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<|python_tag|>" in template or "ipython" in template:
@@ -225,6 +228,11 @@ def setup_tools(
     reads_tools = template_reads_tools(chat_template)
     parser = pick_parser(chat_template, configured_parser) if reads_tools else "hermes"
     grammar = None
+    if parser == "harmony":
+        # NOTE: a grammar would hold the model to text its messages' special tokens are not;
+        # harmony's calls are read from its own channel, unconstrained.
+        kwargs = {"tools": [t.as_dict() for t in tools]}
+        return ToolSetup(harmony_history(messages), kwargs, parser, None, generic=False)
     if mode in ("required", "named"):
         parser = constrained_format(parser)  # the format the grammar writes
         grammar = call_grammar(tools, parallel, parser)
@@ -259,10 +267,42 @@ def history_for(chat_template: str | None, messages: list[dict[str, Any]]) -> li
     template takes it: one that knows no tools gets earlier calls and their results as plain
     turns (plain_history), which it would otherwise refuse (Gemma's: roles must alternate)."""
     # (a tool result with no call before it stays as it is: the template says what it thinks)
+    if is_harmony(chat_template):
+        return harmony_history(messages)
     has_calls = any(m["role"] == "assistant" and m.get("tool_calls") for m in messages)
     if not has_calls or template_reads_tools(chat_template):
         return messages
     return plain_history(messages)
+
+
+def is_harmony(chat_template: str | None) -> bool:
+    """Whether a chat template writes OpenAI's harmony format (gpt-oss's)."""
+    return chat_template is not None and "<|channel|>" in chat_template and (
+        "to=functions" in chat_template or "analysis" in chat_template)  # fmt: skip
+
+
+def harmony_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as gpt-oss's template reads it: an assistant's thinking as
+    ``thinking`` (its reasoning_content), and its calls' arguments as objects (the template
+    writes them with ``tojson``: a JSON string would be written as a string)."""
+    out = []
+    for m in messages:
+        if m.get("role") != "assistant":
+            out.append(m)
+            continue
+        m = dict(m)
+        if m.get("reasoning_content") and "thinking" not in m:
+            m["thinking"] = m.pop("reasoning_content")
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                name, arguments = _earlier_call(call)
+                parsed = _json(arguments)
+                calls.append({**call, "function": {"name": name, "arguments": parsed
+                                                   if parsed is not None else arguments}})  # fmt: skip
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
 
 
 def plain_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -305,7 +345,7 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]
     looks like a call but does not parse stays content."""
     found: list[tuple[str, Any]] = []
     content = text
-    if parser == "hermes":
+    if parser in ("hermes", "harmony"):
         pattern = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
         for m in pattern.finditer(text):
             call = _json(m.group(1))
@@ -339,7 +379,8 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]
 
 def may_be_call_start(text: str, parser: str) -> bool:
     """Whether streamed text so far could still begin a tool call (so it is held back)."""
-    marker = {"hermes": CALL_OPEN, "mistral": "[TOOL_CALLS]", "llama3_json": "{"}[parser]
+    marker = {"hermes": CALL_OPEN, "harmony": CALL_OPEN, "mistral": "[TOOL_CALLS]",
+              "llama3_json": "{"}[parser]  # fmt: skip
     head = text.lstrip()
     return (
         head.startswith(marker)
