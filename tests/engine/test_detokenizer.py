@@ -159,12 +159,14 @@ def test_endless_invalid_bytes_are_emitted_in_bounded_chunks(gemma: Tokenizer) -
 
 
 class _DecodeSpy:
-    """Wraps a Tokenizer and records the longest id list passed to decode."""
+    """Wraps a Tokenizer and records the longest id list decoded in Python (DecodeStream, which
+    takes the Rust tokenizer itself, keeps a window of its own: the last emitted tokens)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.special_token_ids = tokenizer.special_token_ids
         self.vocab_size = tokenizer.vocab_size
+        self.backend = tokenizer.backend
         self.max_decode_len = 0
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -188,6 +190,10 @@ def test_work_per_token_is_bounded(gemma: Tokenizer) -> None:
     detok.update([gemma.pad_token_id] * 500)
     assert detok.update(gemma.encode(" end", add_special_tokens=False)) == " end"
     assert spy.max_decode_len <= 16
+    # A run of bytes that never completes goes through the Python window: bounded too.
+    continuation = gemma.encode("🧌", add_special_tokens=False)[1]
+    detok.update([continuation] * 50)
+    assert 0 < spy.max_decode_len <= 16
 
 
 def sentencepiece_with_strip() -> Tokenizer:

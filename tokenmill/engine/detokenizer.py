@@ -1,7 +1,11 @@
 """Incremental detokenization: output token ids to text, one final piece at a time.
 
-Each step decodes a short window of ids twice, with and without the newest tokens, and emits the
-difference (vLLM's prefix_offset/read_offset scheme), so the work per token stays constant:
+Each token goes through tokenizers' ``DecodeStream`` (one Rust call: it decodes a short window
+with and without the new token and returns the difference, or nothing while the window ends in
+an incomplete character). Where its text holds invalid bytes (U+FFFD: it may split a run that a
+whole decode renders as one), would wait forever (a run of bytes that can never become a
+character), or the output ends, the same scheme runs here in Python (vLLM's
+prefix_offset/read_offset) on the same window, which also cuts such a run in bounded pieces:
 
     | ... emitted ... | prefix (context) | pending (decoded, not yet emitted) |
                       ^ prefix_offset    ^ read_offset                        ^ len(ids)
@@ -23,6 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
@@ -65,6 +71,7 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
         self._output_ids: list[int] = []
         self._chunks: list[str] = []
+        self._stream = self._new_stream()
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Appends output tokens; returns the text that became final with them (may be "")."""
@@ -76,12 +83,35 @@ class IncrementalDetokenizer:
             if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
                 continue
             self._ids.append(token_id)
-            pieces.append(self._emit(force=False))
+            piece = self._stream.step(self._tokenizer.backend, token_id)
+            if piece is not None and "\ufffd" not in piece:  # the window moves as the stream's
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                self._prefix_text = None
+                self._compact()
+                pieces.append(piece)
+            elif piece is not None or len(self._ids) - self._read_offset >= _MAX_PENDING_BYTES:
+                # Invalid bytes (the stream may split a run full decoding renders as one U+FFFD),
+                # or more pending than one character holds: the window here decides what goes
+                # out, and a new stream goes on from it.
+                pieces.append(self._emit(force=False))
+                self._stream = self._new_stream()
         return self._record("".join(pieces))
 
     def flush(self) -> str:
         """Emits text still held back (an incomplete UTF-8 tail, as U+FFFD); call at the end."""
-        return self._record(self._emit(force=True))
+        text = self._emit(force=True)
+        self._stream = self._new_stream()
+        return self._record(text)
+
+    def _new_stream(self) -> DecodeStream:
+        """A DecodeStream whose context is the window's prefix, fed its pending ids."""
+        stream = DecodeStream(
+            ids=self._ids[self._prefix_offset : self._read_offset],
+            skip_special_tokens=self._skip_special_tokens,
+        )
+        for token_id in self._ids[self._read_offset :]:
+            stream.step(self._tokenizer.backend, token_id)  # None: they are still pending
+        return stream
 
     @property
     def output_text(self) -> str:
@@ -117,11 +147,14 @@ class IncrementalDetokenizer:
         new_text = text[len(self._prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, end
         self._prefix_text = None
+        self._compact()
+        return new_text
+
+    def _compact(self) -> None:
         if self._prefix_offset > _COMPACT_AT:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        return new_text
 
     def _last_clean_cut(self, text: str) -> int:
         """The largest index ``cut`` past the read offset at which decoding the window's head
