@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         # Popped as they are filled: no reference outlives a parameter a quantizer drops.
         loaders = self._weight_loaders()
         experts = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             if name.startswith("model.language_model."):  # multimodal Gemma 3 checkpoints
                 name = "model." + name.removeprefix("model.language_model.")
             elif name.startswith(("embed_tokens.", "layers.", "norm.")):
@@ -207,6 +207,12 @@ class CausalLM(nn.Module):
             missing += module.missing_tensors(prefix)
         if missing:
             raise ValueError(f"checkpoint lacks tensors: {', '.join(sorted(missing)[:8])}")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """The checkpoint's tensors as this model's modules take them: a family whose
+        checkpoints fuse or split tensors otherwise (Phi-3's qkv, gpt-oss's experts) lays
+        them out here; others pass them on as they come."""
+        return weights
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as this model's modules carry it (a family whose

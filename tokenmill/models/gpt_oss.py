@@ -19,7 +19,7 @@ columns gate, the odd up; its float tensors transposed, [E, H, 2I]); llama.cpp a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,6 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.mxfp4 import BLOCK, Mxfp4Weight
 
 Weight = torch.Tensor | Mxfp4Weight
@@ -112,13 +111,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(self, layer_idx: int) -> nn.Module | None:
         return GptOssMoE(self.config)
 
-    def load_weights(
-        self,
-        weights: Iterable[tuple[str, Weight]],
-        on_loaded: Callable[[str], None] | None = None,
-        packed_method: PackedQuantMethod | None = None,
-    ) -> None:
-        super().load_weights(_one_layout(weights), on_loaded, packed_method)
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, Weight]]
+    ) -> Iterator[tuple[str, Weight]]:
+        return _one_layout(weights)
 
 
 def _one_layout(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:

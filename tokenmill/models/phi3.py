@@ -10,27 +10,21 @@ formats by rows too (each row is its own run of blocks), so a packed tensor stay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.packed import GGUFBlocks, PackedWeight
 
 Weight = torch.Tensor | PackedWeight | GGUFBlocks
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def load_weights(
-        self,
-        weights: Iterable[tuple[str, Weight]],
-        on_loaded: Callable[[str], None] | None = None,
-        packed_method: PackedQuantMethod | None = None,
-    ) -> None:
-        super().load_weights(self._split_fused(weights), on_loaded, packed_method)
-
-    def _split_fused(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, Weight]]
+    ) -> Iterator[tuple[str, Weight]]:
+        """The fused q/k/v and gate/up split into the parts Llama's layers load."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         for name, weight in weights:
