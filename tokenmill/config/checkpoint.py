@@ -116,6 +116,7 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         rotary_dim=_hf_rotary_dim(cfg, head_dim),
         # SmolLM3's no_rope_layers: 1 where a layer rotates, 0 where it does not.
         rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
+        **_hf_weight_format(cfg, model_dir),
         source=ModelSource(model_dir, "hf"),
     )
 
@@ -362,6 +363,22 @@ def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> M
 def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
     return tuple(
         FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
+
+
+def _hf_weight_format(cfg: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """How the checkpoint stores its matrices (its ``quantization_config``): float, fp8, or
+    gpt-oss's MXFP4 experts (read with its MoE); any other scheme is a clear error."""
+    quant = cfg.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method is None or method == "mxfp4":
+        return {}
+    if method in ("fp8", "fbgemm_fp8") and quant.get("fmt", "e4m3") == "e4m3":
+        block = quant.get("weight_block_size")
+        return {"weight_format": "fp8", "fp8_block": tuple(block) if block else None}
+    raise ValueError(
+        f"{model_dir / 'config.json'}: quantization_config {method!r} is not supported; "
+        "tokenmill reads float, fp8 (e4m3) and gpt-oss's mxfp4 checkpoints, and GGUF files"
     )
 
 

@@ -16,7 +16,7 @@ from tokenmill.pooling import TASKS
 from tokenmill.reasoning import REASONING_PARSERS
 
 # How weights sit in memory (see EngineArgs.quantization) and what packed matmuls do with x.
-QUANTIZATION_METHODS = ("gguf", "half", "none", "int8", "int4")
+QUANTIZATION_METHODS = ("gguf", "half", "fp8", "none", "int8", "int4")
 PACKED_ACTIVATIONS = ("int8", "float32")
 # How draft tokens are proposed (spec/, worker/draft_proposer.py): "ngram" = prompt lookup in
 # the request's own tokens, "suffix" = the most frequent continuation in its own tokens and in
@@ -121,7 +121,8 @@ class EngineArgs:
     quantization: str | None = option(
         None,
         "weights in memory: gguf (a GGUF's quantized tensors stay packed; the default for .gguf),"
-        " none (dequantize to dtype), int8 (per-channel) or int4 (group-wise) quantized at load",
+        " fp8 (an fp8 checkpoint's e4m3 weights as stored; its default), none (dequantize to "
+        "dtype), int8 (per-channel) or int4 (group-wise) quantized at load",
         choices=QUANTIZATION_METHODS,
     )
     packed_activations: str = option(

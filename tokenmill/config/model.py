@@ -111,6 +111,10 @@ class ModelConfig:
     rotary_dim: int | None = None
     # SmolLM3: per layer, whether it rotates q and k (its NoPE layers do not); empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    # How a Hugging Face checkpoint stores its matrices: "float", or "fp8" (e4m3 with float32
+    # scales, per tensor or row, or per [bn, bk] block: ``fp8_block``; quant/fp8.py).
+    weight_format: str = "float"
+    fp8_block: tuple[int, int] | None = None
     # A GGUF's llama.cpp file type ("Q4_K_M", "F16", ...; general.file_type), else None.
     file_type: str | None = None
     source: ModelSource | None = None

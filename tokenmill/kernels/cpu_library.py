@@ -101,7 +101,7 @@ def supports(w: PackedWeight) -> bool:
     weights (HALF_KINDS) have their own kernel, ``half_gemm``."""
     from tokenmill.quant.packed import HALF_KINDS, K_QUANT_GROUP
 
-    if w.kind in HALF_KINDS:
+    if w.kind in HALF_KINDS or w.kind == "f8":  # halves: half_gemm; fp8: quant/fp8.py
         return False
     n, k = w.shape
     if w.kind in K_QUANT_GROUP:  # whole super-blocks, their float16 d (and dmin)

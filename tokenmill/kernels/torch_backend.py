@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.base import KernelBackend
+from tokenmill.quant.fp8 import FP8_KIND, fp8_matmul
 from tokenmill.quant.packed import PackedWeight, reference_matmul
 
 # Byte value -> its 8 bits as flags: a bitmask row is unpacked by one gather of its bytes.
@@ -79,6 +80,8 @@ class TorchKernelBackend(KernelBackend):
         out: torch.Tensor | None = None,
         q8_unsigned: bool = False,
     ) -> torch.Tensor:
+        if w.kind == FP8_KIND:  # fp8 checkpoints: torch._scaled_mm on CUDA (quant/fp8.py)
+            return fp8_matmul(x, w, bias)
         # Float activations whatever ``act_int8`` says: the int8 mode's emulation in torch
         # (reference_matmul's act_int8) is exact to the kernel but slow, for tests only.
         return reference_matmul(x, w, bias, act_int8=False)

@@ -32,6 +32,7 @@ from tokenmill.models.gguf_file import GGUFFile, GGUFTensor, dequantize
 from tokenmill.models.registry import get_model_class
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.fp8 import Fp8QuantMethod, fp8_tensors
 from tokenmill.quant.gguf import PackedQuantMethod, PackedState
 from tokenmill.quant.gguf_blocks import BLOCK_CODES
 from tokenmill.quant.mxfp4 import GGML_MXFP4, Mxfp4Weight
@@ -206,7 +207,15 @@ def _build_and_load(
             if quant_method is not None
             else None
         )
-        if config.source.format == "hf":
+        if config.source.format == "hf" and config.weight_format == "fp8":
+            # Kept as stored (quantization fp8), or dequantized for another scheme or none.
+            keep = isinstance(quant_method, Fp8QuantMethod)
+            tensors = fp8_tensors(_iter_safetensors(config.source.path), config.fp8_block, keep)
+            if keep:
+                model.load_weights(tensors, packed_method=quant_method)
+            else:
+                model.load_weights(tensors, on_loaded)
+        elif config.source.format == "hf":
             model.load_weights(_iter_safetensors(config.source.path), on_loaded)
         else:
             model.load_weights(_iter_gguf(config), on_loaded)

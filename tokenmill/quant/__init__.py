@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tokenmill.config import PACKED_ACTIVATIONS, QUANTIZATION_METHODS
 from tokenmill.quant.base import QuantMethod
+from tokenmill.quant.fp8 import Fp8QuantMethod
 from tokenmill.quant.gguf import PackedQuantMethod
 from tokenmill.quant.half import HalfQuantMethod
 from tokenmill.quant.int4 import Int4QuantMethod
@@ -13,6 +14,7 @@ from tokenmill.quant.int8 import Int8QuantMethod
 __all__ = [
     "PACKED_ACTIVATIONS",
     "QUANTIZATION_METHODS",
+    "Fp8QuantMethod",
     "HalfQuantMethod",
     "Int4QuantMethod",
     "Int8QuantMethod",
@@ -31,6 +33,8 @@ def create_quant_method(
         return PackedQuantMethod(act_int8)
     if name == "half":
         return HalfQuantMethod(half_kind)
+    if name == "fp8":
+        return Fp8QuantMethod()
     if name == "int8":
         return Int8QuantMethod(act_int8)
     if name == "int4":

@@ -172,6 +172,11 @@ class PackedWeight:
         """Float32 rows of W (all of them by default)."""
         if self.kind in HALF_KINDS:  # the weights themselves, as halves
             return self.codes[rows].view(HALF_KINDS[self.kind]).float()
+        if self.kind == "f8":  # fp8 checkpoints' e4m3 codes (quant/fp8.py), times their scales
+            values = self.codes[rows].view(torch.float8_e4m3fn).float()
+            n, k = values.shape
+            scales = self.scales[rows][:, :, None]
+            return (values.reshape(n, k // self.group, self.group) * scales).reshape(n, k)
         q = self.codes_int(rows).float()
         n, k = q.shape
         scales, offsets = self.group_scales(rows)
@@ -712,7 +717,8 @@ def reference_matmul(
     """
     x = x.float()
     m, k = x.shape
-    act_int8 = act_int8 and w.kind not in HALF_KINDS  # halves always meet float activations
+    # halves and fp8 always meet float activations
+    act_int8 = act_int8 and w.kind not in HALF_KINDS and w.kind != "f8"
     tile = max(1, (1 << 24) // k)  # bound the float weight tile (~16M elements)
     out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
     if act_int8:

@@ -404,8 +404,9 @@ def check_same_vocabulary(target: ModelConfig, draft: ModelConfig) -> None:
 
 
 # Resident bytes a weight takes, by EngineArgs.quantization of a float checkpoint (int8: a
-# byte and a float32 scale per 32; int4: half a byte, a float32 scale and offset per 32).
-_QUANTIZED_BYTES = {"int8": 1 + 4 / 32, "int4": 0.5 + 8 / 32}
+# byte and a float32 scale per 32; int4: half a byte, a float32 scale and offset per 32), or of
+# an fp8 one kept as stored (a byte; its scales are a row's or a block's).
+_QUANTIZED_BYTES = {"int8": 1 + 4 / 32, "int4": 0.5 + 8 / 32, "fp8": 1.0}
 
 
 def _check_memory(path: Path, quantization: str | None, dtype: torch.dtype) -> None:
@@ -473,12 +474,17 @@ def pick_quantization(
         # Weights stay as stored on CPUs (the packed kernel is a CPU kernel): a GGUF's quantized
         # tensors packed, a bf16 / fp16 checkpoint's as its halves.
         requested = "none"
-        if device.type == "cpu" and source_format == "gguf":
+        if config.weight_format == "fp8":  # a byte a weight, on any device
+            requested = "fp8"
+        elif device.type == "cpu" and source_format == "gguf":
             requested = "gguf"
         elif device.type == "cpu" and stored_half_kind(config) is not None:
             requested = "half"
     if requested == "gguf" and source_format != "gguf":
         raise ValueError("quantization 'gguf' needs a .gguf model; use int8, int4 or none")
+    if requested == "fp8" and config.weight_format != "fp8":
+        raise ValueError("quantization 'fp8' keeps an fp8 checkpoint's weights; this model is "
+                         "not one (use int8, int4 or none)")  # fmt: skip
     if requested == "half" and (source_format != "hf" or device.type != "cpu"):
         raise ValueError(
             "quantization 'half' keeps a float Hugging Face checkpoint's weights as 16-bit halves "
