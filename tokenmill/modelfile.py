@@ -432,7 +432,10 @@ def _summarize_hf(path: Path) -> ModelSummary:
 
 def _hf_resident_bytes(params: int, matrix_types: dict[str, int]) -> int:
     """Float weights on a CPU: float32, but matrices all stored in one 16-bit float dtype stay
-    its halves (quant/half.py)."""
+    its halves (quant/half.py), and fp8 matrices a byte a weight (quant/fp8.py)."""
+    fp8 = matrix_types.get("F8_E4M3", 0)
+    if fp8:
+        return int(fp8 * 1 + (params - fp8) * FLOAT32_BYTES)
     if len(matrix_types) == 1 and next(iter(matrix_types)) in ("BF16", "F16"):
         halves = next(iter(matrix_types.values()))
         return int(halves * 2 + (params - halves) * FLOAT32_BYTES)
