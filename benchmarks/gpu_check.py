@@ -16,8 +16,14 @@ FLOPs 2 per weight per token plus attention's 4 x heads x head_dim per key.
 Where the step time goes: each batched decode figure also times the step's CUDA graph replayed
 alone (the device's share) against the whole engine step (scheduler, input copies, sampling and
 the one host sync), and ``--profile-dir`` writes torch.profiler tables of a few steps.
-``--synthetic DIR`` builds gemma-3-270m's shapes with random bf16 weights and a byte tokenizer:
-the speed figures depend on shapes alone, so they hold where the GGUF cannot be brought.
+``--synthetic DIR`` builds a model of ``--shape``'s shapes (gemma-3-270m's, or Llama-3.1-8B's:
+``llama-8b``) with random weights (``--weights`` bf16, or fp8: e4m3 with a scale a row, as an
+fp8 checkpoint holds them) and a byte tokenizer: the speed figures depend on shapes alone, so
+they hold where the real checkpoint cannot be brought. With ``--smoke`` the 8B shape is cut to
+two layers and a sixteenth of its widths (its head layout kept): its code path on a CPU, in CI.
+At the 8B shape the CPU's greedy reference (32 GB in float32) is skipped.
+
+    bash benchmarks/gpu_check.sh --synthetic /tmp/l8 --shape llama-8b [--weights fp8]
 """
 
 from __future__ import annotations
@@ -115,6 +121,86 @@ def build_synthetic_gemma(path: Path, **shape: object) -> str:
     model.save_pretrained(path, safe_serialization=True)
     write_byte_tokenizer(path, config.vocab_size)
     return str(path)
+
+
+# ---- a model of Llama-3.1-8B's shapes -------------------------------------------------------
+
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False,
+)  # fmt: skip
+# --smoke: two layers, a sixteenth of the widths, the same 4:1 grouping of heads.
+LLAMA_8B_SMOKE = LLAMA_8B | dict(
+    vocab_size=512, hidden_size=256, intermediate_size=896, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def build_synthetic_llama(path: Path, weights: str = "bf16", smoke: bool = False) -> str:
+    """A Hugging Face directory of Llama-3.1-8B's configuration with random weights, written a
+    layer a file (no model is built: an 8B one is 16 GB in bf16), bf16 or fp8 (e4m3 matrices
+    with a float32 scale a row, ``quantization_config`` fp8), and a byte-level tokenizer."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    if (path / "config.json").exists():
+        return str(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shape = LLAMA_8B_SMOKE if smoke else LLAMA_8B
+    config = tf.LlamaConfig(**shape)
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q, kv = (
+        shape["num_attention_heads"] * shape["head_dim"],
+        shape["num_key_value_heads"] * shape["head_dim"],
+    )  # noqa: E501
+    gen = torch.Generator().manual_seed(0)
+
+    def matrix(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        w = torch.randn(rows, cols, generator=gen) * 0.02
+        if weights == "bf16":
+            return {"weight": w.to(torch.bfloat16)}
+        scale = w.abs().amax(1, keepdim=True) / 448
+        return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+
+    def layer_tensors(n: int) -> dict[str, torch.Tensor]:
+        out = {f"model.layers.{n}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               f"model.layers.{n}.post_attention_layernorm.weight":
+                   torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
+        parts = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+                 "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
+                 "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}  # fmt: skip
+        for name, (rows, cols) in parts.items():
+            for leaf, t in matrix(rows, cols).items():
+                out[f"model.layers.{n}.{name}.{leaf}"] = t
+        return out
+
+    num_layers = shape["num_hidden_layers"]
+    for n in range(num_layers):
+        save_file(
+            layer_tensors(n), str(path / f"model-{n + 1:05d}-of-{num_layers + 1:05d}.safetensors")
+        )
+    ends = {"model.embed_tokens.weight": (torch.randn(v, h, generator=gen) * 0.02).bfloat16(),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(v, h, generator=gen) * 0.02).bfloat16()}  # fmt: skip
+    save_file(ends, str(path / f"model-{num_layers + 1:05d}-of-{num_layers + 1:05d}.safetensors"))
+    fields = config.to_dict()
+    fields["torch_dtype"] = "bfloat16"
+    if weights == "fp8":
+        fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                         "activation_scheme": "dynamic"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
+    write_byte_tokenizer(path, v)
+    return str(path)
+
+
+def build_synthetic(path: Path, shape: str, weights: str, smoke: bool) -> str:
+    if shape == "llama-8b":
+        return build_synthetic_llama(path, weights, smoke)
+    if weights != "bf16":
+        raise ValueError("--weights fp8 is built for --shape llama-8b")
+    return build_synthetic_gemma(path)
 
 
 # ---- probes -------------------------------------------------------------------------------
@@ -367,12 +453,18 @@ def profile_steps(engine: LLMEngine, path: Path, steps: int | None = 5) -> None:
 def run(ns: argparse.Namespace) -> dict:
     sizes = SMOKE if ns.smoke else Sizes()
     device = torch.device(ns.device if ns.device != "auto" else _auto_device())
-    model = build_synthetic_gemma(Path(ns.synthetic)) if ns.synthetic else ns.model
+    model = (
+        build_synthetic(Path(ns.synthetic), ns.shape, ns.weights, ns.smoke)
+        if ns.synthetic
+        else ns.model
+    )
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "model": model,
         "synthetic": bool(ns.synthetic),
+        "shape": ns.shape if ns.synthetic else None,
+        "weights": ns.weights if ns.synthetic else None,
         "smoke": ns.smoke,
     }
     try:
@@ -447,7 +539,10 @@ def run(ns: argparse.Namespace) -> dict:
 
     result["engine"]["async_scheduling"] = engine.async_scheduling
     part("sampling", lambda: sampling_tokens(engine))
-    if not ns.skip_greedy:
+    # The 8B shape's CPU reference would be 32 GB of float32 and minutes a token: not run.
+    big = bool(ns.synthetic) and ns.shape == "llama-8b"
+    full_8b = big and not ns.smoke
+    if not ns.skip_greedy and not full_8b:
         # bf16 weights and activations round where the CPU's float32 does not: a near-tie may
         # flip, so 90% of the teacher-forced positions must agree (float32 below: 97%).
         part("greedy", greedy(0.9 if engine.config.dtype == "bfloat16" else 0.97))
@@ -459,6 +554,9 @@ def run(ns: argparse.Namespace) -> dict:
         context = sizes.decode_input + sizes.decode_output // 2
         limit = 1.0 / decode_roofline_s(facts, bw, peak, 1, context)
         tok_s = r["decode_tokens_per_s_median"]
+        if big:  # issue 48's target at 8B: 80% of the bandwidth roofline
+            return {"tokens_per_s": tok_s, "roofline_tokens_per_s": limit,
+                    "ratio": tok_s / limit, "target_ratio": 0.8, "met": tok_s >= 0.8 * limit}  # fmt: skip
         return {"tokens_per_s": tok_s, "roofline_tokens_per_s": limit, "ratio": tok_s / limit,
                 "target_tokens_per_s": 1000, "met": tok_s >= 1000}  # fmt: skip
 
@@ -479,8 +577,9 @@ def run(ns: argparse.Namespace) -> dict:
             to = Path(ns.profile_dir) / profile if ns.profile_dir and profile else None
             r = decode_step_time(engine, batch, sizes.step_count, sizes.decode_input, to)
             limit = decode_roofline_s(facts, bw, peak, r["batch"], r["context"])
+            target = 1.5 if big else 2.0  # issue 48's at 8B, issue 24's at 270M
             return {**r, "roofline_step_s": limit, "ratio": r["step_s"] / limit,
-                    "target_ratio": 2.0, "met": r["step_s"] <= 2.0 * limit}  # fmt: skip
+                    "target_ratio": target, "met": r["step_s"] <= target * limit}  # fmt: skip
 
         return measure
 
@@ -553,7 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--synthetic", metavar="DIR", help="build and run gemma-3-270m's shapes here")
+    p.add_argument("--synthetic", metavar="DIR", help="build and run --shape's shapes here")
+    p.add_argument("--shape", default="gemma-270m", choices=("gemma-270m", "llama-8b"),
+                   help="the synthetic model's shapes: gemma-3-270m's or Llama-3.1-8B's")  # fmt: skip
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
+                   help="the synthetic model's weights: bf16, or fp8 with a scale a row")  # fmt: skip
     p.add_argument("--skip-greedy", action="store_true", help="no CPU comparison")
     p.add_argument("--profile-dir", help="write torch.profiler tables of decode steps here")
     p.add_argument(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +39,30 @@ def test_smoke_run_reports_every_part(tiny_model_dir, tmp_path) -> None:
         < result["decode_step_at_batch"]["step_s"] * 100
     )
     assert result["throughput_4"]["ratio"] > 0
+
+
+def test_gpu_check_sh_runs_the_8b_shape_with_fp8_weights_on_a_cpu(tmp_path) -> None:
+    """benchmarks/gpu_check.sh --shape llama-8b --weights fp8 where there is no GPU: its CPU
+    smoke path, with the 8B configuration cut to two layers (its head layout kept), written a
+    layer a file with e4m3 weights and a scale a row, end to end (its CUDA test subset left out
+    here: CI runs those tests itself)."""
+    model = tmp_path / "llama-8b"
+    env = {**os.environ, "SKIP_TESTS": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(
+        ["bash", str(SCRIPT.with_suffix(".sh")), "--synthetic", str(model), "--shape",
+         "llama-8b", "--weights", "fp8", "--kernel-backend", "torch"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "running the CPU smoke path" in (tmp_path / "log.txt").read_text()
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    for name in ("greedy", "decode_batch1", "prefill", "decode_step_at_batch", "throughput_4"):
+        assert "error" not in result[name], result[name]
+    assert result["greedy"]["passed"] and result["decode_batch1"]["target_ratio"] == 0.8
+    assert result["decode_step_at_batch"]["target_ratio"] == 1.5
+    config = json.loads((model / "config.json").read_text())
+    assert config["num_key_value_heads"] * 4 == config["num_attention_heads"]
+    assert config["quantization_config"]["quant_method"] == "fp8"
 
 
 def test_roofline_is_the_binding_resource(tiny_model_dir) -> None:
