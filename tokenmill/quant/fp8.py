@@ -64,8 +64,9 @@ def fp8_matmul(
 ) -> torch.Tensor:
     """y = x Wᵀ + b in float32. ``scaled``: through ``torch._scaled_mm`` with x quantized to e4m3
     per row (None: on CUDA where the scales allow it: one per row)."""
-    if scaled is None:
-        scaled = x.device.type == "cuda" and w.group == w.shape[1]
+    n, k = w.shape
+    if scaled is None:  # CUDA's fp8 matmul: a scale a row, and dimensions in 16s
+        scaled = x.device.type == "cuda" and w.group == k and n % 16 == 0 and k % 16 == 0
     if not scaled:
         y = x.float() @ dequantize_fp8(w).T
         return y if bias is None else y + bias.float()
@@ -73,10 +74,12 @@ def fp8_matmul(
     amax = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
     x_scale = amax / E4M3_MAX
     xq = (x / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    # CUDA's row-scaled fp8 matmul writes bfloat16 only; torch's CPU one takes float32 too.
+    out_dtype = torch.bfloat16 if x.device.type == "cuda" else torch.float32
     y = torch._scaled_mm(
         xq, w.codes.view(E4M3).T, scale_a=x_scale, scale_b=w.scales.reshape(1, -1).float(),
-        out_dtype=torch.float32,
-    )  # fmt: skip
+        out_dtype=out_dtype,
+    ).float()  # fmt: skip
     return y if bias is None else y + bias.float()
 
 
