@@ -131,3 +131,22 @@ def test_params_save_and_load(engine, tmp_path) -> None:
         other.load(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         other.load(str(tmp_path / "absent.json"))
+
+
+def test_a_harmony_model_shows_its_answer_and_sends_its_thinking_apart(harmony_model_dir):
+    """gpt-oss's channels are special tokens: the terminal shows the answer, the thinking goes
+    to stderr, and no markup reaches either, whatever the (random) model writes."""
+    engine = LLMEngine.from_args(
+        model=str(harmony_model_dir), max_model_len=512, kv_cache_memory="8MiB"
+    )
+    assert engine.reasoning == "harmony"
+    thinking: list[str] = []
+    session = ChatSession(engine, notice=lambda _: None, notice_part=thinking.append)
+    session.set_params(["temperature=1", "max_tokens=48", "seed=3"])
+    shown: list[str] = []
+    for i in range(4):
+        reply = session.reply(f"question {i}", shown.append)
+        assert reply is not None and "<|" not in reply
+    assert "<|" not in "".join(shown) + "".join(thinking)
+    assert all("<|" not in m["content"] for m in session.messages)
+    assert_all_blocks_free(engine)
