@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, run_to_end
 
 from tokenmill.engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
@@ -184,3 +184,23 @@ def test_a_hybrid_model_keeps_only_its_window_layers_windows_and_still_matches(t
     check_against_hf(path, prompt, outputs[second].outputs[0])
     assert outputs[second].metrics.num_cached_tokens > 0
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("arch", ["smollm3", "phi3", "olmo2", "gemma2", "gpt_oss"])
+def test_bfloat16_runs_and_stays_near_float32(tiny_model_dir, arch):
+    """In bfloat16 (CUDA's default dtype) every layer of the newer families takes its
+    activations' dtype (gpt-oss's experts, sinks and biases included): the first token's
+    log-prob stays near float32's."""
+    path = str(tiny_model_dir(arch))
+    prompt = prompts_for(1, seed=4, lo=30, hi=31)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True)
+    first = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine.from_args(model=path, max_model_len=128, kv_cache_memory="4MiB",
+                                     dtype=dtype, kernel_backend="torch")  # fmt: skip
+        (out,) = [o for o in run_to_end(engine, [(prompt, params)])]
+        assert len(out.outputs[0].token_ids) == 4
+        first[dtype] = out.outputs[0].logprobs[0].sampled
+        assert_all_blocks_free(engine)
+    if first["float32"].token_id == first["bfloat16"].token_id:
+        assert abs(first["float32"].logprob - first["bfloat16"].logprob) < 0.1

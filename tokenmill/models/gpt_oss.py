@@ -64,10 +64,11 @@ class GptOssExperts(nn.Module):
                 self._add(f"{name}_scales", (e, n, k // BLOCK), torch.uint8)
                 self._add(f"{name}_codes", (e, n, k // BLOCK, BLOCK // 2), torch.uint8)
             else:
-                self._add(f"{name}_weight", (e, n, k), torch.float32)
-            self._add(f"{name}_bias", (e, n), torch.float32)
+                self._add(f"{name}_weight", (e, n, k))
+            self._add(f"{name}_bias", (e, n))
 
-    def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+        """A parameter of ``dtype`` (None: the model's, as it is built)."""
         setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
 
     def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
