@@ -246,3 +246,15 @@ def test_byte_level_characters_split_across_tokens() -> None:
     detok = IncrementalDetokenizer(tok, [])
     pieces = [detok.update([token_id]) for token_id in output]
     assert pieces == ["a", "", "", "你", "", "", "", "😀", " ", "", "é"]
+
+
+def test_a_window_whose_text_changes_under_the_stream(gemma: Tokenizer) -> None:
+    """Found by tests/reliability/test_detokenizer_properties.py: a byte, another token, then
+    <pad> kept (skip_special_tokens off) re-decodes the stream's window otherwise, and
+    DecodeStream raises ("Invalid prefix encountered"); the Python window goes on instead."""
+    prompt, output = gemma.encode("Hi"), [238, 433, 0]
+    detok = IncrementalDetokenizer(gemma, prompt, skip_special_tokens=False)
+    text = "".join(detok.update([t]) for t in output) + detok.flush()
+    assert text.endswith("<pad>")
+    full = full_delta(gemma, prompt, output, False)
+    assert len(text) >= len(full.replace("\ufffd", ""))

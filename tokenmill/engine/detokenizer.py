@@ -83,7 +83,12 @@ class IncrementalDetokenizer:
             if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
                 continue
             self._ids.append(token_id)
-            piece = self._stream.step(self._tokenizer.backend, token_id)
+            try:
+                piece = self._stream.step(self._tokenizer.backend, token_id)
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+                # Its window's text changed under it (invalid bytes now decode otherwise,
+                # "Invalid prefix encountered"): the Python window decides, as below.
+                piece = "\ufffd"
             if piece is not None and "\ufffd" not in piece:  # the window moves as the stream's
                 self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
                 self._prefix_text = None
