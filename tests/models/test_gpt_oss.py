@@ -173,3 +173,14 @@ def test_a_gguf(tmp_path) -> None:
     assert config.layer_windows == (24, None) and config.rope_scaling.rope_type == "yarn"
     _compare(path, hf, VOCAB)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_config_without_layer_types_alternates_windows(tiny_model_dir, tmp_path) -> None:
+    """Older gpt-oss configs list no layer_types: local and global layers alternate, local
+    first, as transformers' default has them."""
+    shutil.copytree(tiny_model_dir("gpt_oss"), tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    loaded = load_model_config(resolve_model(str(tmp_path / "m")))
+    assert loaded.layer_windows == (24, None)

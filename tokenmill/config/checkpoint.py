@@ -57,10 +57,10 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
     elif arch == "gemma2":  # local and global layers alternate, local first
         layer_types = layer_types or _gemma3_layer_types(num_layers, 2)
         rope_local = rope_theta
+    elif arch == "gpt_oss":  # as Gemma 2's, where its config does not list them
+        layer_types = layer_types or _gemma3_layer_types(num_layers, 2)
     elif arch in ("mistral", "mixtral", "phi3"):
         layer_types = (SLIDING_ATTENTION if sliding_window else FULL_ATTENTION,) * num_layers
-    elif arch == "gpt_oss":  # its layer_types alternate local and global
-        pass
     elif arch == "smollm3":
         if not cfg.get("use_sliding_window", False):
             sliding_window = None
