@@ -28,16 +28,21 @@ ENDS = (END, RETURN, CALL)
 # The thinking's tags, for the thinking budget and the count of thinking tokens.
 THINKING_START = CHANNEL + "analysis" + MESSAGE
 THINKING_END = END
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"  # Hermes' (server/tools.py reads them)
+# Hermes' tool-call tags: the one definition, which server/tools.py parses calls by.
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([\w.-]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+def is_harmony(chat_template: str | None) -> bool:
+    """Whether a chat template writes harmony (its channels, and the analysis one)."""
+    return chat_template is not None and CHANNEL in chat_template and "analysis" in chat_template
 
 
 @dataclass
 class HarmonyStream:
     """Splits a harmony output into thinking and answer text as it arrives."""
 
-    opened: bool = False  # (the ReasoningStream interface: a harmony prompt opens no block)
     saw_reasoning: bool = field(default=False, init=False)
     _in_body: bool = field(default=False, init=False)
     _header: str = field(default="", init=False)

@@ -51,9 +51,9 @@ def reasoning_format(chat_template: str | None, parser: str = "auto") -> str | N
             f"reasoning_parser must be auto, none or one of {', '.join(REASONING_PARSERS)}; "
             f"got {parser!r}"
         )
-    template = chat_template or ""
-    if harmony.CHANNEL in template and "analysis" in template:
+    if harmony.is_harmony(chat_template):
         return "harmony"
+    template = chat_template or ""
     if THINK_START in template and THINK_END in template:
         return "think"
     return None

@@ -104,6 +104,16 @@ class Recipe:
         return table
 
 
+def show_fields(recipe: Recipe | None, model: str) -> dict[str, str]:
+    """Ollama's /api/show fields that come from a Modelfile: a created model's own, else one
+    that says ``FROM model`` alone."""
+    return {
+        "modelfile": recipe.modelfile if recipe is not None else f"FROM {model}\n",
+        "parameters": recipe.parameters_text if recipe is not None else "",
+        "system": (recipe.system or "") if recipe is not None else "",
+    }
+
+
 def check_name(name: str) -> str:
     name = name.removesuffix(":latest")
     if not _NAME.match(name):

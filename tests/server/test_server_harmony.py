@@ -12,15 +12,8 @@ import ollama
 import openai
 import pytest
 from live_server import MODEL_NAME, running_server
+from test_server_reasoning import USER, WEATHER
 
-USER = [{"role": "user", "content": "What is the capital of France?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 ANSWER = (
     'start: <|channel|> "analysis" <|message|> "The capital is Paris." <|end|> <|start|> '
     '"assistant" <|channel|> "final" <|message|> "Paris." <|return|>'

@@ -493,10 +493,8 @@ def _show(entry: Entry, recipe: recipes.Recipe | None) -> dict[str, Any]:
                 f"{s.architecture}.context_length": s.context_length}  # fmt: skip
     return {
         "license": "",
-        "modelfile": recipe.modelfile if recipe is not None else f"FROM {entry.path}\n",
-        "parameters": recipe.parameters_text if recipe is not None else "",
+        **recipes.show_fields(recipe, str(entry.path)),
         "template": template,
-        "system": (recipe.system or "") if recipe is not None else "",
         "details": _tag(entry)["details"],
         "model_info": info,
         "capabilities": capabilities,

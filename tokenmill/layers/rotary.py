@@ -19,7 +19,8 @@ from tokenmill.layers.norm import RMSNorm
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """The rotation frequencies of a head's ``head_dim`` rotated dimensions (for ``longrope``
-    with its short factors: positions beyond the original context take ``longrope_tables``)."""
+    its short factors': RotaryEmbedding gives positions past the original context the long
+    ones)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq
@@ -145,6 +146,6 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, scaling: RopeScaling) 
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
+    # 0: the original frequency, 1: the interpolated one
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
-    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)

@@ -436,8 +436,8 @@ def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
     """Say which of the file's weight types are not kept packed: they are dequantized to
     float32 (the torch paths compute them; several times the file's memory and time)."""
     slow: dict[str, int] = {}
+    kept = BLOCK_CODES.keys() | HALF_GGML_TYPES.keys() | {GGML_MXFP4}  # MXFP4: gpt-oss
     for t in gguf_file.tensors:
-        kept = BLOCK_CODES.keys() | HALF_GGML_TYPES.keys() | {GGML_MXFP4}  # MXFP4: gpt-oss
         if len(t.shape) >= 2 and t.ggml_type not in kept:
             slow[t.type_name] = slow.get(t.type_name, 0) + 1
     for type_name, count in sorted(slow.items()):

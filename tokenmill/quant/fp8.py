@@ -54,11 +54,6 @@ def pack_fp8(
     return PackedWeight(FP8_KIND, codes, scales.contiguous(), None, group, (n, k))
 
 
-def dequantize_fp8(w: PackedWeight) -> torch.Tensor:
-    """Float32 W of an "f8" weight: each code times its row and group's scale."""
-    return w.dequantize()
-
-
 def fp8_matmul(
     x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, scaled: bool | None = None
 ) -> torch.Tensor:
@@ -68,7 +63,7 @@ def fp8_matmul(
     if scaled is None:  # CUDA's fp8 matmul: a scale a row, and dimensions in 16s
         scaled = x.device.type == "cuda" and w.group == k and n % 16 == 0 and k % 16 == 0
     if not scaled:
-        y = x.float() @ dequantize_fp8(w).T
+        y = x.float() @ w.dequantize().T
         return y if bias is None else y + bias.float()
     x = x.float()
     amax = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
@@ -123,7 +118,7 @@ def fp8_tensors(
                 continue
             del held[prefix]
             w = pack_fp8(pair["weight"], pair["scale"], block)
-            yield f"{prefix}.weight", w if packed else dequantize_fp8(w)
+            yield f"{prefix}.weight", w if packed else w.dequantize()
             continue
         yield name, tensor
     if held:

@@ -37,6 +37,7 @@ from tokenmill.catalog import LOAD_DURATION_HEADER, parameter_size
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.recipes import show_fields
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
@@ -258,13 +259,10 @@ class OllamaServing:
         capabilities = ["completion"]
         if "tools" in template:
             capabilities.append("tools")
-        recipe = self.config.recipe
         return {
             "license": "",
-            "modelfile": recipe.modelfile if recipe is not None else f"FROM {info.model}\n",
-            "parameters": recipe.parameters_text if recipe is not None else "",
+            **show_fields(self.config.recipe, info.model),
             "template": template,
-            "system": (recipe.system or "") if recipe is not None else "",
             "details": self._details(engine),
             "model_info": {
                 "general.architecture": info.architecture,

@@ -25,11 +25,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.harmony import CALL_CLOSE, CALL_OPEN, is_harmony
 from tokenmill.sampling_params import StructuredOutputs
 
-PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
 # harmony (gpt-oss): its splitter (tokenmill/harmony.py) writes each call as a Hermes block.
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes", "llama3_json", "mistral", "harmony")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +273,6 @@ def history_for(chat_template: str | None, messages: list[dict[str, Any]]) -> li
     if not has_calls or template_reads_tools(chat_template):
         return messages
     return plain_history(messages)
-
-
-def is_harmony(chat_template: str | None) -> bool:
-    """Whether a chat template writes OpenAI's harmony format (gpt-oss's)."""
-    return chat_template is not None and "<|channel|>" in chat_template and (
-        "to=functions" in chat_template or "analysis" in chat_template)  # fmt: skip
 
 
 def harmony_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -276,10 +276,13 @@ def _explicit_attention(
     """softmax(softcap · tanh(q·kᵀ · scale / softcap), masked) · v, as transformers' Gemma 2;
     with ``sinks``, each head's sink logit joins the softmax's denominator (and gives no
     value), as transformers' gpt-oss."""
-    groups = q.shape[1] // keys.shape[1]
-    keys = keys.to(q.dtype).repeat_interleave(groups, dim=1)
-    values = values.to(q.dtype).repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    # Each KV head's group of query heads against it, by broadcasting (no copy of K/V per
+    # query head): q as [batch, kv_heads, group, queries, head_dim].
+    b, h, nq, d = q.shape
+    kv_heads = keys.shape[1]
+    q5 = q.reshape(b, kv_heads, h // kv_heads, nq, d)
+    keys, values = keys.to(q.dtype).unsqueeze(2), values.to(q.dtype).unsqueeze(2)
+    scores = torch.matmul(q5, keys.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")).float()
@@ -288,7 +291,8 @@ def _explicit_attention(
     else:
         sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(weights.to(q.dtype), values)
+    weights = weights.to(q.dtype).reshape(b, kv_heads, h // kv_heads, nq, -1)
+    return torch.matmul(weights, values).reshape(b, h, nq, d)
 
 
 def _prefill_runs(
