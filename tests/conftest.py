@@ -115,6 +115,39 @@ def _tiny_hf_config(arch: str):
         return tf.Gemma3TextConfig(
             **TINY_COMMON, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=16
         )
+    # Gemma 4: global layers with heads twice as wide, proportional RoPE over a quarter of them
+    # and a final soft-cap. "gemma4" (31B's shape): one KV head there, k = v. "gemma4_ple"
+    # (E2B's): per-layer embeddings, the last two layers sharing layers 2's and 3's K/V with
+    # double-wide MLPs. "gemma4_moe" (26B-A4B's): top-2 of 8 experts beside every MLP.
+    gemma4 = dict(sliding_window=24, global_head_dim=32, final_logit_softcapping=10.0,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)  # fmt: skip
+    if arch == "gemma4":
+        return tf.Gemma4TextConfig(**TINY_COMMON, **gemma4, num_hidden_layers=6,
+                                   attention_k_eq_v=True, num_global_key_value_heads=1,
+                                   hidden_size_per_layer_input=0)  # fmt: skip
+    if arch == "gemma4_ple":
+        return tf.Gemma4TextConfig(**TINY_COMMON, **gemma4, num_hidden_layers=6,
+                                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=384,
+                                   num_kv_shared_layers=2, use_double_wide_mlp=True)  # fmt: skip
+    if arch == "gemma4_moe":
+        return tf.Gemma4TextConfig(**(TINY_COMMON | dict(intermediate_size=64)),
+                                   **(gemma4 | dict(layer_types=["sliding_attention",
+                                                                 "full_attention"] * 2)),
+                                   num_hidden_layers=4, attention_k_eq_v=True,
+                                   num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+                                   enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                   moe_intermediate_size=64)  # fmt: skip
+    # Hybrid linear attention: three Gated DeltaNet layers to one of gated attention, each key
+    # head shared by two value heads, RoPE over half of each head.
+    linear = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if arch == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**TINY_COMMON, **linear, rope_parameters=rope)
+    if arch == "qwen3_next":  # its experts: top-2 of 8 with a shared expert, one dense layer
+        return tf.Qwen3NextConfig(**TINY_COMMON, **linear, rope_parameters=rope, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=64, mlp_only_layers=[1])  # fmt: skip
     # Mixtures of experts: 8 experts of width 64 (the C kernels' rows are multiples of 64),
     # top-2 (Qwen2-MoE top-4 with a shared expert and a dense layer; Qwen3-MoE a dense layer
     # by decoder_sparse_step; OLMoE experts of TINY_COMMON's width).
@@ -171,6 +204,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
             with torch.no_grad():
                 for p in model.parameters():
                     p.normal_(0.0, 0.2 if p.dim() > 1 else 0.1)
+                if arch.startswith("gemma4"):  # gains near 1, not 0; layer scalars that matter
+                    for name, p in model.named_parameters():
+                        if (p.dim() == 1 and "norm" in name) or name.endswith("scale"):
+                            p.add_(1.0)
+                    for name, b in model.named_buffers():
+                        if name.endswith("layer_scalar"):
+                            b.uniform_(0.5, 1.5)
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(path, safe_serialization=True)
             write_byte_tokenizer(path, config.vocab_size)
@@ -306,10 +346,14 @@ def embedding_model_dir(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]
 
 
 def assert_all_blocks_free(engine) -> None:
-    """Every engine test ends with this: no request holds a KV block."""
+    """Every engine test ends with this: no request holds a KV block (nor, in a hybrid
+    model, a recurrent-state slot)."""
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert engine.num_free_blocks == engine.num_total_blocks
+    runner = getattr(getattr(engine.executor, "worker", None), "runner", None)
+    if runner is not None and runner.recurrent is not None:
+        assert runner.recurrent.num_free == engine.config.scheduler_config.max_num_seqs
 
 
 def run_to_end(engine, items: list) -> list:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.kv_layout import plan_kv_layout, uniform_layout
+from tokenmill.kv_layout import kv_tensors, plan_kv_layout, uniform_layout
 
 
 def gemma3_windows(num_layers: int, window: int = 512) -> list[int | None]:
@@ -63,3 +63,18 @@ def test_max_request_tokens_inverts_blocks_held():
         assert gemma.blocks_held(tokens + 16, 16, 2048) > num_blocks
     assert gemma.max_request_tokens(1317, 16, 2048) == 8192
     assert uniform_layout(18).max_request_tokens(100, 16, 2048) == 1600
+
+
+def test_kv_tensors_share_one_tensor_between_gemma4_shapes():
+    """Gemma 4's global layers (1 KV head of 32) beside window layers (2 of 16, or 1 of 16):
+    rows as long share a tensor in their own shapes; shorter rows are viewed as repeated heads
+    of their width; a quantized cache keeps a tensor per shape."""
+    layout = plan_kv_layout([24, 24, None, 24, 24, None], max_model_len=256)
+    same_row = [(2, 16), (2, 16), (1, 32), (2, 16), (2, 16), (1, 32)]
+    shapes, _, views = kv_tensors(layout, same_row, num_heads=4)
+    assert len(shapes) == layout.group_size == 2 and views == tuple(same_row)
+    shorter = [(1, 16), (1, 16), (1, 32), (1, 16), (1, 16), (1, 32)]
+    shapes, _, views = kv_tensors(layout, shorter, num_heads=4)
+    assert shapes == ((1, 32), (1, 32)) and views[0] == (2, 16) and views[2] == (1, 32)
+    shapes, _, views = kv_tensors(layout, shorter, num_heads=4, exact=True)
+    assert len(shapes) == 4 and views == tuple(shorter)

@@ -27,6 +27,7 @@ class Architecture:
 # q/k/v bias, QK-norm, NoPE layers), so they share its file; the mixtures of experts share theirs.
 _LLAMA = "tokenmill.models.llama:LlamaForCausalLM"
 _MOE = "tokenmill.models.moe:MoeForCausalLM"
+_HYBRID = "tokenmill.models.qwen3_next:Qwen3NextForCausalLM"
 ARCHITECTURES = (
     Architecture(
         "gemma3",
@@ -43,10 +44,27 @@ ARCHITECTURES = (
     Architecture("phi3", "tokenmill.models.phi3:Phi3ForCausalLM", ("phi3",), ("phi3",)),
     Architecture("olmo2", "tokenmill.models.olmo2:Olmo2ForCausalLM", ("olmo2",), ("olmo2",)),
     Architecture("gemma2", "tokenmill.models.gemma3:Gemma3ForCausalLM", ("gemma2",), ("gemma2",)),
+    # Gemma 4's text model; a "gemma4" config.json (vision and audio too) runs its text_config.
+    # No GGUF yet.
+    Architecture(
+        "gemma4",
+        "tokenmill.models.gemma4:Gemma4ForCausalLM",
+        ("gemma4_text", "gemma4"),
+    ),
     Architecture("mixtral", _MOE, ("mixtral",)),
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),
     Architecture("qwen3_moe", _MOE, ("qwen3_moe",), ("qwen3moe",), gguf_norm_topk=True),
     Architecture("olmoe", _MOE, ("olmoe",), ("olmoe",), gguf_norm_topk=False),
+    # Hybrid linear attention: Gated DeltaNet layers beside gated full attention.
+    Architecture("qwen3_next", _HYBRID, ("qwen3_next",), ("qwen3next",), gguf_norm_topk=True),
+    Architecture("qwen3_5", _HYBRID, ("qwen3_5_text", "qwen3_5"), ("qwen35",)),
+    Architecture(
+        "qwen3_5_moe",
+        _HYBRID,
+        ("qwen3_5_moe_text", "qwen3_5_moe"),
+        ("qwen35moe",),
+        gguf_norm_topk=True,
+    ),
     Architecture(
         "gpt_oss",
         "tokenmill.models.gpt_oss:GptOssForCausalLM",

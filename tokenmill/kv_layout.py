@@ -27,6 +27,15 @@ in its last group (Gemma 3 1B: 4 global and 22 local layers, 2 of 24 local place
 
 A model whose window covers max_model_len, or whose layers all attend alike, has one group of
 every layer (``uniform_layout``): one block table, with the window (Mistral) or without.
+
+Gemma 4's global layers have other K/V shapes (head_dim, KV heads) than its window layers, so
+one tensor serves both as ``kv_tensors`` plans it: its token rows are the longest layer's
+(heads x head_dim); a layer of shorter rows views them as more heads of its own width and
+stores each of its KV heads repeated (e.g. 1 x 512 rows hold a window layer's 1 x 256 as 2 x
+256, two copies). So a block holds max, not sum, of the shapes' bytes; the shorter layers'
+attention reads their copies too. A quantized cache (per-head scales) gets a tensor per
+shape. Layers that hold no K/V of their own (Gemma 4's KV-sharing layers, Qwen3-Next's
+linear-attention ones) are not in the layout at all (``ModelConfig.kv_layers``).
 """
 
 from __future__ import annotations
@@ -124,3 +133,49 @@ def plan_kv_layout(
             layer_groups[layer] = len(group_windows) - 1
             layer_tensors[layer] = j % group_size
     return KVLayout(group_size, tuple(group_windows), tuple(layer_groups), tuple(layer_tensors))
+
+
+def kv_tensors(
+    layout: KVLayout,
+    layer_shapes: Sequence[tuple[int, int]],
+    num_heads: int,
+    exact: bool = False,
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """The cache's tensors for layers of shapes ``layer_shapes`` ((KV heads, head_dim) per
+    layer, ``num_heads`` query heads): each tensor's shape, per layer the tensor it uses, and
+    the shape the layer views it in. Every layer holding the layout's tensor j shares one tensor
+    with the longest token row (heads x head_dim) among them: a layer with rows as long views
+    it in its own shape; one with shorter rows views them as more heads of its width and stores
+    each of its KV heads repeated (``Attention``; attention is the same, the query heads of a
+    group reading one head's copies). A layer that cannot (its width does not divide the row,
+    or the repeated heads do not group the query heads) gets a tensor of its own; so does every
+    shape when ``exact`` (a quantized cache: its scales are per head)."""
+    rows: dict[int, tuple[int, int]] = {}  # j -> the shape of its longest row
+    for layer, j in enumerate(layout.layer_tensors):
+        heads, head_dim = layer_shapes[layer]
+        if j not in rows or heads * head_dim > rows[j][0] * rows[j][1]:
+            rows[j] = (heads, head_dim)
+    tensors: dict[tuple[int, object], int] = {}
+    shapes: list[tuple[int, int]] = []
+    layer_tensor, layer_view = [], []
+    for layer, j in enumerate(layout.layer_tensors):
+        heads, head_dim = layer_shapes[layer]
+        row = rows[j][0] * rows[j][1]
+        view_heads = row // head_dim
+        shareable = (
+            not exact
+            and row % head_dim == 0
+            and view_heads % heads == 0
+            and num_heads % view_heads == 0
+        )
+        key, shape = (
+            ((j, row), (view_heads, head_dim))
+            if shareable
+            else ((j, (heads, head_dim)), (heads, head_dim))
+        )
+        if key not in tensors:
+            tensors[key] = len(shapes)
+            shapes.append(rows[j] if shareable else shape)
+        layer_tensor.append(tensors[key])
+        layer_view.append(shape)
+    return tuple(shapes), tuple(layer_tensor), tuple(layer_view)

@@ -329,6 +329,8 @@ class ModelSummary:
     num_experts: int  # a mixture of experts' experts per layer (0: dense)
     experts_used: int  # and how many each token runs
     metadata: dict[str, Any] = field(default_factory=dict)  # scalars and short lists only
+    # Hybrid models: a request's linear-attention state over all such layers, float32 (0: none).
+    state_bytes_per_request: int = 0
 
 
 def summarize(path: str | Path) -> ModelSummary:
@@ -404,6 +406,7 @@ def _summarize_hf(path: Path) -> ModelSummary:
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // heads)
     layers = int(text.get("num_hidden_layers", 0))
+    kv_layers, state_bytes = _hf_hybrid_layers(text, layers)
     template = None
     tokenizer_config = path / "tokenizer_config.json"
     if tokenizer_config.exists():
@@ -421,13 +424,31 @@ def _summarize_hf(path: Path) -> ModelSummary:
         file_type=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
         parameters_by_type=by_type,
         weight_bytes_estimate=_hf_resident_bytes(params, matrix_types),
-        kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
+        kv_bytes_per_token=2 * kv_layers * kv_heads * head_dim * 4,
         chat_template=template,
         tokenizer="tokenizer.json" if (path / "tokenizer.json").exists() else "?",
         num_experts=int(text.get("num_local_experts") or text.get("num_experts") or 0),
         experts_used=int(text.get("num_experts_per_tok") or 0),
         metadata={k: v for k, v in text.items() if not isinstance(v, (dict, list))},
+        state_bytes_per_request=state_bytes,
     )
+
+
+def _hf_hybrid_layers(text: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(layers that keep K/V, a request's recurrent-state bytes): a hybrid model's
+    linear-attention layers (Qwen3-Next, Qwen3.5) keep a fixed state instead of K/V."""
+    if "linear_num_value_heads" not in text:
+        return layers, 0
+    types = text.get("layer_types") or []
+    if types:
+        linear = sum(t == "linear_attention" for t in types)
+    else:
+        linear = layers - layers // int(text.get("full_attention_interval", 4))
+    nk, nv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    taps = int(text.get("linear_conv_kernel_dim", 4))
+    conv = (2 * nk * dk + nv * dv) * (taps - 1)
+    return layers - linear, linear * (conv + nv * dk * dv) * 4
 
 
 def _hf_resident_bytes(params: int, matrix_types: dict[str, int]) -> int:

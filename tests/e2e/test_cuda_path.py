@@ -19,7 +19,8 @@ from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 
 pytest.importorskip("triton")
 
-ARCHS = ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gpt_oss"]
+# gemma4_ple: Gemma 4's repeated-head window caches, KV sharing and per-layer embeddings.
+ARCHS = ["llama", "gemma3", "qwen3", "phi3", "olmo2", "smollm3", "gemma2", "gpt_oss", "gemma4_ple"]
 PROMPTS = ["hello world", "the quick brown fox", "a", "numbers 1 2 3 4 5 6 7 8 9"]
 
 
@@ -91,3 +92,17 @@ def test_bfloat16_triton_path_agrees_with_bfloat16_torch(
     assert same >= 0.8 * sum(len(w) for w, _ in want)
     first = [(w[0], g[0]) for (_, w), (_, g) in zip(want, got)]
     assert all(abs(a - b) < 0.1 for a, b in first)
+
+
+def test_hybrid_linear_attention_runs_the_triton_path_eagerly(
+    tiny_model_dir, triton_device, cuda_graph_path
+) -> None:
+    """Qwen3-Next's Gated DeltaNet layers keep per-request state no graph records yet: its
+    steps run eagerly on the Triton kernels (attention and matmuls) and equal torch's."""
+    model = str(tiny_model_dir("qwen3_next"))
+    want = _run(model, triton_device, dtype="float32", kernel_backend="torch", enforce_eager=True)
+    got = _run(model, triton_device, dtype="float32", kernel_backend="triton")
+    assert not cuda_graph_path  # eager: the graph runner never ran a step
+    for (want_ids, want_lps), (got_ids, got_lps) in zip(want, got, strict=True):
+        assert got_ids == want_ids
+        assert got_lps == pytest.approx(want_lps, abs=1e-4)

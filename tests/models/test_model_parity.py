@@ -27,11 +27,16 @@ ARCHS = [
     "olmo2",
     "gemma2",
     "gemma3",
+    "gemma4",
+    "gemma4_ple",
+    "gemma4_moe",
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "olmoe",
     "gpt_oss",
+    "qwen3_5",
+    "qwen3_next",
 ]
 ATOL = 1e-4
 _HF: dict[str, object] = {}
@@ -186,7 +191,10 @@ def test_a_hybrid_model_keeps_only_its_window_layers_windows_and_still_matches(t
     assert_all_blocks_free(engine)
 
 
-@pytest.mark.parametrize("arch", ["smollm3", "phi3", "olmo2", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize(
+    "arch",
+    ["smollm3", "phi3", "olmo2", "gemma2", "gpt_oss", "qwen3_next", "gemma4_ple", "gemma4_moe"],
+)
 def test_bfloat16_runs_and_stays_near_float32(tiny_model_dir, arch):
     """In bfloat16 (CUDA's default dtype) every layer of the newer families takes its
     activations' dtype (gpt-oss's experts, sinks and biases included): the first token's

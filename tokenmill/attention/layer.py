@@ -43,6 +43,11 @@ class Attention(nn.Module):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         # sinks: [num_heads] (gpt-oss), the model's parameter
         k_cache, v_cache, *scales = fwd.kv_caches[self.layer_idx]
+        if k_cache.shape[2] != k.shape[1]:
+            # A cache of longer rows than this layer's (kv_layout.kv_tensors: Gemma 4's window
+            # layers beside its global ones) holds each KV head repeated.
+            repeats = k_cache.shape[2] // k.shape[1]
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         kv_scales = (scales[0], scales[1]) if scales else None  # quantized cache
         attn = fwd.layer_attn(self.layer_idx)
         return self.backend.forward(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.recurrent import LayerState, RecurrentBatch
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -69,6 +71,10 @@ class ForwardBatch:
     attn: list[AttentionMetadata]
     # Per layer: its group; empty when there is one group.
     layer_groups: tuple[int, ...] = ()
+    # Hybrid models: per linear-attention layer its state tensors, and which slot each of the
+    # step's requests reads (attention/recurrent.py); None for models without such layers.
+    states: list[LayerState] = field(default_factory=list)
+    recurrent: RecurrentBatch | None = None
 
     def layer_attn(self, layer_idx: int) -> AttentionMetadata:
         """The metadata layer ``layer_idx`` attends with."""

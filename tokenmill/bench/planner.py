@@ -182,9 +182,7 @@ def model_facts(
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        layer_windows=tuple(
-            config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
-        ),
+        layer_windows=config.layer_windows,  # the layers that keep K/V
         dense_params=dense,
         dense_bytes=int(dense_b),
         head_params=head,

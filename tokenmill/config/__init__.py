@@ -32,7 +32,9 @@ from tokenmill.config.engine import (
 )
 from tokenmill.config.model import (
     FULL_ATTENTION,
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
+    LinearAttentionConfig,
     ModelConfig,
     MoEConfig,
     RopeScaling,
@@ -45,6 +47,7 @@ __all__ = [
     "FULL_ATTENTION",
     "KERNEL_BACKENDS",
     "KV_CACHE_DTYPES",
+    "LINEAR_ATTENTION",
     "PACKED_ACTIVATIONS",
     "QUANTIZATION_METHODS",
     "SLIDING_ATTENTION",
@@ -52,6 +55,7 @@ __all__ = [
     "CacheConfig",
     "EngineArgs",
     "EngineConfig",
+    "LinearAttentionConfig",
     "ModelConfig",
     "MoEConfig",
     "RopeScaling",

@@ -20,7 +20,9 @@ from tokenmill.architectures import (
 )
 from tokenmill.config.model import (
     FULL_ATTENTION,
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
+    LinearAttentionConfig,
     ModelConfig,
     MoEConfig,
     RopeScaling,
@@ -57,6 +59,9 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
     elif arch == "gemma2":  # local and global layers alternate, local first
         layer_types = layer_types or _gemma3_layer_types(num_layers, 2)
         rope_local = rope_theta
+    elif arch == "gemma4":  # as Gemma 3's; transformers makes the last layer global
+        layer_types = layer_types or _gemma3_layer_types(num_layers, 6)
+        layer_types = layer_types[:-1] + (FULL_ATTENTION,)
     elif arch == "gpt_oss":  # as Gemma 2's, where its config does not list them
         layer_types = layer_types or _gemma3_layer_types(num_layers, 2)
     elif arch in ("mistral", "mixtral", "phi3"):
@@ -73,6 +78,9 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         layer_types = (FULL_ATTENTION,) * num_layers
     if sliding_window is None:
         layer_types = (FULL_ATTENTION,) * num_layers
+    linear_attention = None
+    if arch in _HYBRID:
+        layer_types, linear_attention = _hf_linear_attention(cfg, arch, num_layers)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     gen_cfg = model_dir / "generation_config.json"
@@ -85,7 +93,8 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"],
+        # Qwen3.5-MoE has no dense MLP: its experts' width stands in.
+        intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -94,18 +103,19 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rope_local_theta=rope_local if arch in ("gemma2", "gemma3") else None,
+        rope_local_theta=rope_local if arch in ("gemma2", "gemma3", "gemma4") else None,
         sliding_window=sliding_window,
         layer_types=layer_types,
         tie_word_embeddings=cfg.get(
-            "tie_word_embeddings", arch in ("gemma2", "gemma3")
+            "tie_word_embeddings", arch in ("gemma2", "gemma3", "gemma4")
         ),  # Gemma ties by default
         attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
         # Qwen2's bias stops at q/k/v; gpt-oss's goes on to the output projection.
         o_proj_bias=arch == "gpt_oss" and bool(cfg.get("attention_bias", True)),
         attention_sinks=arch == "gpt_oss",
         hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        # Gemma 4 scales its (normalized) queries by 1, not by head_dim^-0.5.
+        query_pre_attn_scalar=1.0 if arch == "gemma4" else cfg.get("query_pre_attn_scalar"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "gemma2" else None,
         bos_token_id=cfg.get("bos_token_id"),
@@ -116,7 +126,10 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         rotary_dim=_hf_rotary_dim(cfg, head_dim),
         # SmolLM3's no_rope_layers: 1 where a layer rotates, 0 where it does not.
         rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
+        linear_attention=linear_attention,
+        attn_output_gate=arch in _HYBRID and bool(cfg.get("attn_output_gate", True)),
         **_hf_weight_format(cfg, model_dir),
+        **(_hf_gemma4(cfg, layer_types) if arch == "gemma4" else {}),
         source=ModelSource(model_dir, "hf"),
     )
 
@@ -265,6 +278,8 @@ def config_from_gguf(
             moe=moe,
             **common,
         )
+    if arch in _HYBRID:
+        return _gguf_hybrid(path, arch, gguf_arch, get, common)
     if arch == "llama" and common["moe"] is not None:
         arch = "mixtral"
     if arch in ("llama", "mixtral") and sliding_window:
@@ -304,9 +319,99 @@ def config_from_gguf(
     )
 
 
+# Hybrid models: linear-attention layers beside full-attention ones (models/qwen3_next.py).
+_HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
+def _hf_linear_attention(
+    cfg: dict[str, Any], arch: str, num_layers: int
+) -> tuple[tuple[str, ...], LinearAttentionConfig]:
+    """(layer types, the Gated DeltaNet layers' shape) of a hybrid model; its configs list the
+    layer types, or give every ``full_attention_interval``-th layer full attention."""
+    layer_types = tuple(cfg.get("layer_types") or ())
+    if not layer_types:
+        every = int(cfg.get("full_attention_interval", 4))
+        layer_types = tuple(
+            FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(num_layers)
+        )
+    unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(f"{arch}: layer_types must give {num_layers} layers of "
+                         f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}; got {layer_types}")  # fmt: skip
+    linear = LinearAttentionConfig(
+        num_k_heads=int(cfg["linear_num_key_heads"]),
+        num_v_heads=int(cfg["linear_num_value_heads"]),
+        k_head_dim=int(cfg["linear_key_head_dim"]),
+        v_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        fused_projections=arch == "qwen3_next",
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ValueError(f"{arch}: linear_num_value_heads ({linear.num_v_heads}) must be a "
+                         f"multiple of linear_num_key_heads ({linear.num_k_heads})")  # fmt: skip
+    return layer_types, linear
+
+
+def _gguf_hybrid(
+    path: Path, arch: str, gguf_arch: str, get: Any, common: dict[str, Any]
+) -> ModelConfig:
+    """A hybrid model from llama.cpp's keys: the linear-attention layers' shape from its
+    ``ssm.*`` keys, which layers they are from ``attention.recurrent_layers`` (else every
+    ``full_attention_interval``-th layer attends fully), RoPE's rotated width."""
+    num_layers = common["num_hidden_layers"]
+    for key in ("ssm.group_count", "ssm.time_step_rank", "ssm.state_size", "ssm.inner_size"):
+        value = get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}: GGUF metadata {gguf_arch}.{key} must be a positive "
+                             f"integer; got {value!r}")  # fmt: skip
+    num_v = int(get("ssm.time_step_rank"))
+    linear = LinearAttentionConfig(
+        num_k_heads=int(get("ssm.group_count")),
+        num_v_heads=num_v,
+        k_head_dim=int(get("ssm.state_size")),
+        v_head_dim=int(get("ssm.inner_size")) // num_v,
+        conv_kernel=int(get("ssm.conv_kernel", 4)),
+        # llama.cpp's Qwen3.5 converter reorders value heads for its broadcasts (Qwen3-Next's
+        # does not).
+        v_heads_tiled=gguf_arch in ("qwen35", "qwen35moe"),
+    )
+    recurrent = get("attention.recurrent_layers")
+    if recurrent is not None:
+        layer_types = tuple(LINEAR_ATTENTION if r else FULL_ATTENTION for r in recurrent)
+    else:
+        every = int(get("full_attention_interval", 4))
+        layer_types = tuple(
+            FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION for i in range(num_layers)
+        )
+    if len(layer_types) != num_layers:
+        raise ValueError(f"{path}: {gguf_arch}.attention.recurrent_layers has "
+                         f"{len(layer_types)} entries for {num_layers} layers")  # fmt: skip
+    rope_dims = get("rope.dimension_count")
+    if isinstance(rope_dims, int) and 0 < rope_dims < common["head_dim"]:
+        common["rotary_dim"] = rope_dims
+    return ModelConfig(
+        architecture=arch,
+        layer_types=layer_types,
+        linear_attention=linear,
+        attn_output_gate=True,
+        **common,
+    )
+
+
 def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None:
     """The sparse MLPs of a Hugging Face config (None for a dense architecture)."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if arch == "gemma4":  # experts beside every layer's dense MLP (models/gemma4.py)
+        if not cfg.get("enable_moe_block"):
+            return None
+        return MoEConfig(
+            num_experts=int(cfg["num_experts"]),
+            top_k=int(cfg["top_k_experts"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=True,
+            sparse_layers=(True,) * num_layers,
+        )
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next",
+                    "qwen3_5_moe"):  # fmt: skip
         return None
     num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if arch in ("mixtral", "gpt_oss"):  # every layer sparse, a softmax over the top k
@@ -314,7 +419,8 @@ def _hf_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | None
     else:
         step = cfg.get("decoder_sparse_step") or 1
         dense_only = tuple(cfg.get("mlp_only_layers") or ())
-        renormalize = bool(cfg.get("norm_topk_prob", False))
+        # Qwen3.5-MoE always renormalizes (its config has no key for it).
+        renormalize = bool(cfg.get("norm_topk_prob", arch == "qwen3_5_moe"))
     sparse = tuple(
         i not in dense_only and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
     )
@@ -358,6 +464,56 @@ def _gguf_moe(get: Any, arch: str, num_layers: int, tensor_names: set[str]) -> M
         sparse_layers=sparse,
         shared_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
     )
+
+
+def _hf_gemma4(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """Gemma 4's fields (transformers' Gemma4TextConfig): the global layers' head width and KV
+    heads, k = v, per-layer embeddings, and which layers attend with an earlier layer's K/V
+    (``kv_sharing_modes``: from ``num_kv_shared_layers`` before the end, each layer reads the
+    last layer of its kind before them)."""
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention 'all' is not supported yet")
+    num_layers = len(layer_types)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    num_shared = int(cfg.get("num_kv_shared_layers") or 0)
+    sources: tuple[int, ...] = ()
+    if num_shared:
+        first_shared = num_layers - num_shared
+        producers = {t: i for i, t in enumerate(layer_types[:first_shared])}  # the last of each
+        if set(producers) != set(layer_types):
+            raise ValueError(
+                "Gemma 4's num_kv_shared_layers leaves a kind of layer with no layer before the "
+                "shared ones to keep its K/V"
+            )
+        sources = tuple(i if i < first_shared else producers[t] for i, t in enumerate(layer_types))
+    # The global layers' shape: Google's keys, or transformers' per_layer_config as it saves
+    # them (a {head_dim, num_key_value_heads} override per global layer).
+    global_head_dim = int(cfg.get("global_head_dim") or 512)
+    # transformers reads num_global_key_value_heads only where attention_k_eq_v is set.
+    global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
+    overrides = cfg.get("per_layer_config")
+    if overrides is not None:
+        shapes = {tuple(sorted(o.items())) for o in overrides.values()}
+        globals_ = {i for i, t in enumerate(layer_types) if t == FULL_ATTENTION}
+        if {int(i) for i in overrides} != globals_ or len(shapes) != 1:
+            raise ValueError(
+                "Gemma 4 with per-layer overrides other than one shape for every global layer "
+                "is not supported yet"
+            )
+        override = dict(shapes.pop())
+        if set(override) - {"head_dim", "num_key_value_heads"}:
+            raise ValueError(f"Gemma 4 with per-layer {sorted(override)} is not supported yet")
+        global_head_dim = int(override.get("head_dim", cfg.get("head_dim")))
+        global_kv = override.get("num_key_value_heads")
+    return {
+        "global_head_dim": global_head_dim,
+        "num_global_key_value_heads": global_kv,
+        "attention_k_eq_v": k_eq_v,
+        "hidden_size_per_layer_input": int(cfg.get("hidden_size_per_layer_input") or 0),
+        "vocab_size_per_layer_input": int(cfg.get("vocab_size_per_layer_input") or 0),
+        "kv_source_layers": sources,
+        "double_wide_mlp": bool(cfg.get("use_double_wide_mlp", False)) and num_shared > 0,
+    }
 
 
 def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
@@ -411,6 +567,13 @@ def _hf_rope(cfg: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | N
     rope_type = scaling_dict.get("rope_type") or scaling_dict.get("type") or "default"
     if rope_type == "default":
         return theta, None, local_theta
+    if rope_type == "proportional":  # Gemma 4's global layers
+        scaling = RopeScaling(
+            rope_type="proportional",
+            factor=float(scaling_dict.get("factor", 1.0)),
+            partial_rotary_factor=float(scaling_dict.get("partial_rotary_factor", 1.0)),
+        )
+        return theta, scaling, local_theta
     if rope_type == "longrope":
         return theta, _longrope(cfg, scaling_dict), local_theta
     if rope_type == "yarn":

@@ -9,6 +9,9 @@ from tokenmill.resolve import ModelSource
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# A layer whose token mixer is linear attention with a recurrent state (Qwen3-Next and Qwen3.5's
+# Gated DeltaNet): it holds no K/V, only a fixed-size state per request.
+LINEAR_ATTENTION = "linear_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +19,7 @@ class RopeScaling:
     """Rotary-embedding frequency scaling: ``linear``, Llama 3's ``llama3``, Phi-3's
     ``longrope`` (per-frequency divisors: ``short_factor`` for positions within
     ``original_max_position_embeddings``, ``long_factor`` beyond, and cos/sin scaled by
-    ``attention_factor``), or ``yarn`` (gpt-oss)."""
+    ``attention_factor``), ``yarn`` (gpt-oss), or ``proportional`` (Gemma 4's global layers)."""
 
     rope_type: str
     factor: float = 1.0
@@ -32,6 +35,43 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    # Gemma 4's "proportional" RoPE: only the first ``partial_rotary_factor`` of a head's
+    # frequency pairs turn (the rest stand still, their dimensions passing through), each at the
+    # frequency it has in the whole head; all divided by ``factor``.
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Yang et al., 2025) of a hybrid model: q/k/v pass a causal
+    depthwise convolution of ``conv_kernel`` taps, then a gated delta rule updates a
+    [k_head_dim, v_head_dim] state per value head. A request carries, per such layer, the
+    convolution's last ``conv_kernel - 1`` inputs and those states (attention/recurrent.py).
+    ``fused_projections``: Qwen3-Next stores q/k/v/z and b/a as two projections interleaved per
+    key head; Qwen3.5 stores four. ``v_heads_tiled``: the value heads are ordered k0 k1 .. k0 k1
+    .. by the key head they read (llama.cpp's Qwen3.5 GGUFs, for its broadcasts) rather than in
+    groups k0 k0 .. k1 k1 .. (the checkpoints')."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+    fused_projections: bool = False
+    v_heads_tiled: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +151,31 @@ class ModelConfig:
     rotary_dim: int | None = None
     # SmolLM3: per layer, whether it rotates q and k (its NoPE layers do not); empty: all do.
     rope_layers: tuple[bool, ...] = ()
+    # Gemma 4: full-attention layers have their own head width and (where set) their own KV
+    # heads; with ``attention_k_eq_v`` their values are their key projection's output (no
+    # v_proj). Every Gemma 4 layer RMS-normalizes its values without a gain (v_norm).
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False
+    # Gemma 4's per-layer embeddings (PLE): each layer adds a gated input of this width of its
+    # own, from a second embedding table (``vocab_size_per_layer_input`` rows, every layer's
+    # slice side by side) and a projection of the token's embedding; 0: none.
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    # Gemma 4: per layer, the layer whose K/V it attends with; a KV-sharing layer names an earlier
+    # one and keeps no cache of its own. Empty: every layer its own.
+    kv_source_layers: tuple[int, ...] = ()
+    # Gemma 4: the KV-sharing layers' MLPs are twice intermediate_size wide.
+    double_wide_mlp: bool = False
     # How a Hugging Face checkpoint stores its matrices: "float", or "fp8" (e4m3 with float32
     # scales, per tensor or row, or per [bn, bk] block: ``fp8_block``; quant/fp8.py).
     weight_format: str = "float"
     fp8_block: tuple[int, int] | None = None
+    # Hybrid models (Qwen3-Next, Qwen3.5): the linear-attention layers' shape (their
+    # layer_types say which), and whether full attention's output is gated by a sigmoid of a
+    # second half of q_proj's rows (Qwen's "gated attention").
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
     # A GGUF's llama.cpp file type ("Q4_K_M", "F16", ...; general.file_type), else None.
     file_type: str | None = None
     source: ModelSource | None = None
@@ -148,6 +209,11 @@ class ModelConfig:
         """ValueError unless the model splits into ``size`` tensor-parallel ranks."""
         if size == 1:
             return
+        if self.architecture == "gemma4":
+            raise ValueError(
+                f"tensor_parallel_size {size}: Gemma 4 (per-layer KV shapes) is not split across "
+                "ranks yet; use tensor_parallel_size 1"
+            )
         if self.moe is not None:
             raise ValueError(
                 f"tensor_parallel_size {size}: mixtures of experts ({self.architecture}) are "
@@ -168,6 +234,23 @@ class ModelConfig:
                 f"tensor_parallel_size {size} must divide the MLP width {self.intermediate_size}"
             )
 
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose K/V cache layer ``layer_idx`` attends with: itself, or for Gemma 4's
+        KV-sharing layers the last earlier layer of its kind that keeps one."""
+        return self.kv_source_layers[layer_idx] if self.kv_source_layers else layer_idx
+
+    def layer_head_dim(self, layer_idx: int) -> int:
+        """A layer's head width (Gemma 4's full-attention layers: ``global_head_dim``)."""
+        if self.global_head_dim and self.layer_types[layer_idx] == FULL_ATTENTION:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_num_kv_heads(self, layer_idx: int) -> int:
+        """A layer's KV heads on this rank (Gemma 4's full-attention layers may have fewer)."""
+        if self.num_global_key_value_heads and self.layer_types[layer_idx] == FULL_ATTENTION:
+            return max(1, self.num_global_key_value_heads // self.tp.size)
+        return self.num_local_kv_heads
+
     def layer_uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
 
@@ -178,9 +261,37 @@ class ModelConfig:
         return None
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V, in order (all but linear-attention ones). The KV cache and
+        its layout (kv_layout.py) count these alone: the i-th of them is KV layer i."""
+        return tuple(
+            i
+            for i, t in enumerate(self.layer_types)
+            if t != LINEAR_ATTENTION and self.kv_source(i) == i  # Gemma 4's sharing layers: none
+        )
+
+    @property
+    def kv_layer_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each KV layer's (KV heads on this rank, head_dim), as its cache holds them."""
+        return tuple((self.layer_num_kv_heads(i), self.layer_head_dim(i)) for i in self.kv_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.kv_layers)
+
+    def kv_layer_index(self, layer_idx: int) -> int:
+        """Layer ``layer_idx``'s place among the KV layers (its K/V cache's index)."""
+        return self.kv_layers.index(layer_idx)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers, in order: the i-th holds recurrent state i."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
-        """Every layer's attention window (``layer_sliding_window``), in order."""
-        return tuple(self.layer_sliding_window(i) for i in range(self.num_hidden_layers))
+        """Every KV layer's attention window (``layer_sliding_window``), in order."""
+        return tuple(self.layer_sliding_window(i) for i in self.kv_layers)
 
     @property
     def attention_scale(self) -> float:

@@ -402,7 +402,11 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
         cache_config=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory=parse_memory(args.kv_cache_memory),
-            enable_prefix_caching=args.enable_prefix_caching,
+            # A hybrid model's recurrent state cannot be rebuilt from cached blocks
+            # (attention/recurrent.py): every request computes from its first token.
+            enable_prefix_caching=(
+                args.enable_prefix_caching and worker.model_config.linear_attention is None
+            ),
             num_blocks=worker.num_kv_blocks,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_layout=layout,
@@ -422,7 +426,7 @@ def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
 def _window_capacity(config: EngineConfig) -> str:
     """The memory plan's line for a layout with sliding windows: what a request holds."""
     cache, sched = config.cache_config, config.scheduler_config
-    layout = cache.layout(config.model_config.num_hidden_layers)
+    layout = cache.layout(config.model_config.num_kv_layers)
     held = layout.blocks_held(sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
     whole = layout.num_groups * -(-sched.max_model_len // cache.block_size)
     usable = cache.num_blocks - 1

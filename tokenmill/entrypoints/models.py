@@ -99,6 +99,9 @@ def print_show(out: TextIO, spec: str, context: int | None = None) -> None:
         f"  KV cache    {human_bytes(s.kv_bytes_per_token * ctx)} at {ctx} tokens "
         f"({human_bytes(s.kv_bytes_per_token)} a token)",
     ]
+    if s.state_bytes_per_request:
+        lines.append(f"  state       {human_bytes(s.state_bytes_per_request)} a request "
+                     "(linear-attention layers)")  # fmt: skip
     free = available_memory()
     if free is not None:
         need = s.weight_bytes_estimate + s.kv_bytes_per_token * ctx

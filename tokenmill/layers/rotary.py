@@ -1,7 +1,9 @@
 """Rotary position embeddings (Su et al., 2021), half-rotation ("neox") layout as in HF models.
 
 Frequencies follow the checkpoint's scaling: ``linear`` divides positions by a factor; ``llama3``
-(Llama 3.1) keeps high frequencies, divides low ones by the factor and blends in between.
+(Llama 3.1) keeps high frequencies, divides low ones by the factor and blends in between;
+``proportional`` (Gemma 4) turns only a head's leading frequency pairs, the others standing still
+(cos 1, sin 0), so the rotation spans the whole head unlike ``rotary_dim``'s.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq / _factors(scaling.short_factor, head_dim)
     if scaling.rope_type == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling)
+    if scaling.rope_type == "proportional":  # the leading pairs turn, the rest stand still
+        inv_freq[int(scaling.partial_rotary_factor * head_dim // 2) :] = 0.0
+        return inv_freq / scaling.factor
     # llama3
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor

@@ -73,6 +73,19 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     "attn_sinks": "self_attn.sinks",  # gpt-oss
 }
+# Hybrid models' linear-attention tensors (llama.cpp's ssm_* names; Qwen3-Next's converter
+# already splits its fused q/k/v/z into attn_qkv and attn_gate, and keeps [b|a] as ssm_ba).
+_HYBRID_NAMES = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # The architectures whose q/k rows llama.cpp's converter permutes for its interleaved RoPE.
 ROPE_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
 # Tensors kept float whatever their type in the file: the routers (tiny, and they pick experts).
@@ -346,6 +359,11 @@ def _iter_gguf(
                 weight = weight.reshape(1, -1)  # llama.cpp stores the [1, H] gate as [H]
         if config.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight - 1.0
+        if config.linear_attention is not None:  # Qwen3-Next / Qwen3.5 (_HYBRID_NAMES)
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                weight = weight - 1.0  # their RMSNorms scale by 1 + w: llama.cpp stores 1 + w
+            elif name.endswith("A_log"):
+                weight = torch.log(-weight)  # llama.cpp stores A = −exp(A_log)
         if config.architecture in ROPE_PERMUTED:
             in_place = place is not None  # its place in a joined weight
             if name.endswith("q_proj.weight"):
@@ -462,11 +480,18 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
     if m:  # older Mixtral files: a tensor per expert
         layer, part, expert = m.groups()
         return f"model.layers.{layer}.mlp.experts.{expert}.{part[4:]}_proj.weight"
+    hybrid = architecture in _HYBRID_ARCHITECTURES
+    m = re.fullmatch(r"blk\.(\d+)\.ssm_(a|dt\.bias)", gguf_name)
+    if m and hybrid:  # the decay's A (no suffix) and dt's bias
+        layer, part = m.groups()
+        return f"model.layers.{layer}.linear_attn.{'A_log' if part == 'a' else 'dt_bias'}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if not m:
         return None
     layer, part, kind = m.groups()
-    if architecture == "phi3" and part in ("attn_qkv", "ffn_up"):
+    if hybrid and part in _HYBRID_NAMES:
+        hf = _HYBRID_NAMES[part]
+    elif architecture == "phi3" and part in ("attn_qkv", "ffn_up"):
         # Fused as in Phi-3's own checkpoints (models/phi3.py splits them): q/k/v, gate/up.
         hf = "self_attn.qkv_proj" if part == "attn_qkv" else "mlp.gate_up_proj"
     elif part == "ffn_norm":

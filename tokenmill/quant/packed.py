@@ -102,7 +102,8 @@ class PackedWeight:
         )
 
     def select_rows(self, index: torch.Tensor) -> PackedWeight:
-        """The rows ``index`` (a permutation, e.g. undoing llama.cpp's q/k row order)."""
+        """The rows ``index``, in its order (a permutation undoing llama.cpp's q/k row order, or
+        a part of rows interleaved with others: Qwen3-Next's [b|a])."""
         offsets = None if self.offsets is None else self.offsets[index].contiguous()
         return PackedWeight(
             self.kind,
@@ -110,7 +111,7 @@ class PackedWeight:
             self.scales[index].contiguous(),
             offsets,
             self.group,
-            self.shape,
+            (len(index), self.shape[1]),
             self.zero,
         )
 
@@ -758,7 +759,7 @@ class GGUFBlocks:
         return 1 if self.ggml_type in HALF_GGML_TYPES else BLOCK_CODES[self.ggml_type][0]
 
     def select_rows(self, index: torch.Tensor) -> GGUFBlocks:
-        return GGUFBlocks(self.raw[index], self.ggml_type, self.shape)
+        return GGUFBlocks(self.raw[index], self.ggml_type, (len(index), self.shape[1]))
 
     def split_rows(self, sizes: list[int]) -> list[GGUFBlocks]:
         """Consecutive blocks of ``sizes`` rows (as PackedWeight.split_rows)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardBatch, PrefillSeq
+from tokenmill.attention.recurrent import RecurrentBatch, allocate_states
 from tokenmill.config import DEFAULT_KV_CACHE_FRACTION, CacheConfig
 from tokenmill.memory import human_bytes
 from tokenmill.models.base import CausalLM
@@ -183,6 +184,9 @@ def dummy_prefill(
     num_blocks = 1 + sum(-(-n // bs) for n in seq_lens)
     temporary = CacheConfig(bs, num_blocks=num_blocks, kv_cache_dtype=cache.kv_cache_dtype)
     kv_caches = allocate_kv_caches(model.config, temporary, dtype, device)
+    # A hybrid model's linear-attention layers: a state slot per sequence.
+    states = allocate_states(model.config, len(seq_lens), dtype, device)
+    recurrent = RecurrentBatch(torch.arange(len(seq_lens), device=device), seq_lens, 0)
     positions, slots, prefills = [], [], []
     next_block = 1
     for n in seq_lens:
@@ -209,7 +213,8 @@ def dummy_prefill(
             decode_seq_lens=torch.zeros(0, **long),
             prefills=prefills,
         )
-        hidden = model(input_ids, position_ids, ForwardBatch(kv_caches, [attn]))
+        fwd = ForwardBatch(kv_caches, [attn], states=states, recurrent=recurrent)
+        hidden = model(input_ids, position_ids, fwd)
         logits = model.compute_logits(hidden[-num_logits:]).float()  # [num_logits, vocab]
         # The sampler's own [rows, vocab] temporaries: probabilities and their running sum.
         logits.softmax(dim=-1).cumsum(dim=-1)

@@ -41,7 +41,7 @@ from tokenmill.core.sched_output import (
     SampledLogprobs,
     SchedulerOutput,
 )
-from tokenmill.kv_layout import KVLayout
+from tokenmill.kv_layout import KVLayout, kv_tensors, uniform_layout
 from tokenmill.models.base import CausalLM
 from tokenmill.reasoning import BudgetState, ThinkingBudget
 from tokenmill.spec import Draft, DraftRequest, Proposer
@@ -61,6 +61,7 @@ from tokenmill.worker.input_batch import (
     pending_token,
     prompt_logprob_rows,
 )
+from tokenmill.worker.recurrent_state import RecurrentStatePool
 from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -103,12 +104,13 @@ def kv_bytes_per_block(
     layout: KVLayout | None = None,
 ) -> int:
     """Bytes of one block: K and V (and their scales, if quantized) of the layers it holds
-    (every layer without a layout)."""
-    per_token = kv_bytes_per_token(
-        config.num_local_kv_heads, config.head_dim, kv_cache_dtype, dtype
+    (every layer without a layout), in each shape they come in (kv_layout.kv_tensors)."""
+    layout = layout or uniform_layout(config.num_kv_layers)
+    shapes, _, _ = kv_tensors(
+        layout, config.kv_layer_shapes, config.num_local_heads, is_quantized_kv(kv_cache_dtype)
     )
-    num_layers = layout.group_size if layout is not None else config.num_hidden_layers
-    return per_token * block_size * num_layers
+    per_token = sum(kv_bytes_per_token(h, d, kv_cache_dtype, dtype) for h, d in shapes)
+    return per_token * block_size
 
 
 def allocate_kv_caches(
@@ -117,17 +119,27 @@ def allocate_kv_caches(
     """Per layer K, V [num_blocks, block_size, num_kv_heads, head_dim]; a quantized cache adds
     K and V scales [num_blocks, block_size, num_kv_heads] float32. Layers of different groups
     (kv_layout.py) share tensors: layer i's are tensor ``layout.layer_tensors[i]``'s."""
-    layout = cache.layout(config.num_hidden_layers)
+    layout = cache.layout(config.num_kv_layers)
     storage_dtype = kv_storage_dtype(cache.kv_cache_dtype, dtype)
-    # This rank's KV heads (all of them without tensor parallelism).
-    shape = (cache.num_blocks, cache.block_size, config.num_local_kv_heads, config.head_dim)
+    # This rank's KV heads (all of them without tensor parallelism), per shape (Gemma 4's
+    # global layers have their own).
+    quantized = is_quantized_kv(cache.kv_cache_dtype)
+    shapes, layer_tensors, views = kv_tensors(
+        layout, config.kv_layer_shapes, config.num_local_heads, exact=quantized
+    )
     tensors = []
-    for _ in range(layout.group_size):
+    for num_kv_heads, head_dim in shapes:
+        shape = (cache.num_blocks, cache.block_size, num_kv_heads, head_dim)
         tensor = [_zeros(shape, storage_dtype, device), _zeros(shape, storage_dtype, device)]
-        if is_quantized_kv(cache.kv_cache_dtype):
+        if quantized:
             tensor += [_zeros(shape[:-1], torch.float32, device) for _ in range(2)]
         tensors.append(tuple(tensor))
-    return [tensors[j] for j in layout.layer_tensors]
+    caches = []
+    for (num_kv_heads, head_dim), t in zip(views, layer_tensors):
+        k, v, *scales = tensors[t]  # viewed in this layer's shape (rows of the same length)
+        shape = (cache.num_blocks, cache.block_size, num_kv_heads, head_dim)
+        caches.append((k.view(shape), v.view(shape), *scales))
+    return caches
 
 
 class ModelRunner:
@@ -152,8 +164,12 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         self.kv_cache_dtype = cache.kv_cache_dtype
-        self.kv_layout = cache.layout(model.config.num_hidden_layers)
+        self.kv_layout = cache.layout(model.config.num_kv_layers)
         self.kv_caches = allocate_kv_caches(model.config, cache, dtype, device)
+        # Hybrid models: a recurrent-state slot per running request, beside the KV blocks.
+        self.recurrent: RecurrentStatePool | None = None
+        if model.config.linear_attention is not None:
+            self.recurrent = RecurrentStatePool(model.config, max_num_seqs, dtype, device)
         self.sampler = Sampler(device, seed, model.kernels)
         self.requests: dict[str, RequestState] = {}
         # Proposals with a draft distribution, kept until the step that verifies them.
@@ -309,6 +325,8 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of every row; new K/V written to the cache."""
         fwd = ForwardBatch(self.kv_caches, step.attn, self.kv_layout.layer_groups)
+        if self.recurrent is not None:
+            fwd.states, fwd.recurrent = self.recurrent.states, self.recurrent.batch(step.reqs)
         return self.model(step.input_ids, step.positions, fwd)
 
     def compute_logits(self, hidden: torch.Tensor, step: StepInputs) -> torch.Tensor:
@@ -323,12 +341,18 @@ class ModelRunner:
             self._parked.pop(rid, None)
             outputs = state.token_ids[state.num_prompt_tokens :] if state is not None else None
             self._forget_draft(rid, outputs)
+            if self.recurrent is not None:
+                self.recurrent.release(rid)
         for rid in sched.preempted_req_ids:
             state = self.requests.pop(rid, None)
             self._forget_draft(rid, None)
+            if self.recurrent is not None:  # it recomputes from its first token on resuming
+                self.recurrent.release(rid)
             if state is not None:
                 self._parked[rid] = (state.generator, state.next_prompt_logprob_idx)
         for new in sched.new_reqs:
+            if self.recurrent is not None:
+                self.recurrent.assign(new.req_id)
             generator, next_prompt_logprob_idx = self._parked.pop(new.req_id, (None, 1))
             if generator is None and new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
@@ -605,7 +629,8 @@ class ModelRunner:
         if bufs is None or bufs[0].shape[0] < num_blocks:
             rows = max(num_blocks, 2 * (bufs[0].shape[0] if bufs else 0))  # amortized growth
             k_cache = self.kv_caches[0][0]
-            shape = (rows, k_cache[0].numel())
+            # The largest block of any layer (Gemma 4's differ): smaller ones use its prefix.
+            shape = (rows, max(caches[0][0].numel() for caches in self.kv_caches))
             kw = dict(dtype=k_cache.dtype, device=self.device)
             bufs = (torch.empty(shape, **kw), torch.empty(shape, **kw))
             self._gather_buffers = bufs

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.attention.recurrent import state_bytes_per_slot
 from tokenmill.config import (
     CacheConfig,
     EngineArgs,
@@ -101,9 +102,15 @@ def resolve_worker_config(
     device = pick_device(args.device)
     # NOTE: tensor-parallel ranks run eagerly: a graph records the C kernels, not the
     # all-reduces between them (nor, on CUDA, are NCCL calls captured yet).
-    graphed = not args.enforce_eager and args.tensor_parallel_size == 1
-    cuda_graphs = graphed and cuda_graphs_supported(device)
     model_config = _truncated(load_model_config(resolve_model(args.model)), num_layers)
+    check_recurrent(args, model_config)
+    # NOTE: hybrid models (linear attention) too: no graph records their state slots yet.
+    graphed = (
+        not args.enforce_eager
+        and args.tensor_parallel_size == 1
+        and model_config.linear_attention is None
+    )
+    cuda_graphs = graphed and cuda_graphs_supported(device)
     max_model_len = _max_model_len(args, model_config)
     quantization = pick_quantization(args.quantization, model_config, device)
     if args.tensor_parallel_size > 1:
@@ -301,6 +308,12 @@ class Worker:
         budget = parse_memory(args.kv_cache_memory)
         # The weights and the model's buffers (RoPE tables): what the model holds.
         weights = self.model.weight_nbytes() + sum(b.nbytes for b in self.model.buffers())
+        # A hybrid model's recurrent state: a slot per request that may run (ModelRunner's).
+        state = state_bytes_per_slot(self.model.config, self.dtype) * args.max_num_seqs
+        if state and self.config.tp_rank == 0:
+            logger.info("recurrent state of the linear-attention layers: %d slots (max_num_seqs) "
+                        "take %s", args.max_num_seqs, human_bytes(state))  # fmt: skip
+        weights += state
         if self.device.type != "cuda":
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             num_drafts = args.num_speculative_tokens if args.speculative_method else 0
@@ -362,6 +375,25 @@ def check_tensor_parallel(args: EngineArgs, config: ModelConfig, quantization: s
         raise ValueError(
             f"tensor_parallel_size {size}: a draft model is not split across ranks yet; "
             "use speculative_method ngram or suffix"
+        )
+
+
+def check_recurrent(args: EngineArgs, config: ModelConfig) -> None:
+    """ValueError for what a hybrid model's recurrent state does not allow yet: drafts that a
+    verify step rejects would already be folded into the state, and the state is not split
+    across tensor-parallel ranks."""
+    if config.linear_attention is None:
+        return
+    if args.speculative_method is not None:
+        raise ValueError(
+            f"speculative_method {args.speculative_method!r}: {config.architecture} has "
+            "linear-attention layers, whose state cannot take back rejected drafts; leave "
+            "speculative decoding off for this model"
+        )
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {args.tensor_parallel_size}: {config.architecture}'s "
+            "linear-attention layers are not split across ranks yet; use tensor_parallel_size 1"
         )
 
 

@@ -251,8 +251,9 @@ def _decode_context(
     _, bs, nkv, hd = k_cache.shape
     flat_table = meta.decode_block_table.reshape(-1)
     k_buf = v_buf = None
-    if meta.gather_buffers is not None:
-        k_buf, v_buf = (b[: flat_table.numel()] for b in meta.gather_buffers)
+    if meta.gather_buffers is not None:  # rows as wide as the widest layer's blocks
+        n = flat_table.numel() * k_cache[0].numel()
+        k_buf, v_buf = (b.view(-1)[:n].view(flat_table.numel(), -1) for b in meta.gather_buffers)
     keys = _gather_blocks(k_cache, flat_table, k_buf).view(nd, max_blocks * bs, nkv, hd)
     values = _gather_blocks(v_cache, flat_table, v_buf).view(nd, max_blocks * bs, nkv, hd)
     if kv_scales is not None:
