@@ -3,8 +3,8 @@
 For each file, ``--rounds`` times, tokenmill then llama.cpp (llama.cpp's own llama-bench, from
 ../shared/peers/build-llamacpp.sh), each in its own process, 2 threads:
   - batch-1 decode tokens/s (64 tokens after a 16-token prompt), beside the read-bandwidth
-    ceiling: the weights' bytes read a token (the file's tensors: both engines hold them at
-    the file's bytes) over a read-bandwidth probe taken just before (vs_llamacpp's: the best
+    ceiling: the weights' bytes read a token (the file's tensors, a mixture's experts in the
+    share a token runs) over a read-bandwidth probe taken just before (vs_llamacpp's: the best
     of 5 sums of 1 GiB of float32, 2 threads), and the share of that ceiling each engine
     reaches;
   - prefill tokens/s of a 512-token prompt;
@@ -113,9 +113,16 @@ def llama_load(path: Path) -> dict[str, float]:
 
 
 def weight_bytes(path: Path) -> int:
+    """Bytes a decode step reads: every tensor, a mixture of experts' stacked experts
+    (``*_exps``) in the share a token runs (expert_used_count of expert_count)."""
     from tokenmill.modelfile import read_gguf
 
-    return sum(t.num_bytes for t in read_gguf(path).tensors)
+    header = read_gguf(path)
+    arch = header.metadata.get("general.architecture")
+    used = header.metadata.get(f"{arch}.expert_used_count") or 1
+    count = header.metadata.get(f"{arch}.expert_count") or 1
+    return int(sum(t.num_bytes * (used / count if "_exps." in t.name else 1)
+                   for t in header.tensors))  # fmt: skip
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from test_gguf_loading import VOCAB, _add_tokenizer
 
 from tokenmill.engine import LLMEngine
+from tokenmill.models.gpt_oss import GptOssExperts
 from tokenmill.models.loader import load_model_config
 from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
@@ -96,6 +97,9 @@ def _compare(path: Path, hf, vocab: int) -> None:
         assert lp.sampled.logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-4)
         assert ref[pos - 1, ids[pos]] >= ref[pos - 1].max() - 1e-4  # greedy
     assert_all_blocks_free(engine)
+    # On a CPU the MXFP4 experts ran on the packed kernels (re-laid exactly at load).
+    experts = [m for m in engine.executor.worker.model.modules() if isinstance(m, GptOssExperts)]
+    assert experts and all(set(e.packed) == {"gate", "up", "down"} for e in experts)
 
 
 def test_a_hugging_face_mxfp4_checkpoint(tmp_path) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from tokenmill.quant.mxfp4 import Mxfp4Weight
+from tokenmill.kernels import cpu_library
+from tokenmill.kernels.cpu_backend import CpuKernelBackend
+from tokenmill.quant.mxfp4 import Mxfp4Weight, to_packed
 
 
 def test_every_code_under_every_exponent_is_bit_exact() -> None:
@@ -44,3 +47,25 @@ def test_a_hugging_face_checkpoints_nibble_order() -> None:
     e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
     assert weight.dequantize()[0].tolist() == [e2m1[c] for c in codes.tolist()]
     assert weight.codes[0, 0].tolist() == (codes[:16] | (codes[16:] << 4)).tolist()
+
+
+@pytest.mark.parametrize("exponents", [(110, 135), (0, 255)], ids=["float16", "float32"])
+def test_the_packed_relayout_is_exact_and_the_c_kernel_computes_it(exponents) -> None:
+    """``to_packed``: the same values (float16 group scales where every 2^(e − 128) is one,
+    float32 otherwise: the denormal and overflowing exponents included), and the packed C
+    kernel's matmul over them equals the float matmul of the MXFP4 values."""
+    gen = torch.Generator().manual_seed(2)
+    lo, hi = exponents
+    scales = torch.randint(lo, hi + 1, (3, 8, 4), dtype=torch.uint8, generator=gen)
+    codes = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=gen)
+    w = Mxfp4Weight(scales, codes)
+    packed = to_packed(w)
+    want = w.dequantize().reshape(24, 128)
+    assert packed.kind == "q5" and packed.shape == (24, 128)
+    assert packed.scales.dtype == (torch.float16 if hi < 255 else torch.float32)
+    assert torch.equal(packed.dequantize(), want)
+    if hi == 255 or not cpu_library.available():
+        return  # 2^127 overflows any matmul; without the C library there is no kernel
+    x = torch.randn(5, 128, generator=gen)
+    got = CpuKernelBackend().packed_matmul(x, packed, None, act_int8=False)
+    torch.testing.assert_close(got, x @ want.t(), rtol=1e-4, atol=1e-4)

@@ -98,8 +98,8 @@ class CausalLM(nn.Module):
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.nbytes(module.quant_state)
-            if isinstance(module, (FusedLinear, FusedMoE)):
-                total += module.packed_nbytes()
+            if isinstance(module, (FusedLinear, FusedMoE)) or hasattr(module, "packed_nbytes"):
+                total += module.packed_nbytes()  # (gpt-oss's experts: re-laid MXFP4)
         return total
 
     def num_parameters(self) -> int:
@@ -113,6 +113,8 @@ class CausalLM(nn.Module):
                 total += sum(_numel(g.state.weight.shape) for g in module.groups if g.state)
             elif isinstance(module, FusedMoE):
                 total += sum(_numel(w.shape) for w in module.packed.values())
+            elif hasattr(module, "packed_numel"):  # gpt-oss's experts: re-laid MXFP4
+                total += module.packed_numel()
         return total
 
     def expert_layers(self) -> dict[int, FusedMoE]:

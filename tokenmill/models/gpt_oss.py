@@ -9,9 +9,11 @@ Attention: q/k/v and output projections with biases; every head has a learned si
 joins its softmax (weight that goes nowhere: the torch backend's explicit attention computes
 it); local (128-token window) and global layers alternate; YaRN-scaled RoPE.
 
-The experts run in torch, each chosen expert once on its tokens (as transformers does). Their
-weights are kept as the checkpoint holds them: float, or MXFP4 (quant/mxfp4.py; the released
-checkpoints and llama.cpp's GGUFs), dequantized an expert at a time as a step chooses it. Each
+Each chosen expert runs once on its tokens (as transformers does). Their weights are kept as
+the checkpoint holds them: float, or MXFP4 (quant/mxfp4.py; the released checkpoints and
+llama.cpp's GGUFs). On a CPU, MXFP4 experts are re-laid once loaded (``pack_``) as packed 5-bit
+codes, exactly, and run on the packed C kernels; elsewhere they are dequantized in torch an
+expert at a time as a step chooses it. Each
 checkpoint layout is translated here into one: per expert, gate and up [I, H] and down [H, I]
 (rows are outputs). Hugging Face stores gate and up interleaved (``gate_up_proj``: the even
 columns gate, the odd up; its float tensors transposed, [E, H, 2I]); llama.cpp apart.
@@ -26,8 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.kernels.base import KernelBackend
+from tokenmill.kernels.torch_backend import TorchKernelBackend, expert_rows
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.quant.mxfp4 import BLOCK, Mxfp4Weight
+from tokenmill.quant.mxfp4 import BLOCK, Mxfp4Weight, to_packed
+from tokenmill.quant.packed import PackedWeight
 
 Weight = torch.Tensor | Mxfp4Weight
 
@@ -57,6 +62,11 @@ class GptOssExperts(nn.Module):
         super().__init__()
         self.limit = limit
         self.mxfp4 = mxfp4
+        self.rows = {"gate": width, "up": width, "down": hidden}
+        # MXFP4 re-laid for the packed kernels (``pack_``): name -> [E·rows, K].
+        self.packed: dict[str, PackedWeight] = {}
+        self.act_int8 = False  # the packed matmuls' activations (the load's packed method's)
+        self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
         shapes = {"gate": (num, width, hidden), "up": (num, width, hidden),
                   "down": (num, hidden, width)}  # fmt: skip
         for name, (e, n, k) in shapes.items():
@@ -71,6 +81,33 @@ class GptOssExperts(nn.Module):
         """A parameter of ``dtype`` (None: the model's, as it is built)."""
         setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
 
+    def pack_(self, act_int8: bool) -> None:
+        """The MXFP4 stacks as packed weights (quant/mxfp4.py: to_packed), their bytes
+        dropped: the packed kernels compute each chosen expert."""
+        widths = [getattr(self, f"{n}_scales").shape[-1] * BLOCK for n in self.rows]
+        if not self.mxfp4 or any(k % 64 for k in widths):  # "q5" rows: multiples of 64
+            return
+        for name in self.rows:
+            scales, codes = getattr(self, f"{name}_scales"), getattr(self, f"{name}_codes")
+            self.packed[name] = to_packed(Mxfp4Weight(scales.data, codes.data))
+            delattr(self, f"{name}_scales")
+            delattr(self, f"{name}_codes")
+        self.act_int8 = act_int8
+
+    def packed_nbytes(self) -> int:
+        return sum(w.nbytes for w in self.packed.values())
+
+    def packed_numel(self) -> int:
+        return sum(w.shape[0] * w.shape[1] for w in self.packed.values())
+
+    def linear(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x · W_{name, expert}ᵀ + b_{name, expert}."""
+        bias = getattr(self, f"{name}_bias")[expert]
+        if self.packed:
+            w = expert_rows(self.packed[name], expert, self.rows[name])
+            return self.kernels.packed_matmul(x, w, None, self.act_int8).to(x.dtype) + bias
+        return F.linear(x, self.weight(name, expert, x.dtype), bias)
+
     def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's matrix [rows, K] in ``dtype``."""
         if not self.mxfp4:
@@ -83,11 +120,10 @@ class GptOssExperts(nn.Module):
         for expert in ids.unique().tolist():  # each chosen expert once, on its tokens' rows
             tokens, slot = torch.where(ids == expert)
             h = x[tokens]
-            gate = F.linear(h, self.weight("gate", expert, x.dtype), self.gate_bias[expert])
-            up = F.linear(h, self.weight("up", expert, x.dtype), self.up_bias[expert])
+            gate, up = self.linear("gate", expert, h), self.linear("up", expert, h)
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
-            y = F.linear(glu, self.weight("down", expert, x.dtype), self.down_bias[expert])
+            y = self.linear("down", expert, glu)
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out
 

@@ -29,6 +29,7 @@ from tokenmill.memory import release_freed_memory
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, GGUFTensor, dequantize
+from tokenmill.models.gpt_oss import GptOssExperts
 from tokenmill.models.registry import get_model_class
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
@@ -240,6 +241,10 @@ def _build_and_load(
             module.group_parts_()
         elif isinstance(module, FusedMoE):  # packed experts into stacks, gate with up
             module.stack_()
+        elif isinstance(module, GptOssExperts) and device.type == "cpu":
+            # MXFP4 experts re-laid for the packed C kernels (exactly); activations as the
+            # load's packed method quantizes them (float without one).
+            module.pack_(bool(getattr(quant_method, "act_int8", False)))
         else:
             continue
         release_freed_memory()  # the parts just joined: holes the next join cannot fill

@@ -476,7 +476,10 @@ def _truncated(config: ModelConfig, num_layers: int | None) -> ModelConfig:
             f"draft_num_layers ({num_layers}) exceeds the draft model's "
             f"{config.num_hidden_layers} layers"
         )
-    return dataclasses.replace(config, num_hidden_layers=num_layers)
+    # Per-layer lists cut too: the KV cache counts the layers layer_types gives (kv_layers).
+    return dataclasses.replace(
+        config, num_hidden_layers=num_layers, layer_types=config.layer_types[:num_layers]
+    )
 
 
 def pick_device(name: str) -> torch.device:
