@@ -305,6 +305,9 @@ RESIDENT_BYTES_PER_WEIGHT = {
     "Q3_K": 110 / 256,  # the same (q3)
     "IQ4_NL": 0.5 + 2 / 32,  # 4-bit table indices, float16 scale / 32
     "IQ4_XS": 136 / 256,  # the file's super-blocks, re-laid (n4k)
+    # gpt-oss's experts, on a CPU: its 4-bit indices and a float16 scale / 32 ("m4",
+    # quant/mxfp4.py); its own bytes (17 / 32) elsewhere
+    "MXFP4": 0.5 + 2 / 32,
 }
 FLOAT32_BYTES = 4.0
 # Tensors kept float whatever their type (norms, biases: 1-D) count as float32.

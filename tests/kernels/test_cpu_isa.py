@@ -22,7 +22,7 @@ import torch
 from tokenmill.kernels import cpu_library as kernels
 from tokenmill.quant import Int4QuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES
-from tokenmill.quant.packed import PackedWeight, pack_codes, pack_gguf
+from tokenmill.quant.packed import E2M1_DOUBLED, PackedWeight, pack_codes, pack_gguf
 
 pytestmark = [
     pytest.mark.skipif(not kernels.available(), reason="C kernels not built here"),
@@ -58,6 +58,8 @@ def _synthetic(kind: str, group: int, n: int, k: int, f16: bool = False) -> Pack
     codes = torch.randint(low, high, (n, k), generator=g)
     if kind == "n4":
         codes = torch.tensor(IQ4_KVALUES)[codes]
+    elif kind == "m4":
+        codes = torch.tensor(E2M1_DOUBLED)[codes]
     scales = torch.rand(n, k // group, generator=g) * 0.02
     offsets = torch.rand(n, k // group, generator=g) * 0.1 if kind == "q4" else None
     scales = scales.half() if f16 else scales
@@ -101,6 +103,8 @@ LAYOUTS = {
     "q4 G64 offsets": lambda: _synthetic("q4", 64, 40, 640),
     "q4 G256 offsets": lambda: _synthetic("q4", 256, 40, 768),
     "n4 f16 G64": lambda: _synthetic("n4", 64, 40, 192, f16=True),
+    "m4 f16 G32": lambda: _synthetic("m4", 32, 40, 640, f16=True),  # gpt-oss's MXFP4 experts
+    "m4 G32": lambda: _synthetic("m4", 32, 40, 192),
     "int4 G128": lambda: _int4(128, 40, 640),
 }
 
@@ -124,7 +128,7 @@ def _cases() -> list[tuple[str, int, bool, PackedWeight, torch.Tensor]]:
         assert kernels.supports(w), name
         for m in ROWS:
             x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(m)) * 2
-            for unsigned in (False, True) if w.kind in ("q8", "n4") else (False,):
+            for unsigned in (False, True) if w.kind in ("q8", "n4", "m4") else (False,):
                 cases.append((name, m, unsigned, w, x))
     return cases
 

@@ -61,7 +61,7 @@ def test_the_packed_relayout_is_exact_and_the_c_kernel_computes_it(exponents) ->
     w = Mxfp4Weight(scales, codes)
     packed = to_packed(w)
     want = w.dequantize().reshape(24, 128)
-    assert packed.kind == "q5" and packed.shape == (24, 128)
+    assert packed.kind == "m4" and packed.shape == (24, 128)
     assert packed.scales.dtype == (torch.float16 if hi < 255 else torch.float32)
     assert torch.equal(packed.dequantize(), want)
     if hi == 255 or not cpu_library.available():

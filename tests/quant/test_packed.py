@@ -16,6 +16,7 @@ from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.quant import Int4QuantMethod, PackedQuantMethod
 from tokenmill.quant.gguf_blocks import BLOCK_CODES, IQ4_KVALUES
 from tokenmill.quant.packed import (
+    E2M1_DOUBLED,
     K_QUANT_KINDS,
     PackedWeight,
     activation_levels,
@@ -184,13 +185,16 @@ def test_k_quant_codes_and_scale_bytes_round_trip(kind: str) -> None:
 
 
 @pytest.mark.parametrize("k", [64, 192, 640, 96])
-@pytest.mark.parametrize("kind", ["q8", "q4", "n4"])
+@pytest.mark.parametrize("kind", ["q8", "q4", "n4", "m4"])
 def test_stored_codes_round_trip(k: int, kind: str) -> None:
     """Codes go into the kernel's lane order (or stay in element order for rows not in 64s)
-    and come back in element order ("n4": stored as indices, given back as the table's codes)."""
+    and come back in element order ("n4", "m4": stored as indices, given back as the table's
+    codes)."""
     codes = torch.randint(-127 if kind == "q8" else 0, 128 if kind == "q8" else 16, (5, k))
     if kind == "n4":
         codes = torch.tensor(IQ4_KVALUES)[codes]
+    elif kind == "m4":
+        codes = torch.tensor(E2M1_DOUBLED)[codes]
     stored = pack_codes(codes, kind)
     assert stored.shape == (5, k if kind == "q8" else k // 2)
     assert torch.equal(unpack_codes(stored, kind, k), codes.to(torch.int16))
@@ -244,7 +248,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(
 
 
 @needs_kernel
-@pytest.mark.parametrize(("kind", "code"), [("q8", 127), ("q8", -128), ("n4", -127), ("n4", 113)])
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [("q8", 127), ("q8", -128), ("n4", -127), ("n4", 113), ("m4", 12), ("m4", -12)],
+)
 @pytest.mark.parametrize("unsigned", [True, False])
 def test_int8_codes_at_their_extremes_sum_exactly(kind: str, code: int, unsigned: bool) -> None:
     """The kernel multiplies "q8" codes (and "n4" codes, looked up) as bytes code + 128 with

@@ -7,7 +7,8 @@
  * offset per group: w = scale · code - offset. `kind` (tokenmill.h: TM_KIND_*) holds the
  * weight's layout (enum tm_layout, TM_LAYOUTS): int8 codes ("q8"); 4-bit codes + z, 0..15
  * ("q4", z as "u8"'s: GGUF Q4_0's 8); bytes holding code + z, 0..63 ("u8"); 4-bit indices,
- * stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL); 5-bit codes + z,
+ * stored as "q4", into IQ4's table of 16 int8 codes ("n4": GGUF IQ4_NL) or MXFP4's doubled e2m1
+ * values ("m4": gpt-oss's experts, quant/mxfp4.py, float16 scales 2^(e - 128)); 5-bit codes + z,
  * 0..31, in a nibble and a bit plane ("q5", below, z as "u8"'s); GGUF Q2_K / Q3_K / Q4_K /
  * Q5_K / Q6_K / IQ4_XS super-blocks ("q2", "q3", "q4k", "q5k", "q6k", "n4k", below); and
  * whether the scales are float16, and z.
@@ -22,7 +23,7 @@
  * also run the float work, are what bounds this kernel).
  *   "q8", "u8": code vector u is the 32 bytes at 32·u in the block;
  *   "q4", "n4": the 32 bytes at 32·v hold code vector 2v in their low nibbles, 2v + 1 in the
- *   high. "n4" indices become int8 codes with one pshufb against the table (iq4_codes), and
+ *   high. "n4" indices become int8 codes with one pshufb against the table (table_codes), and
  *   are then multiplied exactly as "q8" codes are, sign flips, unsigned code + 128 and all.
  *   "q5" (GGUF Q5_0, Q5_1, Q5_K: 0.625 bytes a code where "u8" took 1): a block is a 32-byte
  *   plane holding each code's fifth bit (vector u's in bit u), then its low 4 bits as "q4"
@@ -208,8 +209,18 @@ TM_TARGET TM_INLINE __m256i code_vector(int four_bit, const uint8_t *row, int64_
 /* IQ4's codes (quant/gguf_blocks.py: IQ4_KVALUES), index 0..15 -> int8. */
 #define TM_IQ4_KVALUES -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113
 
-/* "n4": 32 indices 0..15 -> their int8 codes (pshufb looks up within each 128-bit half). */
-TM_TARGET TM_INLINE __m256i iq4_codes(__m256i idx) {
+/* MXFP4's e2m1 values doubled (quant/mxfp4.py: E2M1_DOUBLED), index 0..15 -> int8. */
+#define TM_E2M1_DOUBLED 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
+/* The layouts whose 4-bit indices pick an int8 code from a table ("n4", "m4"), signed or run
+ * unsigned. */
+#define IS_TABLE(KIND) \
+    ((KIND) == TM_N4 || (KIND) == TM_N4_UNSIGNED || (KIND) == TM_M4 || (KIND) == TM_M4_UNSIGNED)
+
+/* "n4", "m4": 32 indices 0..15 -> their int8 codes (pshufb looks up within each 128-bit half). */
+TM_TARGET TM_INLINE __m256i table_codes(int kind, __m256i idx) {
+    if (kind == TM_M4 || kind == TM_M4_UNSIGNED)
+        return _mm256_shuffle_epi8(_mm256_setr_epi8(TM_E2M1_DOUBLED, TM_E2M1_DOUBLED), idx);
     return _mm256_shuffle_epi8(_mm256_setr_epi8(TM_IQ4_KVALUES, TM_IQ4_KVALUES), idx);
 }
 
@@ -224,7 +235,7 @@ TM_TARGET TM_INLINE __m256i q5_high(__m256i plane, int u) {
  * the forms run unsigned, TM_Q8_UNSIGNED and TM_N4_UNSIGNED): "n4" indices looked up, signed
  * like "q8". */
 TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0, int u) {
-    if (kind == TM_N4 || kind == TM_N4_UNSIGNED) return iq4_codes(code_vector(1, row, c0, u));
+    if (IS_TABLE(kind)) return table_codes(kind, code_vector(1, row, c0, u));
     if (kind == TM_Q5) {
         const uint8_t *src = row + q5_block(c0);
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32 + (u >> 1) * 32));
@@ -246,7 +257,7 @@ TM_TARGET TM_INLINE __m256i kind_vector(int kind, const uint8_t *row, int64_t c0
 static inline int64_t row_bytes(int kind, int64_t K) {
     if (IS_KQ(kind)) return K / 256 * KQ_BYTES(kind);
     if (kind == TM_Q5) return K / 2 + 32 * num_blocks(K / 32);
-    return kind == TM_Q4 || kind == TM_N4 || kind == TM_N4_UNSIGNED ? K / 2 : K;
+    return kind == TM_Q4 || IS_TABLE(kind) ? K / 2 : K;
 }
 
 /* Scales a row has: one a group, or (the k-quants) d, and dmin (KQ_MINS), a super-block. */
@@ -297,7 +308,7 @@ TM_TARGET TM_INLINE __m256i kq_code(const int KIND, const uint8_t *src, __m256i 
     b = _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
     if (KIND == TM_Q6K) b = _mm256_or_si256(b, _mm256_slli_epi16(kq_vector(6, p0, p1, hb, u), 4));
     if (KIND == TM_Q5K) b = _mm256_or_si256(b, q5_high(hb, u));
-    if (KIND == TM_N4K) b = iq4_codes(b);
+    if (KIND == TM_N4K) b = table_codes(TM_N4, b);
     return b;
 }
 
@@ -573,6 +584,10 @@ TM_TARGET static void quantize_row_lanes(const float *x, int64_t K, int8_t *q, i
         else if ((kind) == TM_N4) EXPAND(TM_N4, 0, 0)                                                 \
         else if ((kind) == TM_N4_UNSIGNED && (f16)) EXPAND(TM_N4_UNSIGNED, 0, 1)                                        \
         else if ((kind) == TM_N4_UNSIGNED) EXPAND(TM_N4_UNSIGNED, 0, 0)                                                 \
+        else if ((kind) == TM_M4 && (f16)) EXPAND(TM_M4, 0, 1)                                        \
+        else if ((kind) == TM_M4) EXPAND(TM_M4, 0, 0)                                                 \
+        else if ((kind) == TM_M4_UNSIGNED && (f16)) EXPAND(TM_M4_UNSIGNED, 0, 1)                                        \
+        else if ((kind) == TM_M4_UNSIGNED) EXPAND(TM_M4_UNSIGNED, 0, 0)                                                 \
         else if ((G) == 16) EXPAND(TM_Q8, 1, 0)                                                   \
         else if (f16) EXPAND(TM_Q8, 0, 1)                                                         \
         else EXPAND(TM_Q8, 0, 0)                                                                  \
@@ -598,7 +613,8 @@ static inline int64_t tile_start(int64_t M, int64_t m, int most) {
 TM_TARGET TM_INLINE void widen_codes(int kind, int z, __m256i codes, __m256i wi[4]) {
     const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
     const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const int is_signed = TM_LAYOUT_TRAITS[kind].is_signed || kind == TM_N4_UNSIGNED;
+    const int is_signed =
+        TM_LAYOUT_TRAITS[kind].is_signed || kind == TM_N4_UNSIGNED || kind == TM_M4_UNSIGNED;
     for (int k = 0; k < 4; k++) {
         wi[k] = is_signed ? _mm256_cvtepi8_epi32(part[k]) : _mm256_cvtepu8_epi32(part[k]);
         if (z) wi[k] = _mm256_sub_epi32(wi[k], _mm256_set1_epi32(z));
@@ -808,8 +824,9 @@ TM_TARGET TM_INLINE void tile_block(const int ISA, const int KIND, const int G16
                 else ia[i] = dot1(ISA, ia[i], w, x);
             }
         }
-    } else if (KIND != TM_Q4) { /* int8 codes: "q8", or "n4" looked up */
-        const int unsig = KIND == TM_Q8_UNSIGNED || KIND == TM_N4_UNSIGNED, vbytes = KIND == TM_N4 || KIND == TM_N4_UNSIGNED ? 16 : 32;
+    } else if (KIND != TM_Q4) { /* int8 codes: "q8", or "n4" / "m4" looked up */
+        const int unsig = KIND == TM_Q8_UNSIGNED || KIND == TM_N4_UNSIGNED || KIND == TM_M4_UNSIGNED;
+        const int vbytes = IS_TABLE(KIND) ? 16 : 32;
         #pragma GCC unroll 8
         for (int u = 0; u < t; u++) {
             if (RA == 1) _mm_prefetch((const char *)(row + (c0 + u) * vbytes + TM_PREFETCH), _MM_HINT_T0);
@@ -1549,14 +1566,18 @@ TM_TARGET static int qgemm_rows(int64_t M, int64_t N, int64_t K, const float *x,
      * 2^15, stays exact with activations in [-64, 64]: 7 bits instead of 8. With VNNI, whose
      * sums of products are int32, they run so against 8-bit activations too (act_int8 = 1):
      * the same integer sums as the sign flips give, one instruction less a vector and row.
-     * "n4" codes, int8 once looked up, run as "q8" do (KIND 5: unsigned). */
+     * "n4" and "m4" codes, int8 once looked up, run as "q8" do (TM_N4_UNSIGNED, TM_M4_UNSIGNED).
+     * AMX takes "n4" (its table in amx_prepare) but not "m4": those run on AVX512-VNNI. */
     const int64_t nc = K / 32, ng = K / G, nblk = num_blocks(nc);
     /* AMX multiplies signed "q8" and "n4" codes as they are (block_amx): no code + 128. */
     const int amx = qgemm_isa == ISA_AMX && act_int8 && M >= AMX_MIN_ROWS && amx_takes(kind, G, nc);
     const int vnni_isa = qgemm_isa == ISA_AMX ? ISA_AVX512VNNI : qgemm_isa;
-    const int int8_codes = kind == TM_Q8 || kind == TM_N4;
+    const int int8_codes = kind == TM_Q8 || kind == TM_N4 || kind == TM_M4;
     const int unsig = !amx && int8_codes && (act_int8 == 2 || qgemm_isa != ISA_AVX2);
-    const int ikind = !unsig ? kind : kind == TM_N4 ? TM_N4_UNSIGNED : TM_Q8_UNSIGNED;
+    const int ikind = !unsig            ? kind
+                      : kind == TM_N4   ? TM_N4_UNSIGNED
+                      : kind == TM_M4   ? TM_M4_UNSIGNED
+                                        : TM_Q8_UNSIGNED;
     /* the sums' zero point ("n4k" on VNNI: codes + 128, dot_n4k) */
     const int zx = unsig || (kind == TM_N4K && vnni_isa != ISA_AVX2) ? 128
                    : kind == TM_Q4 || kind == TM_U8 || kind == TM_Q3 || kind == TM_Q5 || kind == TM_Q6K ? z

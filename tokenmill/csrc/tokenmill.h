@@ -18,8 +18,8 @@
  * The k-quants (super-block bytes > 0) keep the file's 256-element super-blocks: codes, then
  * the file's sub-block scale bytes from `scale bytes at`, with d (and dmin: 2) as float16 in
  * the weight's scales; group: elements a sub-block. Signed: int8 codes (else unsigned, with a
- * zero point). Kind "": the kernel's own forms of a layout, never stored ("q8" and "n4" codes
- * run as unsigned bytes code + 128).
+ * zero point). Kind "": the kernel's own forms of a layout, never stored ("q8", "n4" and "m4"
+ * codes run as unsigned bytes code + 128).
  */
 #define TM_LAYOUTS(X)                        \
     X(TM_Q8, "q8", 0, 0, 0, 0, 1)            \
@@ -34,7 +34,9 @@
     X(TM_Q4K, "q4k", 140, 128, 32, 2, 0)     \
     X(TM_Q6K, "q6k", 208, 192, 16, 1, 0)     \
     X(TM_Q5K, "q5k", 172, 160, 32, 2, 0)     \
-    X(TM_N4K, "n4k", 134, 128, 32, 1, 1)
+    X(TM_N4K, "n4k", 134, 128, 32, 1, 1)     \
+    X(TM_M4, "m4", 0, 0, 0, 0, 1)            \
+    X(TM_M4_UNSIGNED, "", 0, 0, 0, 0, 0)
 
 #define TM_LAYOUT_ENUM(code, kind, bytes, at, group, ds, is_signed) code,
 enum tm_layout { TM_LAYOUTS(TM_LAYOUT_ENUM) TM_LAYOUT_COUNT };

@@ -124,7 +124,7 @@ def supports(w: PackedWeight) -> bool:
         and k % 64 == 0
         and group_ok
         and scales_ok
-        and not (w.kind in ("q4", "n4", "q5") and w.group == 16)
+        and not (w.kind in ("q4", "n4", "m4", "q5") and w.group == 16)
         and w.codes.device.type == "cpu"
     )
 

@@ -11,8 +11,8 @@ it); local (128-token window) and global layers alternate; YaRN-scaled RoPE.
 
 Each chosen expert runs once on its tokens (as transformers does). Their weights are kept as
 the checkpoint holds them: float, or MXFP4 (quant/mxfp4.py; the released checkpoints and
-llama.cpp's GGUFs). On a CPU, MXFP4 experts are re-laid once loaded (``pack_``) as packed 5-bit
-codes, exactly, and run on the packed C kernels; elsewhere they are dequantized in torch an
+llama.cpp's GGUFs). On a CPU, MXFP4 experts are laid out once loaded (``pack_``) in the packed
+kernels' "m4" layout, exactly, at about the file's bytes, and run on the packed C kernels; elsewhere they are dequantized in torch an
 expert at a time as a step chooses it. Each
 checkpoint layout is translated here into one: per expert, gate and up [I, H] and down [H, I]
 (rows are outputs). Hugging Face stores gate and up interleaved (``gate_up_proj``: the even
@@ -85,7 +85,7 @@ class GptOssExperts(nn.Module):
         """The MXFP4 stacks as packed weights (quant/mxfp4.py: to_packed), their bytes
         dropped: the packed kernels compute each chosen expert."""
         widths = [getattr(self, f"{n}_scales").shape[-1] * BLOCK for n in self.rows]
-        if not self.mxfp4 or any(k % 64 for k in widths):  # "q5" rows: multiples of 64
+        if not self.mxfp4 or any(k % 64 for k in widths):  # lane order: rows of 64s
             return
         for name in self.rows:
             scales, codes = getattr(self, f"{name}_scales"), getattr(self, f"{name}_codes")

@@ -10,11 +10,10 @@ checkpoint packs each byte's two nibbles as consecutive values instead; ``from_h
 them. ``dequantize`` is the readable reference; it is bit-exact against the ``gguf``
 package's (the values and the power of two are exact in float32).
 
-``to_packed`` re-lays a stack for the packed C kernels (quant/packed.py), exactly: the doubled
-values (integers −12..12) as "q5" codes with zero point 16, and each block's 2^(scale − 128) as
-its group scale (float16 where every one of them is a float16, else float32). 5.5 bits a weight
-in memory (6 with float32 scales) for the file's 4.25: a kernel of MXFP4's own layout would
-keep the file's bytes.
+``to_packed`` lays a stack out for the packed C kernels (quant/packed.py's "m4": the 4-bit
+indices as the file has them, into the same table of doubled values, lane-ordered), exactly:
+each block's 2^(scale − 128) becomes its group scale, float16 where every one is a float16
+(4.5 bits a weight, the file's 4.25), else float32 (5).
 """
 
 from __future__ import annotations
@@ -87,38 +86,27 @@ _FLOAT16_EXPONENTS = (104, 143)
 
 
 def to_packed(w: Mxfp4Weight) -> PackedWeight:
-    """A stack [*lead, N, K] as one "q5" PackedWeight [lead·N, K] (rows in order), exactly;
-    K a multiple of 64 (the "q5" layout's)."""
-    *_, n, k = w.shape
+    """A stack [*lead, N, K] as one "m4" PackedWeight [lead·N, K] (rows in order), exactly;
+    K a multiple of 64 (the kernels' lane order)."""
+    *_, k = w.shape
     rows = w.scales.numel() // (k // BLOCK)
     scales, codes = w.scales.reshape(rows, k // BLOCK), w.codes.reshape(rows, k // BLOCK, 16)
     lo, hi = _FLOAT16_EXPONENTS
     f16 = bool(((scales >= lo) & (scales <= hi)).all())
     group_scales = e8m0_half(scales)
-    table = torch.tensor(E2M1_DOUBLED, dtype=torch.int16, device=codes.device)
     stored: torch.Tensor | None = None
-    chunk = max(1, (1 << 22) // k)  # ~4M codes of int16 temporaries at a time
+    chunk = max(1, (1 << 22) // k)  # ~4M codes of temporaries at a time
     for start in range(0, rows, chunk):
-        part = codes[start : start + chunk].long()
-        values = torch.cat((table[part & 0x0F], table[part >> 4]), dim=-1).flatten(1)
-        packed = pack_codes(values, "q5", Q5_ZERO)
+        part = codes[start : start + chunk]
+        # The file's nibbles are the table's indices: stored as "q4" stores its codes.
+        indices = torch.cat((part & 0x0F, part >> 4), dim=-1).flatten(1)
+        packed = pack_codes(indices, "q4")
         if stored is None:  # filled in place: parts and a cat would hold the stack twice
             stored = packed.new_empty((rows, packed.shape[1]))
         stored[start : start + len(packed)] = packed
     assert stored is not None
-    return PackedWeight(
-        "q5",
-        stored,
-        group_scales.half() if f16 else group_scales.contiguous(),
-        None,
-        BLOCK,
-        (rows, k),
-        Q5_ZERO,
-    )
-
-
-# The "q5" zero point of the doubled values −12..12 (stored 4..28), as GGUF Q5_0's.
-Q5_ZERO = 16
+    scales_out = group_scales.half() if f16 else group_scales.contiguous()
+    return PackedWeight("m4", stored, scales_out, None, BLOCK, (rows, k))
 
 
 def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:

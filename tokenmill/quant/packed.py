@@ -17,6 +17,8 @@ IQ4_NL, so the output head reads half the scale bytes), and int8 / int4 are quan
   "q4": 4-bit codes + ``zero``, 0..15, two per byte [N, K/2] (GGUF Q4_0: zero 8, Q4_1; int4);
   "n4": 4-bit indices stored as "q4", each standing for the int8 code IQ4_KVALUES[index]
         (GGUF IQ4_NL); the kernel looks the codes up and multiplies them as "q8";
+  "m4": the same with MXFP4's doubled e2m1 values (E2M1_DOUBLED: gpt-oss's experts, whose
+        power-of-two block scales the scales hold, quant/mxfp4.py);
   "q2", "q3", "q4k", "q5k", "q6k", "n4k": GGUF Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS kept
         as their 256-element super-blocks, exactly as many bytes as the file's (K_QUANT_KINDS):
         the codes ("q2": 2-bit 0..3; "q3": and a third bit, code + ``zero`` 4; "q4k": 4-bit
@@ -298,6 +300,8 @@ def pack_codes(codes: torch.Tensor, kind: str, zero: int = 0) -> torch.Tensor:
     n, k = codes.shape
     if kind == "n4":
         codes = _iq4_indices(codes)
+    elif kind == "m4":
+        codes = _e2m1_indices(codes)
     order = lane_order(k)
     if order is not None:
         codes = codes[:, order.to(codes.device)]
@@ -329,7 +333,7 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
         return iq4_values(codes) if kind == "n4k" else codes
     if kind == "q5":
         codes = _unpack_q5(stored, k) - zero
-    elif kind not in ("q4", "n4"):
+    elif kind not in ("q4", *TABLE_KINDS):
         codes = stored.to(torch.int16) - zero
     else:
         half = 32 if k % 64 == 0 else 16
@@ -338,6 +342,9 @@ def unpack_codes(stored: torch.Tensor, kind: str, k: int, zero: int = 0) -> torc
         codes = ((pairs >> shifts) & 0x0F).reshape(n, k).to(torch.int16) - zero
         if kind == "n4":
             codes = iq4_values(codes)
+        elif kind == "m4":
+            table = torch.tensor(E2M1_DOUBLED, dtype=torch.int16, device=stored.device)
+            codes = table[codes.long()]
     inverse = _element_order(k, stored.device)
     return codes if inverse is None else codes[:, inverse]
 
@@ -381,6 +388,26 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+# MXFP4's e2m1 values, doubled to integers ("m4": quant/mxfp4.py keeps its own copy, its
+# file's table): index i's code. Indices 0 and 8 both stand for 0 (e2m1's ±0).
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_E2M1_INDEX = {v: i for i, v in reversed(list(enumerate(E2M1_DOUBLED)))}  # 0 -> index 0
+
+
+def _e2m1_indices(codes: torch.Tensor) -> torch.Tensor:
+    """Codes of E2M1_DOUBLED -> their indices 0..15 (ValueError for any other code)."""
+    lookup = torch.full((25,), -1, dtype=torch.int16, device=codes.device)
+    for value, index in _E2M1_INDEX.items():
+        lookup[value + 12] = index
+    codes = codes.to(torch.int16)
+    if codes.numel() and (int(codes.min()) < -12 or int(codes.max()) > 12):
+        raise ValueError('"m4" codes must be values of E2M1_DOUBLED')
+    idx = lookup[(codes + 12).long()]
+    if codes.numel() and int(idx.min()) < 0:
+        raise ValueError('"m4" codes must be values of E2M1_DOUBLED')
+    return idx
+
+
 # K-quant kind -> (bytes of a stored 256-element super-block, where its sub-block scale bytes
 # start): "q2" 2 planes of 2-bit pairs and Q2_K's 16 scale | min bytes (with d and dmin: the
 # file's 84 bytes), "q3" 2 planes, 1 of third bits and Q3_K's 12 bytes of 6-bit scales (110),
@@ -399,7 +426,9 @@ K_QUANT_GROUP = {"q2": 16, "q3": 16, "q4k": 32, "q5k": 32, "q6k": 16, "n4k": 32}
 K_QUANT_KINDS_WITH_MIN = ("q2", "q4k", "q5k")  # their scales: d and dmin a super-block
 # The kinds the packed matmul computes (csrc/qgemm.c), a row each of csrc/tokenmill.h's
 # TM_LAYOUTS (kernels/cpu_library.check_layouts holds the two to each other).
-PACKED_KINDS = ("q8", "q4", "u8", "n4", "q5", *K_QUANT_KINDS)
+PACKED_KINDS = ("q8", "q4", "u8", "n4", "q5", *K_QUANT_KINDS, "m4")
+# The kinds of 4-bit indices into a table of int8 codes.
+TABLE_KINDS = ("n4", "m4")
 # Where the file's float16 d (and dmin) and sub-block scale bytes lie in a block of each type.
 _K_QUANT_FILE = {10: ((80, 84), (0, 16)), 11: ((108, 110), (96, 108)), 12: ((0, 4), (4, 16))}
 _K_QUANT_FILE |= {13: ((0, 4), (4, 16)), 14: ((208, 210), (192, 208)), 23: ((0, 2), (2, 8))}
@@ -690,7 +719,7 @@ def activation_levels(w: PackedWeight, q8_unsigned: bool) -> int:
     """The largest int8 activation code the kernel's int8 mode uses against ``w``: 64 for "q8"
     (and "n4", whose table codes run as "q8") weights run unsigned (codes + 128, no sign flip
     per product; csrc/qgemm.c), else 127."""
-    return 64 if q8_unsigned and w.kind in ("q8", "n4") else 127
+    return 64 if q8_unsigned and w.kind in ("q8", *TABLE_KINDS) else 127
 
 
 def quantize_activations(x: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
