@@ -13,7 +13,7 @@ Three parts, each timed per step over --steps steps (the median from the 100th o
   inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
   outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
 
-    .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400]
+    .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400] [--kinds ...]
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def scheduler_ms(layout: KVLayout, num_requests: int, steps: int) -> float:
     return statistics.median(times[100:]) * 1e3
 
 
-def outputs_ms(config: ModelConfig, num_requests: int, steps: int) -> float:
+def outputs_ms(config: ModelConfig, num_requests: int, steps: int, kind: str) -> float:
     assert config.source is not None
     processor = OutputProcessor(load_tokenizer(config.source.path, config.architecture))
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, output_kind=kind)
     reqs = [Request(f"r{i}", [2, 100 + i, 200 + i], params) for i in range(num_requests)]
     for req in reqs:
         processor.add_request(req.req_id, None, [req], params)
@@ -85,8 +85,9 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int) -> float:
     return statistics.median(times[100:]) * 1e3
 
 
-def engine_host_ms(num_requests: int, steps: int) -> tuple[float, float]:
-    """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``."""
+def engine_host_ms(num_requests: int, steps: int, kind: str = "cumulative") -> tuple[float, float]:
+    """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``
+    whose outputs are of ``kind`` (SamplingParams.output_kind)."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
     worker.cuda_graphs_supported = lambda device: True
     forward_s: list[float] = []
@@ -121,7 +122,9 @@ def engine_host_ms(num_requests: int, steps: int) -> tuple[float, float]:
             max_num_batched_tokens=8192,
         )
     gc.freeze()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind=kind
+    )
     rng = random.Random(0)
     for _ in range(num_requests):
         engine.add_request([1] + [rng.randrange(3, 259) for _ in range(100)], params)
@@ -144,6 +147,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--kinds", default="cumulative,delta,final_only", help="output kinds")
     ns = p.parse_args()
     if ns.steps <= 100:
         p.error("--steps must be over 100 (the first 100 are a warm-up)")
@@ -151,11 +155,15 @@ def main() -> None:
     layout = plan_kv_layout(config.layer_windows, 4096, True)
     print(f"{ns.requests} requests, {layout.num_groups} KV groups, median ms a step:")
     print(f"  schedule + update_from_output: {scheduler_ms(layout, ns.requests, ns.steps):.2f}")
-    print(
-        f"  output processing (process + collect): {outputs_ms(config, ns.requests, ns.steps):.2f}"
-    )
-    host, whole = engine_host_ms(ns.requests, ns.steps)
-    print(f"  engine step, host share (tiny gemma-3, CUDA-graph path): {host:.2f} of {whole:.2f}")
+    # Output kinds: cumulative (a client that reads the whole text each step), delta (a
+    # streaming client: the server's SSE), final_only (a response sent whole: the server's
+    # non-streaming requests, LLM.generate).
+    for kind in ns.kinds.split(","):
+        print(f"  [{kind}] output processing (process + collect): "
+              f"{outputs_ms(config, ns.requests, ns.steps, kind):.2f}")  # fmt: skip
+        host, whole = engine_host_ms(ns.requests, ns.steps, kind)
+        print(f"  [{kind}] engine step, host share (tiny gemma-3, CUDA-graph path): "
+              f"{host:.2f} of {whole:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # A final-only output's (SamplingParams.output_kind): the seconds between the steps that
+    # gave it tokens, as a client reading each step would have seen them (the server's
+    # inter-token latency histogram); None for the other kinds, whose readers time them.
+    inter_token_latencies: tuple[float, ...] | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -194,6 +194,21 @@ def test_output_kinds_carry_the_same_completion(engine):
         assert [p.text for p in parts] == [out.outputs[i].text_delta for out in cumulative]
 
 
+def test_a_final_only_output_carries_the_gaps_between_its_tokens(engine):
+    """No output is built for a final-only request until it ends (the server's non-streaming
+    requests), so the engine times the steps that gave it tokens: one gap a token after the
+    first (both sequences of n=2), the whole span between its first and last token; the other
+    kinds leave them to their readers."""
+    params = seeded_params(n=2, max_tokens=8, ignore_eos=True)
+    (final,) = _outputs_of(engine, dataclasses.replace(params, output_kind="final_only"))
+    gaps = final.metrics.inter_token_latencies
+    assert gaps is not None and len(gaps) == 2 * (8 - 1) and all(g >= 0 for g in gaps)
+    m = final.metrics
+    assert sum(gaps) <= 2 * (m.finished_time - m.first_token_time) + 1e-3
+    cumulative = _outputs_of(engine, params)
+    assert all(out.metrics.inter_token_latencies is None for out in cumulative)
+
+
 def test_text_is_the_decoded_tokens_at_max_tokens(engine):
     # The random model emits stray UTF-8 bytes: a tail held back for more bytes must still
     # come out (as U+FFFD) once the request ends.

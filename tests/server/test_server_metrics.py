@@ -62,6 +62,20 @@ def test_tracker_records_one_request() -> None:
     assert _value(other, "tokenmill:prompt_tokens_total") == 0
 
 
+def test_a_response_sent_whole_counts_the_engines_inter_token_latencies() -> None:
+    """A non-streaming request's output comes once, at the end (final_only): its inter-token
+    latencies are the engine's, from the output's metrics."""
+    m = ServerMetrics("m", lambda: None)
+    metrics = RequestMetrics(
+        arrival_time=10.0, first_token_time=10.5, finished_time=11.0, num_generation_tokens=3,
+        inter_token_latencies=(0.2, 0.3),
+    )  # fmt: skip
+    m.track().observe(_output([7, 8, 9], "length", metrics))
+    assert _value(m, "tokenmill:generation_tokens_total") == 3
+    assert _value(m, "tokenmill:inter_token_latency_seconds_count") == 2
+    assert _value(m, "tokenmill:inter_token_latency_seconds_sum") == pytest.approx(0.5)
+
+
 def test_aborted_request_counts_once_without_latencies() -> None:
     m = ServerMetrics("m", lambda: None)
     tracker = m.track()

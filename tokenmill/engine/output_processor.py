@@ -7,6 +7,7 @@ A request with ``n > 1`` runs as ``n`` sequences in the scheduler (ids ``<id>`` 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
@@ -38,6 +39,10 @@ class SeqState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Final-only requests: when the last step gave tokens, and the gaps between such steps
+    # (RequestMetrics.inter_token_latencies; no one reads their outputs in between).
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -96,6 +101,7 @@ class OutputProcessor:
         """
         changed = self._changed
         stopped_seqs: list[str] = []
+        now = time.monotonic()
         for update in updates:
             owner = self._seq_owner.get(update.req_id)
             if owner is None:
@@ -119,7 +125,14 @@ class OutputProcessor:
                 continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
-            if state.params.output_kind != RequestOutputKind.FINAL_ONLY or state.finished:
+            if state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                changed[state.request_id] = state
+                continue
+            if update.new_token_ids:  # no output until it finishes: time its steps here
+                if seq.last_token_time is not None:
+                    seq.inter_token_latencies.append(now - seq.last_token_time)
+                seq.last_token_time = now
+            if state.finished:
                 changed[state.request_id] = state
         return stopped_seqs
 
@@ -288,6 +301,9 @@ class OutputProcessor:
 
 
 def _metrics(state: RequestState) -> RequestMetrics:
+    itls = None
+    if state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+        itls = tuple(t for s in state.seqs for t in s.inter_token_latencies)
     if len(state.seqs) == 1:  # the common case, every step of every request: no lists
         seq = state.seqs[0]
         req = seq.request
@@ -300,6 +316,7 @@ def _metrics(state: RequestState) -> RequestMetrics:
             len(seq.detokenizer.token_ids),
             req.num_cached_tokens,
             req.num_preemptions,
+            itls,
         )
     reqs = [s.request for s in state.seqs]
     first_tokens = [r.first_token_time for r in reqs if r.first_token_time is not None]
@@ -314,4 +331,5 @@ def _metrics(state: RequestState) -> RequestMetrics:
         num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in state.seqs),
         num_cached_tokens=max(r.num_cached_tokens for r in reqs),
         num_preemptions=sum(r.num_preemptions for r in reqs),
+        inter_token_latencies=itls,
     )

@@ -149,6 +149,10 @@ class RequestTracker:
                 m.inter_token_latency.observe(now - self._last_token_time)
                 m.window.add_itl(now - self._last_token_time)
             self._last_token_time = now
+            # A final-only output comes once: the engine timed the steps between its tokens.
+            for itl in out.metrics.inter_token_latencies or ():
+                m.inter_token_latency.observe(itl)
+                m.window.add_itl(itl)
             m.generation_tokens.inc(num_new)
             m.window.add_generation(num_new)
             m.num_generation_tokens += num_new

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputs
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import bad_request, from_value_error
 from tokenmill.tokenizer.chat import ALLOWED_ROLES
@@ -181,6 +181,10 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
+                # A response sent whole reads only the final output: none is built before.
+                output_kind=(
+                    RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY
+                ),
             )
         except ValueError as e:
             raise from_value_error(
