@@ -84,8 +84,10 @@ class GptOssExperts(nn.Module):
     def pack_(self, act_int8: bool) -> None:
         """The MXFP4 stacks as packed weights (quant/mxfp4.py: to_packed), their bytes
         dropped: the packed kernels compute each chosen expert."""
+        if not self.mxfp4:
+            return
         widths = [getattr(self, f"{n}_scales").shape[-1] * BLOCK for n in self.rows]
-        if not self.mxfp4 or any(k % 64 for k in widths):  # lane order: rows of 64s
+        if any(k % 64 for k in widths):  # the kernels' lane order: rows in 64s
             return
         for name in self.rows:
             scales, codes = getattr(self, f"{name}_scales"), getattr(self, f"{name}_codes")
