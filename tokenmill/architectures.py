@@ -45,11 +45,11 @@ ARCHITECTURES = (
     Architecture("olmo2", "tokenmill.models.olmo2:Olmo2ForCausalLM", ("olmo2",), ("olmo2",)),
     Architecture("gemma2", "tokenmill.models.gemma3:Gemma3ForCausalLM", ("gemma2",), ("gemma2",)),
     # Gemma 4's text model; a "gemma4" config.json (vision and audio too) runs its text_config.
-    # No GGUF yet.
     Architecture(
         "gemma4",
         "tokenmill.models.gemma4:Gemma4ForCausalLM",
         ("gemma4_text", "gemma4"),
+        ("gemma4",),
     ),
     Architecture("mixtral", _MOE, ("mixtral",)),
     Architecture("qwen2_moe", _MOE, ("qwen2_moe",), ("qwen2moe",), gguf_norm_topk=False),

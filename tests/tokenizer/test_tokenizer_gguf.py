@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.tokenizer.gguf import read_gguf_metadata
+from tokenmill.tokenizer.gguf import build_gguf_tokenizer_spec, read_gguf_metadata
 
 SAMPLES = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -355,3 +355,26 @@ def test_gemma_matches_transformers(gemma: Tokenizer, gemma_reference: Any) -> N
         ids = [rng.randrange(gemma.vocab_size) for _ in range(40)]
         for skip in (True, False):
             assert gemma.decode(ids, skip) == gemma_reference.decode(ids, skip_special_tokens=skip)
+
+
+def test_gemma4_tokenizer_model_reads_as_gemmas_bpe(gemma_path: Path) -> None:
+    """llama.cpp's converter writes Gemma 4's tokenizer as model "gemma4": Gemma's pieces as a
+    BPE over raw UTF-8 with its merges listed ("▁" for spaces, no prefix space, byte fallback,
+    BOS added). Gemma 3's vocabulary, written so (its merges as the file's), encodes and
+    decodes as Gemma 3's own reading does. (No real Gemma 4 file is here to check against.)"""
+    metadata = read_gguf_metadata(gemma_path)
+    reference = build_gguf_tokenizer_spec(metadata).backend
+    merges = json.loads(reference.to_str())["model"]["merges"]
+    as_gemma4 = {
+        **metadata,
+        "general.architecture": "gemma4",
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m for m in merges],
+        "tokenizer.ggml.add_bos_token": False,  # llama.cpp adds BOS for Gemma 4 regardless
+    }
+    spec = build_gguf_tokenizer_spec(as_gemma4)
+    assert spec.add_bos
+    for text in SAMPLES:
+        ids = spec.backend.encode(text, add_special_tokens=False).ids
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert spec.backend.decode(ids) == reference.decode(ids)

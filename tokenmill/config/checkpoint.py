@@ -156,6 +156,12 @@ def config_from_gguf(
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{gguf_arch}.{key}", default)
 
+    per_layer: dict[str, list[Any]] = {}
+    if gguf_arch == "gemma4":  # per-layer arrays: the checks below read the first layer's
+        for key in ("attention.head_count_kv", "feed_forward_length"):
+            if isinstance(get(key), list) and get(key):
+                per_layer[key] = get(key)
+                metadata = {**metadata, f"{gguf_arch}.{key}": get(key)[0]}
     # NOTE: checked before any use: a missing key was a TypeError, and a layer count the
     # tensors do not back (a billion) builds the layers before the first weight is read.
     for key in ("block_count", "embedding_length", "attention.head_count"):
@@ -224,6 +230,8 @@ def config_from_gguf(
         file_type=GGUF_FILE_TYPES.get(metadata.get("general.file_type", -1)),
         source=ModelSource(path, "gguf"),
     )
+    if gguf_arch == "gemma4":
+        return _gguf_gemma4(path, get, per_layer, tensor_names, rope_factors, common)
     if gguf_arch == "gemma3":
         # NOTE: llama.cpp does not store the local RoPE base (10000) nor the 5:1 local/global
         # pattern; both are fixed by the Gemma 3 architecture.
@@ -473,19 +481,9 @@ def _hf_gemma4(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, A
     last layer of its kind before them)."""
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("Gemma 4 with use_bidirectional_attention 'all' is not supported yet")
-    num_layers = len(layer_types)
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     num_shared = int(cfg.get("num_kv_shared_layers") or 0)
-    sources: tuple[int, ...] = ()
-    if num_shared:
-        first_shared = num_layers - num_shared
-        producers = {t: i for i, t in enumerate(layer_types[:first_shared])}  # the last of each
-        if set(producers) != set(layer_types):
-            raise ValueError(
-                "Gemma 4's num_kv_shared_layers leaves a kind of layer with no layer before the "
-                "shared ones to keep its K/V"
-            )
-        sources = tuple(i if i < first_shared else producers[t] for i, t in enumerate(layer_types))
+    sources = _gemma4_kv_sources(layer_types, num_shared)
     # The global layers' shape: Google's keys, or transformers' per_layer_config as it saves
     # them (a {head_dim, num_key_value_heads} override per global layer).
     global_head_dim = int(cfg.get("global_head_dim") or 512)
@@ -514,6 +512,157 @@ def _hf_gemma4(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> dict[str, A
         "kv_source_layers": sources,
         "double_wide_mlp": bool(cfg.get("use_double_wide_mlp", False)) and num_shared > 0,
     }
+
+
+def _gemma4_kv_sources(layer_types: tuple[str, ...], num_shared: int) -> tuple[int, ...]:
+    """Each layer's K/V source (``ModelConfig.kv_source_layers``; () without sharing): from
+    ``num_shared`` layers before the end, a layer reads the last layer of its kind before them
+    (transformers' rule)."""
+    if not num_shared:
+        return ()
+    first_shared = len(layer_types) - num_shared
+    producers = {t: i for i, t in enumerate(layer_types[:first_shared])}  # the last of each
+    if first_shared <= 0 or set(producers) != set(layer_types):
+        raise ValueError(
+            "Gemma 4's num_kv_shared_layers leaves a kind of layer with no layer before the "
+            "shared ones to keep its K/V"
+        )
+    return tuple(i if i < first_shared else producers[t] for i, t in enumerate(layer_types))
+
+
+def _gguf_gemma4(
+    path: Path,
+    get: Any,
+    per_layer: dict[str, list[Any]],
+    tensor_names: set[str],
+    rope_factors: dict[str, tuple[float, ...]] | None,
+    common: dict[str, Any],
+) -> ModelConfig:
+    """Gemma 4 from llama.cpp's keys (its converter's Gemma4Model): the window pattern as one
+    bool per layer, the global layers' head width as ``key_length`` (the window layers' as
+    ``key_length_swa``), KV heads and MLP widths per layer where they differ, k = v where a
+    global layer has no ``attn_v``, and proportional RoPE as the ``rope_freqs`` tensor (1 for
+    a turning pair, 1e30 for one standing still)."""
+    num_layers, num_kv = common["num_hidden_layers"], common["num_key_value_heads"]
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != num_layers:
+        raise ValueError(f"{path}: gemma4.attention.sliding_window_pattern must list "
+                         f"{num_layers} layers; got {pattern!r}")  # fmt: skip
+    layer_types = tuple(SLIDING_ATTENTION if swa else FULL_ATTENTION for swa in pattern)
+    global_head_dim = common["head_dim"]  # key_length: the global layers'
+    head_dim = get("attention.key_length_swa")
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"{path}: gemma4.attention.key_length_swa must be a positive integer; "
+                         f"got {head_dim!r}")  # fmt: skip
+    for key, expected in (("attention.value_length", global_head_dim),
+                          ("attention.value_length_swa", head_dim),
+                          ("rope.dimension_count", global_head_dim),
+                          ("rope.dimension_count_swa", head_dim)):  # fmt: skip
+        if get(key, expected) != expected:  # llama.cpp's own requirements, and no partial RoPE
+            raise ValueError(f"{path}: Gemma 4 with gemma4.{key} {get(key)} (not {expected}) "
+                             "is not supported")  # fmt: skip
+    if common["rope_scaling"] is not None:
+        raise ValueError(f"{path}: Gemma 4 with rope.scaling.type {get('rope.scaling.type')!r} "
+                         "is not supported")  # fmt: skip
+    if any(n.endswith(".attn_qkv.weight") for n in tensor_names):
+        raise ValueError(f"{path}: Gemma 4 with fused attn_qkv tensors is not supported")
+    num_shared = int(get("attention.shared_kv_layers", 0) or 0)
+    sources = _gemma4_kv_sources(layer_types, num_shared)
+    first_shared = num_layers - num_shared
+    # KV heads per layer: the global layers' may be fewer.
+    kv_heads = per_layer.get("attention.head_count_kv", [num_kv] * num_layers)
+    global_kv = {kv_heads[i] for i, t in enumerate(layer_types) if t == FULL_ATTENTION}
+    local_kv = {kv_heads[i] for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION}
+    if len(kv_heads) != num_layers or len(global_kv) > 1 or len(local_kv) > 1:
+        raise ValueError(f"{path}: Gemma 4 with KV heads {kv_heads} (one count for the window "
+                         "layers, one for the global ones) is not supported")  # fmt: skip
+    num_kv = local_kv.pop() if local_kv else num_kv
+    # k = v: the global layers that keep K/V have no attn_v.
+    has_v = {f"blk.{i}.attn_v.weight" in tensor_names for i in range(first_shared)
+             if layer_types[i] == FULL_ATTENTION}  # fmt: skip
+    local_has_v = all(f"blk.{i}.attn_v.weight" in tensor_names for i in range(first_shared)
+                      if layer_types[i] == SLIDING_ATTENTION)  # fmt: skip
+    if len(has_v) > 1 or not local_has_v:
+        raise ValueError(f"{path}: Gemma 4 with attn_v on some global (or no window) layers "
+                         "is not supported")  # fmt: skip
+    # MLP widths per layer: twice as wide on the KV-sharing layers (use_double_wide_mlp).
+    widths = per_layer.get("feed_forward_length", [common["intermediate_size"]] * num_layers)
+    width = widths[0]
+    double_wide = len(set(widths)) > 1
+    expected = [width * (2 if double_wide and i >= first_shared else 1) for i in range(num_layers)]
+    if list(widths) != expected:
+        raise ValueError(f"{path}: Gemma 4 with MLP widths {widths} is not supported (one "
+                         "width, doubled on the KV-sharing layers)")  # fmt: skip
+    # Proportional RoPE on the global layers: the pairs of factor 1 turn, those of 1e30 not.
+    rope_scaling = None
+    freqs = (rope_factors or {}).get("rope_freqs")
+    if freqs is not None:
+        turning = sum(f == 1.0 for f in freqs)
+        partial = 2 * turning / global_head_dim
+        if (
+            len(freqs) != global_head_dim // 2
+            or any(f != 1.0 for f in freqs[:turning])
+            or any(f < 1e29 for f in freqs[turning:])
+            or int(partial * global_head_dim // 2) != turning
+        ):
+            raise ValueError(f"{path}: Gemma 4 with rope_freqs other than 1 (turning) then "
+                             "1e30 (standing still), one per pair, is not supported")  # fmt: skip
+        rope_scaling = RopeScaling("proportional", partial_rotary_factor=partial)
+    ple = int(get("embedding_length_per_layer_input", 0) or 0)
+    sliding_window = get("attention.sliding_window")
+    common |= dict(
+        num_key_value_heads=int(num_kv),
+        head_dim=int(head_dim),
+        intermediate_size=int(width),
+        rope_scaling=rope_scaling,
+        moe=_gguf_gemma4_moe(path, get, num_layers, tensor_names),
+    )
+    return ModelConfig(
+        architecture="gemma4",
+        # NOTE: llama.cpp falls back to the global base where freq_base_swa is absent.
+        rope_local_theta=float(get("rope.freq_base_swa", common["rope_theta"])),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        layer_types=layer_types,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=1.0,  # no query scaling: QK-norm bounds the scores
+        final_logit_softcapping=get("final_logit_softcapping"),
+        global_head_dim=int(global_head_dim),
+        # None where the global layers have the window layers' count (as transformers has it).
+        num_global_key_value_heads=int(global_kv.pop()) if global_kv - {num_kv} else None,
+        attention_k_eq_v=has_v == {False},
+        hidden_size_per_layer_input=ple,
+        # llama.cpp's per-layer table has a row per token of the vocabulary.
+        vocab_size_per_layer_input=common["vocab_size"] if ple else 0,
+        kv_source_layers=sources,
+        double_wide_mlp=double_wide,
+        **common,
+    )
+
+
+def _gguf_gemma4_moe(
+    path: Path, get: Any, num_layers: int, tensor_names: set[str]
+) -> MoEConfig | None:
+    """Gemma 4's experts (26B-A4B) beside every layer's MLP: a router per layer
+    (``ffn_gate_inp``) and the experts' gate and up projections fused (``ffn_gate_up_exps``)."""
+    num_experts = int(get("expert_count", 0) or 0)
+    if not num_experts:
+        return None
+    routed = [f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(num_layers)]
+    fused = all(f"blk.{i}.ffn_gate_up_exps.weight" in tensor_names for i in range(num_layers))
+    if not all(routed) or not fused:
+        raise ValueError(f"{path}: Gemma 4 with experts on only some layers, or with separate "
+                         "ffn_gate_exps / ffn_up_exps, is not supported")  # fmt: skip
+    for key in ("expert_used_count", "expert_feed_forward_length"):
+        if not isinstance(get(key), int) or get(key) <= 0:
+            raise ValueError(f"{path}: GGUF metadata gemma4.{key} must be a positive integer; "
+                             f"got {get(key)!r}")  # fmt: skip
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(get("expert_used_count")),
+        intermediate_size=int(get("expert_feed_forward_length")),
+        renormalize=True,
+        sparse_layers=(True,) * num_layers,
+    )
 
 
 def _gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:

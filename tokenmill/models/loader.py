@@ -1,10 +1,11 @@
 """Build a model and stream its weights in, from safetensors or GGUF, one tensor at a time.
 
 GGUF tensors are renamed to the Hugging Face names the model files use, and two llama.cpp
-conventions are undone: Gemma norm weights are stored as 1 + w, and Llama-family q/k rows are
-permuted for llama.cpp's interleaved RoPE. A mixture of experts' stacked 3-D tensors
-(``ffn_gate_exps`` [E, I, H]) keep their block format as one packed [E·I, H] weight, named
-``mlp.experts.gate_proj.weight`` (moe/experts.py).
+conventions are undone: Gemma 2/3 norm weights are stored as 1 + w (Gemma 4's as they are), and
+Llama-family q/k rows are permuted for llama.cpp's interleaved RoPE. A mixture of experts'
+stacked 3-D tensors (``ffn_gate_exps`` [E, I, H]) keep their block format as one packed [E·I, H]
+weight, named ``mlp.experts.gate_proj.weight`` (moe/experts.py); Gemma 4's fused
+``ffn_gate_up_exps`` [E, 2I, H] is split into its gate and up stacks.
 """
 
 from __future__ import annotations
@@ -87,6 +88,28 @@ _HYBRID_NAMES = {
     "ssm_out": "linear_attn.out_proj",
 }
 _HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Gemma 4's tensors, by their name after ``blk.N.`` (llama.cpp's -> transformers'): the layer
+# scalar, the per-layer-embedding input, and beside the MLP the experts' norms, router (its
+# scales as ``.scale`` tensors) and experts, gate and up fused (models/gemma4.py).
+_GEMMA4_NAMES = {
+    "layer_output_scale.weight": "layer_scalar",
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+}
+_GEMMA4_GLOBALS = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
 # The architectures whose q/k rows llama.cpp's converter permutes for its interleaved RoPE.
 ROPE_PERMUTED = ("llama", "mistral", "mixtral", "smollm3")
 # Tensors kept float whatever their type in the file: the routers (tiny, and they pick experts).
@@ -102,7 +125,8 @@ def load_model_config(source: ModelSource) -> ModelConfig:
             dequantize(gguf_file.tensor_bytes(t), t.ggml_type, t.shape).reshape(-1).tolist()
         )
         for t in gguf_file.tensors
-        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+        # Phi-3's LongRoPE factors; Gemma 4's proportional RoPE as per-pair factors.
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight")
     }
     types = {t.name: t.ggml_type for t in gguf_file.tensors}
     config = config_from_gguf(
@@ -128,6 +152,11 @@ def _check_gguf_shapes(config: ModelConfig, gguf_file: GGUFFile) -> None:
             hidden,
         ),
     }
+    if config.hidden_size_per_layer_input:  # Gemma 4's per-layer embeddings
+        expected["per_layer_token_embd.weight"] = (
+            config.vocab_size_per_layer_input,
+            config.num_hidden_layers * config.hidden_size_per_layer_input,
+        )
     for name, shape in expected.items():
         if name in shapes and tuple(shapes[name]) != shape:
             raise ValueError(
@@ -364,6 +393,10 @@ def _iter_gguf(
                 weight = weight.reshape(1, -1)  # llama.cpp stores the [1, H] gate as [H]
         if config.architecture in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight - 1.0
+        if name.endswith(".experts.gate_up_proj"):  # Gemma 4's: [E, 2I, H], gate rows first
+            gate, up = _split_gate_up(weight, tensor.shape[0])
+            yield name.removesuffix("gate_up_proj") + "gate_proj.weight", gate
+            weight, name = up, name.removesuffix("gate_up_proj") + "up_proj.weight"
         if config.linear_attention is not None:  # Qwen3-Next / Qwen3.5 (_HYBRID_NAMES)
             if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
                 weight = weight - 1.0  # their RMSNorms scale by 1 + w: llama.cpp stores 1 + w
@@ -474,7 +507,23 @@ def _warn_unpacked_types(gguf_file: GGUFFile) -> None:
         )
 
 
+def _split_gate_up(weight: T, num_experts: int) -> tuple[T, T]:
+    """Stacked experts' fused [E, 2I, H] gate/up (float, or packed as its E·2I rows) as the
+    gate's and the up's stacks."""
+    if isinstance(weight, torch.Tensor):
+        gate, up = weight.chunk(2, dim=1)
+        return gate.contiguous(), up.contiguous()
+    rows = torch.arange(weight.shape[0]).view(num_experts, 2, -1)  # [E, gate|up, I]
+    return weight.select_rows(rows[:, 0].reshape(-1)), weight.select_rows(rows[:, 1].reshape(-1))
+
+
 def _hf_name(gguf_name: str, architecture: str) -> str | None:
+    if architecture == "gemma4":
+        if gguf_name in _GEMMA4_GLOBALS:
+            return _GEMMA4_GLOBALS[gguf_name]
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+        if m and m.group(2) in _GEMMA4_NAMES:
+            return f"model.layers.{m.group(1)}.{_GEMMA4_NAMES[m.group(2)]}"
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
@@ -501,7 +550,7 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
         hf = "self_attn.qkv_proj" if part == "attn_qkv" else "mlp.gate_up_proj"
     elif part == "ffn_norm":
         # Llama's second norm; Gemma's pre-MLP norm (it also has post-attention/post-MLP norms).
-        gemma = architecture in ("gemma2", "gemma3")
+        gemma = architecture in ("gemma2", "gemma3", "gemma4")
         hf = "pre_feedforward_layernorm" if gemma else "post_attention_layernorm"
     else:
         hf = _GGUF_LAYER_NAMES.get(part)

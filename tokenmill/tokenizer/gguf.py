@@ -311,16 +311,20 @@ def build_gguf_tokenizer_spec(metadata: dict[str, Any]) -> GGUFTokenizerSpec:
         raise ValueError("GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
     architecture = metadata.get("general.architecture")
     token_types = metadata.get("tokenizer.ggml.token_type") or []
-    if model == "llama":
+    if model in ("llama", "gemma4"):
+        # "gemma4": Gemma 4's BPE as llama.cpp reads it, Gemma's SentencePiece-style pieces over
+        # raw UTF-8 ("▁" for spaces, no prefix space, the file's merges, byte fallback).
         backend = _build_sentencepiece(
             tokens,
             scores=metadata.get("tokenizer.ggml.scores"),
             file_merges=metadata.get("tokenizer.ggml.merges"),
-            is_gemma=str(architecture).startswith("gemma"),
-            add_space_prefix=metadata.get("tokenizer.ggml.add_space_prefix", True),
+            is_gemma=model == "gemma4" or str(architecture).startswith("gemma"),
+            add_space_prefix=model == "llama"
+            and metadata.get("tokenizer.ggml.add_space_prefix", True),
             unk_token_id=metadata.get("tokenizer.ggml.unknown_token_id"),
         )
-        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (and to
+        # Gemma 4's whatever it says).
         default_add_bos = True
     elif model == "gpt2":
         if "tokenizer.ggml.merges" not in metadata:
@@ -332,7 +336,7 @@ def build_gguf_tokenizer_spec(metadata: dict[str, Any]) -> GGUFTokenizerSpec:
     else:
         raise ValueError(
             f"Unsupported GGUF tokenizer model {model!r}; supported: 'llama' (SentencePiece), "
-            "'gpt2' (byte-level BPE)"
+            "'gemma4' (Gemma 4's SentencePiece-style BPE), 'gpt2' (byte-level BPE)"
         )
     _add_marked_tokens(backend, tokens, token_types, byte_level=model == "gpt2")
     # BOS/EOS/UNK/PAD are special whatever their token type says (transformers does the same).
@@ -358,7 +362,8 @@ def build_gguf_tokenizer_spec(metadata: dict[str, Any]) -> GGUFTokenizerSpec:
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
         unk_token_id=metadata.get("tokenizer.ggml.unknown_token_id"),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+        add_bos=model == "gemma4"
+        or bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)),
         add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=metadata.get("tokenizer.chat_template"),
     )
