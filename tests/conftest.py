@@ -144,6 +144,11 @@ def _tiny_hf_config(arch: str):
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     if arch == "qwen3_5":
         return tf.Qwen3_5TextConfig(**TINY_COMMON, **linear, rope_parameters=rope)
+    if arch == "qwen3_5_moe":  # every layer's MLP experts (top-2 of 8) and a shared expert
+        return tf.Qwen3_5MoeTextConfig(**TINY_COMMON, **linear, rope_parameters=rope,
+                                       num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=64)  # fmt: skip
     if arch == "qwen3_next":  # its experts: top-2 of 8 with a shared expert, one dense layer
         return tf.Qwen3NextConfig(**TINY_COMMON, **linear, rope_parameters=rope, num_experts=8,
                                   num_experts_per_tok=2, moe_intermediate_size=64,

@@ -36,6 +36,7 @@ ARCHS = [
     "olmoe",
     "gpt_oss",
     "qwen3_5",
+    "qwen3_5_moe",
     "qwen3_next",
 ]
 ATOL = 1e-4
