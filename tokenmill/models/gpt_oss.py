@@ -62,8 +62,10 @@ class GptOssExperts(nn.Module):
         super().__init__()
         self.limit = limit
         self.mxfp4 = mxfp4
-        self.rows = {"gate": width, "up": width, "down": hidden}
-        # MXFP4 re-laid for the packed kernels (``pack_``): name -> [E·rows, K].
+        self.width = width
+        self.rows = {"gate": width, "up": width, "down": hidden}  # per expert
+        # MXFP4 laid out for the packed kernels (``pack_``): "gate_up" [E·2I, H] (each expert's
+        # gate rows then its up rows: one matmul) and "down" [E·H, I].
         self.packed: dict[str, PackedWeight] = {}
         self.act_int8 = False  # the packed matmuls' activations (the load's packed method's)
         self.kernels: KernelBackend = TorchKernelBackend()  # bound at load
@@ -89,9 +91,13 @@ class GptOssExperts(nn.Module):
         widths = [getattr(self, f"{n}_scales").shape[-1] * BLOCK for n in self.rows]
         if any(k % 64 for k in widths):  # the kernels' lane order: rows in 64s
             return
+        stacks = {n: Mxfp4Weight(getattr(self, f"{n}_scales").data,
+                                 getattr(self, f"{n}_codes").data) for n in self.rows}  # fmt: skip
+        gate, up = stacks["gate"], stacks["up"]
+        gate_up = Mxfp4Weight(torch.cat([gate.scales, up.scales], 1),
+                              torch.cat([gate.codes, up.codes], 1))  # fmt: skip
+        self.packed = {"gate_up": to_packed(gate_up), "down": to_packed(stacks["down"])}
         for name in self.rows:
-            scales, codes = getattr(self, f"{name}_scales"), getattr(self, f"{name}_codes")
-            self.packed[name] = to_packed(Mxfp4Weight(scales.data, codes.data))
             delattr(self, f"{name}_scales")
             delattr(self, f"{name}_codes")
         self.act_int8 = act_int8
@@ -110,6 +116,15 @@ class GptOssExperts(nn.Module):
             return self.kernels.packed_matmul(x, w, None, self.act_int8).to(x.dtype) + bias
         return F.linear(x, self.weight(name, expert, x.dtype), bias)
 
+    def gate_and_up(self, expert: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate's and up's outputs with their biases (packed: from one matmul)."""
+        if not self.packed:
+            return self.linear("gate", expert, x), self.linear("up", expert, x)
+        w = expert_rows(self.packed["gate_up"], expert, 2 * self.width)
+        both = self.kernels.packed_matmul(x, w, None, self.act_int8).to(x.dtype)
+        gate, up = both.split(self.width, dim=-1)
+        return gate + self.gate_bias[expert], up + self.up_bias[expert]
+
     def weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """One expert's matrix [rows, K] in ``dtype``."""
         if not self.mxfp4:
@@ -122,7 +137,7 @@ class GptOssExperts(nn.Module):
         for expert in ids.unique().tolist():  # each chosen expert once, on its tokens' rows
             tokens, slot = torch.where(ids == expert)
             h = x[tokens]
-            gate, up = self.linear("gate", expert, h), self.linear("up", expert, h)
+            gate, up = self.gate_and_up(expert, h)
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             glu = gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
             y = self.linear("down", expert, glu)
