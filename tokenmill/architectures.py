@@ -80,5 +80,7 @@ SUPPORTED_ARCHITECTURES = tuple(BY_NAME)
 HF_MODEL_TYPES = {t: a.name for a in ARCHITECTURES for t in a.hf_model_types}
 # GGUF general.architecture -> architecture
 GGUF_ARCHITECTURES = {g: a.name for a in ARCHITECTURES for g in a.gguf_names}
+# The hybrid ones: linear-attention layers beside full attention (models/qwen3_next.py).
+HYBRID_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES if a.model_class == _HYBRID)
 # Every name a checkpoint may give an architecture tokenmill runs (``tokenmill models``).
 CHECKPOINT_NAMES = frozenset(BY_NAME) | frozenset(HF_MODEL_TYPES) | frozenset(GGUF_ARCHITECTURES)

@@ -186,6 +186,12 @@ def test_config_comes_from_the_metadata(family_gguf) -> None:
 )  # fmt: skip
 def test_logprobs_match_transformers(family_gguf, engine_args) -> None:
     arch, path, hf = family_gguf
+    assert_logprobs_match(path, hf, engine_args, arch)
+
+
+def assert_logprobs_match(path: Path, hf: torch.nn.Module, engine_args: dict, label: str) -> None:
+    """A GGUF's prompt log-probs (top TOP) and 4 greedy tokens' log-probs equal transformers'
+    model holding the weights it stands for, within FLOAT_ATOL (test_gguf_gemma4.py too)."""
     rng = random.Random(3)
     prompt = [1] + [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN - 1)]
     with torch.no_grad():
@@ -207,7 +213,7 @@ def test_logprobs_match_transformers(family_gguf, engine_args) -> None:
         diffs.append(entry.sampled.logprob - row[prompt[pos]].item())
         diffs += [alt.logprob - row[alt.token_id].item() for alt in entry.top]
     err = torch.tensor(diffs).abs()
-    assert err.max() <= FLOAT_ATOL[0] and err.mean() <= FLOAT_ATOL[1], (arch, err.max())
+    assert err.max() <= FLOAT_ATOL[0] and err.mean() <= FLOAT_ATOL[1], (label, err.max())
     # Decode steps too: the generated tokens' log-probs, against transformers on the whole.
     out = done[rid].outputs[0]
     with torch.no_grad():

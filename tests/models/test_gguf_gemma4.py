@@ -18,22 +18,19 @@ tests/models/test_gguf_families.py: 1e-4 with float32 activations.
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_all_blocks_free
 from gguf import GGMLQuantizationType as T
-from test_gguf_loading import FLOAT_ATOL, VOCAB, _add_tokenizer, _decode, _encode
+from test_gguf_families import assert_logprobs_match
+from test_gguf_loading import VOCAB, _add_tokenizer, _decode, _encode
 
 from tokenmill.config import config_from_hf
-from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
 from tokenmill.resolve import resolve_model
-from tokenmill.sampling_params import SamplingParams
 
 PROMPT_LEN, TOP = 24, 20
 S, F = "sliding_attention", "full_attention"
@@ -238,33 +235,4 @@ def test_config_matches_the_hf_config(gemma4_gguf, tmp_path) -> None:
 )  # fmt: skip
 def test_logprobs_match_transformers(gemma4_gguf, engine_args) -> None:
     variant, path, hf = gemma4_gguf
-    rng = random.Random(3)
-    prompt = [1] + [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN - 1)]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    engine = LLMEngine.from_args(
-        model=str(path), max_model_len=64, kv_cache_memory="4MiB", **engine_args
-    )
-    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=TOP, logprobs=TOP,
-                            ignore_eos=True)  # fmt: skip
-    rid = engine.add_request(prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done |= {out.request_id: out for out in engine.step() if out.finished}
-    entries = done[rid].prompt_logprobs
-    diffs = []
-    for pos in range(1, PROMPT_LEN):
-        row, entry = ref[pos - 1], entries[pos]
-        assert entry.sampled.token_id == prompt[pos]
-        diffs.append(entry.sampled.logprob - row[prompt[pos]].item())
-        diffs += [alt.logprob - row[alt.token_id].item() for alt in entry.top]
-    err = torch.tensor(diffs).abs()
-    assert err.max() <= FLOAT_ATOL[0] and err.mean() <= FLOAT_ATOL[1], (variant, err.max())
-    # Decode steps too: the generated tokens' log-probs, against transformers on the whole.
-    out = done[rid].outputs[0]
-    with torch.no_grad():
-        full = hf(torch.tensor([prompt + list(out.token_ids)])).logits[0].float()
-    ref_out = torch.log_softmax(full[PROMPT_LEN - 1 : -1], dim=-1)
-    for pos, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp.sampled.logprob == pytest.approx(ref_out[pos, tok].item(), abs=FLOAT_ATOL[0])
-    assert_all_blocks_free(engine)
+    assert_logprobs_match(path, hf, engine_args, variant)

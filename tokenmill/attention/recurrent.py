@@ -45,9 +45,10 @@ class RecurrentBatch:
     ``num_decodes`` single-token decodes first (token i is request i), then one run of
     ``query_lens[i]`` tokens per other request (a prompt or a chunk of one)."""
 
-    slots: torch.Tensor  # [num_reqs] long
+    slots: list[int]  # per request, its slot
     query_lens: list[int]
     num_decodes: int
+    decode_slots: torch.Tensor  # [num_decodes] long on the device: slots[:num_decodes]
 
 
 def state_shapes(config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -16,6 +16,7 @@ from tokenmill.architectures import (
     BY_NAME,
     GGUF_ARCHITECTURES,
     HF_MODEL_TYPES,
+    HYBRID_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
 )
 from tokenmill.config.model import (
@@ -79,7 +80,7 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
     if sliding_window is None:
         layer_types = (FULL_ATTENTION,) * num_layers
     linear_attention = None
-    if arch in _HYBRID:
+    if arch in HYBRID_ARCHITECTURES:
         layer_types, linear_attention = _hf_linear_attention(cfg, arch, num_layers)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -127,7 +128,7 @@ def config_from_hf(model_dir: Path) -> ModelConfig:
         # SmolLM3's no_rope_layers: 1 where a layer rotates, 0 where it does not.
         rope_layers=tuple(bool(x) for x in cfg.get("no_rope_layers") or ()),
         linear_attention=linear_attention,
-        attn_output_gate=arch in _HYBRID and bool(cfg.get("attn_output_gate", True)),
+        attn_output_gate=arch in HYBRID_ARCHITECTURES and bool(cfg.get("attn_output_gate", True)),
         **_hf_weight_format(cfg, model_dir),
         **(_hf_gemma4(cfg, layer_types) if arch == "gemma4" else {}),
         source=ModelSource(model_dir, "hf"),
@@ -286,7 +287,7 @@ def config_from_gguf(
             moe=moe,
             **common,
         )
-    if arch in _HYBRID:
+    if arch in HYBRID_ARCHITECTURES:
         return _gguf_hybrid(path, arch, gguf_arch, get, common)
     if arch == "llama" and common["moe"] is not None:
         arch = "mixtral"
@@ -327,10 +328,6 @@ def config_from_gguf(
     )
 
 
-# Hybrid models: linear-attention layers beside full-attention ones (models/qwen3_next.py).
-_HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-
-
 def _hf_linear_attention(
     cfg: dict[str, Any], arch: str, num_layers: int
 ) -> tuple[tuple[str, ...], LinearAttentionConfig]:
@@ -352,7 +349,6 @@ def _hf_linear_attention(
         k_head_dim=int(cfg["linear_key_head_dim"]),
         v_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        fused_projections=arch == "qwen3_next",
     )
     if linear.num_v_heads % linear.num_k_heads:
         raise ValueError(f"{arch}: linear_num_value_heads ({linear.num_v_heads}) must be a "

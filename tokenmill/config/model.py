@@ -47,8 +47,7 @@ class LinearAttentionConfig:
     depthwise convolution of ``conv_kernel`` taps, then a gated delta rule updates a
     [k_head_dim, v_head_dim] state per value head. A request carries, per such layer, the
     convolution's last ``conv_kernel - 1`` inputs and those states (attention/recurrent.py).
-    ``fused_projections``: Qwen3-Next stores q/k/v/z and b/a as two projections interleaved per
-    key head; Qwen3.5 stores four. ``v_heads_tiled``: the value heads are ordered k0 k1 .. k0 k1
+    ``v_heads_tiled``: the value heads are ordered k0 k1 .. k0 k1
     .. by the key head they read (llama.cpp's Qwen3.5 GGUFs, for its broadcasts) rather than in
     groups k0 k0 .. k1 k1 .. (the checkpoints')."""
 
@@ -57,7 +56,6 @@ class LinearAttentionConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int = 4
-    fused_projections: bool = False
     v_heads_tiled: bool = False
 
     @property

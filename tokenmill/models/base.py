@@ -75,7 +75,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows, vocab] of hidden states [rows, hidden]; written into ``out`` when given
         (the runner reuses one float32 buffer: at 32 rows a fresh 33 MB tensor cost ~10 ms of
-        page faults a step)."""
+        page faults a step). Gemma 2/3/4 soft-cap them (``final_logit_softcapping``)."""
+        logits = self._head(hidden, out)
+        cap = self.config.final_logit_softcapping
+        if cap:  # in place: ``out`` (a CUDA graph's logits buffer) must hold the capped values
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+    def _head(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if self.config.tp.size > 1:  # this rank's vocabulary slice, gathered from all ranks
             if self.config.tie_word_embeddings:
                 local = self.model.embed_tokens.as_head(hidden)
@@ -98,8 +105,8 @@ class CausalLM(nn.Module):
             method = getattr(module, "quant_method", None)
             if method is not None:
                 total += method.nbytes(module.quant_state)
-            if isinstance(module, (FusedLinear, FusedMoE)) or hasattr(module, "packed_nbytes"):
-                total += module.packed_nbytes()  # (gpt-oss's experts: re-laid MXFP4)
+            if hasattr(module, "packed_nbytes"):  # fused layers, experts (gpt-oss's too)
+                total += module.packed_nbytes()
         return total
 
     def num_parameters(self) -> int:
@@ -215,6 +222,11 @@ class CausalLM(nn.Module):
         checkpoints fuse or split tensors otherwise (Phi-3's qkv, gpt-oss's experts) lays
         them out here; others pass them on as they come."""
         return weights
+
+    def after_load(self, device: torch.device, quant_method: object | None) -> None:
+        """Lay weights out for computing once they are all in (the loader calls it after
+        joining fused parts); a family whose weights need it overrides it (gpt-oss's MXFP4
+        experts). ``quant_method``: the load's, or None."""
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as this model's modules carry it (a family whose

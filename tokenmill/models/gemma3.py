@@ -81,10 +81,3 @@ class Gemma3ForCausalLM(CausalLM):
         for layer in self.model.layers:
             h = layer(h, positions, fwd)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().compute_logits(hidden, out)
-        cap = self.config.final_logit_softcapping
-        if cap:  # in place: ``out`` (a CUDA graph's logits buffer) must hold the capped values
-            logits = logits.div_(cap).tanh_().mul_(cap)
-        return logits

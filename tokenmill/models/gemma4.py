@@ -267,13 +267,6 @@ class Gemma4ForCausalLM(CausalLM):
         projected = m.per_layer_projection_norm(projected.view(n, num_layers, self.ple_dim))
         return (projected + token) * 2.0**-0.5
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        logits = super().compute_logits(hidden, out)
-        cap = self.config.final_logit_softcapping
-        if cap:  # in place: ``out`` (a CUDA graph's logits buffer) must hold the capped values
-            logits = logits.div_(cap).tanh_().mul_(cap)
-        return logits
-
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         """Leave out the vision and audio towers and a KV-sharing layer's unused k/v tensors;
         lay transformers' stacked experts out as FusedMoE loads them (gate and up apart)."""

@@ -170,6 +170,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
     ) -> Iterator[tuple[str, Weight]]:
         return _one_layout(weights)
 
+    def after_load(self, device: torch.device, quant_method: object | None) -> None:
+        """On a CPU, MXFP4 experts laid out for the packed C kernels (exactly), activations as
+        the load's packed method quantizes them (float without one)."""
+        if device.type != "cpu":
+            return
+        act_int8 = bool(getattr(quant_method, "act_int8", False))
+        for module in self.modules():
+            if isinstance(module, GptOssExperts):
+                module.pack_(act_int8)
+
 
 def _one_layout(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors by the names and layout of the modules here."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.architectures import HYBRID_ARCHITECTURES
 from tokenmill.attention.backends import create_attention_backend
 from tokenmill.config import ModelConfig, config_from_gguf, config_from_hf
 from tokenmill.kernels import cpu_library, create_kernel_backend, default_kernel_backend
@@ -30,7 +31,6 @@ from tokenmill.memory import release_freed_memory
 from tokenmill.models import gguf_cache
 from tokenmill.models.base import CausalLM
 from tokenmill.models.gguf_file import GGUFFile, GGUFTensor, dequantize
-from tokenmill.models.gpt_oss import GptOssExperts
 from tokenmill.models.registry import get_model_class
 from tokenmill.moe import FusedMoE
 from tokenmill.quant.base import QuantMethod
@@ -87,7 +87,6 @@ _HYBRID_NAMES = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
-_HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 # Gemma 4's tensors, by their name after ``blk.N.`` (llama.cpp's -> transformers'): the layer
 # scalar, the per-layer-embedding input, and beside the MLP the experts' norms, router (its
 # scales as ``.scale`` tensors) and experts, gate and up fused (models/gemma4.py).
@@ -270,13 +269,10 @@ def _build_and_load(
             module.group_parts_()
         elif isinstance(module, FusedMoE):  # packed experts into stacks, gate with up
             module.stack_()
-        elif isinstance(module, GptOssExperts) and device.type == "cpu":
-            # MXFP4 experts re-laid for the packed C kernels (exactly); activations as the
-            # load's packed method quantizes them (float without one).
-            module.pack_(bool(getattr(quant_method, "act_int8", False)))
         else:
             continue
         release_freed_memory()  # the parts just joined: holes the next join cannot fill
+    model.after_load(device, quant_method)
     head_state = getattr(model.output_head(), "quant_state", None)
     if isinstance(head_state, PackedState):  # the head's int8 matmul: see PackedState
         head_state.q8_unsigned = True
@@ -534,7 +530,7 @@ def _hf_name(gguf_name: str, architecture: str) -> str | None:
     if m:  # older Mixtral files: a tensor per expert
         layer, part, expert = m.groups()
         return f"model.layers.{layer}.mlp.experts.{expert}.{part[4:]}_proj.weight"
-    hybrid = architecture in _HYBRID_ARCHITECTURES
+    hybrid = architecture in HYBRID_ARCHITECTURES
     m = re.fullmatch(r"blk\.(\d+)\.ssm_(a|dt\.bias)", gguf_name)
     if m and hybrid:  # the decay's A (no suffix) and dt's bias
         layer, part = m.groups()

@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight
         nd = rec.num_decodes
         if nd:  # one token each: the whole batch in one step
-            slots = rec.slots[:nd]
+            slots = rec.decode_slots
             conv_out, conv_state[slots] = causal_conv_step(mixed[:nd], conv_state[slots], weight)
             q, k, v = self._heads(conv_out)
             o, ssm_state[slots] = gated_delta_rule(
@@ -89,8 +89,7 @@ class GatedDeltaNet(nn.Module):
             )
             out[:nd] = o[:, 0]
         start = nd
-        for i, length in enumerate(rec.query_lens[nd:], start=nd):
-            slot = int(rec.slots[i])
+        for slot, length in zip(rec.slots[nd:], rec.query_lens[nd:]):
             rows = slice(start, start + length)
             conv_out, conv_state[slot] = causal_conv(mixed[rows], conv_state[slot], weight)
             q, k, v = self._heads(conv_out)
@@ -144,7 +143,8 @@ class GatedRMSNorm(nn.Module):
 
 class GatedAttention(nn.Module):
     """Full attention whose q_proj also yields a gate per head (rows [q_h | gate_h] per head):
-    the attention output is scaled by σ(gate) before o_proj."""
+    the attention output is scaled by σ(gate) before o_proj (``config.attn_output_gate``;
+    without it, q_proj gives q alone)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -154,9 +154,11 @@ class GatedAttention(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )
-        # q_proj's rows are twice the heads': QKVLinear's q part takes them whole.
+        self.gated = c.attn_output_gate
+        # Gated, q_proj's rows are twice the heads': QKVLinear's q part takes them whole.
+        q_heads = 2 * self.num_heads if self.gated else self.num_heads
         self.qkv_proj = QKVLinear(
-            c.hidden_size, c.head_dim, 2 * self.num_heads, self.num_kv_heads, c.attention_bias
+            c.hidden_size, c.head_dim, q_heads, self.num_kv_heads, c.attention_bias
         )
         self.o_proj = Linear(self.num_heads * c.head_dim, c.hidden_size)
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
@@ -173,13 +175,17 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fwd: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x)
-        q, gate = q_gate.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q.contiguous())
+        q, k, v = self.qkv_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v.reshape(n, self.num_kv_heads, self.head_dim), fwd)
-        return self.o_proj((out * torch.sigmoid(gate)).reshape(n, -1))
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(n, -1))
 
 
 class HybridDecoderLayer(nn.Module):

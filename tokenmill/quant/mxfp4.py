@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.quant.packed import PackedWeight, pack_codes
+# E2M1_DOUBLED: e2m1's 16 values, doubled (as llama.cpp keeps them: small integers), halved
+# by the scale; the "m4" layout's table.
+from tokenmill.quant.packed import E2M1_DOUBLED, PackedWeight, pack_codes
 
 BLOCK = 32
 GGML_MXFP4 = 39  # GGMLQuantizationType.MXFP4
-# e2m1's 16 values, doubled (as llama.cpp keeps them: small integers), halved by the scale.
-E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass(slots=True)

@@ -388,8 +388,8 @@ def _iq4_indices(codes: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-# MXFP4's e2m1 values, doubled to integers ("m4": quant/mxfp4.py keeps its own copy, its
-# file's table): index i's code. Indices 0 and 8 both stand for 0 (e2m1's ±0).
+# MXFP4's e2m1 values, doubled to integers ("m4"; quant/mxfp4.py's table): index i's code.
+# Indices 0 and 8 both stand for 0 (e2m1's ±0).
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 _E2M1_INDEX = {v: i for i, v in reversed(list(enumerate(E2M1_DOUBLED)))}  # 0 -> index 0
 

@@ -186,7 +186,9 @@ def dummy_prefill(
     kv_caches = allocate_kv_caches(model.config, temporary, dtype, device)
     # A hybrid model's linear-attention layers: a state slot per sequence.
     states = allocate_states(model.config, len(seq_lens), dtype, device)
-    recurrent = RecurrentBatch(torch.arange(len(seq_lens), device=device), seq_lens, 0)
+    recurrent = RecurrentBatch(
+        list(range(len(seq_lens))), seq_lens, 0, torch.zeros(0, dtype=torch.long, device=device)
+    )
     positions, slots, prefills = [], [], []
     next_block = 1
     for n in seq_lens:

@@ -47,8 +47,9 @@ class RecurrentStatePool:
     def batch(self, reqs: list[ScheduledRequest]) -> RecurrentBatch:
         """The step's slots in its batch order (decodes first, as build_step_inputs lays
         them out)."""
-        slots = torch.tensor([self._slots[r.req_id] for r in reqs], dtype=torch.long)
+        slots = [self._slots[r.req_id] for r in reqs]
         num_decodes = 0
         while num_decodes < len(reqs) and reqs[num_decodes].query_len == 1:
             num_decodes += 1
-        return RecurrentBatch(slots.to(self.device), [r.query_len for r in reqs], num_decodes)
+        decode_slots = torch.tensor(slots[:num_decodes], dtype=torch.long, device=self.device)
+        return RecurrentBatch(slots, [r.query_len for r in reqs], num_decodes, decode_slots)
