@@ -62,6 +62,9 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[list[Block]]] = {}  # per request, per group
         self._req_hashes: dict[str, list[BlockHash]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        # Per running request, until when its next allocate_slots has nothing to do (see
+        # _quiet_bounds): most decode steps, which then cost a lookup and two comparisons.
+        self._quiet: dict[str, tuple[int, int]] = {}
         # Each window size and its groups.
         sizes = dict.fromkeys(w for w in group_windows if w is not None)
         self._windows = [(w, [g for g, x in enumerate(group_windows) if x == w]) for w in sizes]
@@ -167,18 +170,47 @@ class KVCacheManager:
         ``hit`` is the prefix hit of a request that holds no blocks yet. Returns the ids of each
         group's new table entries (the hit's, null ones included, then fresh blocks).
         """
+        num_computed = req.num_computed_tokens
+        quiet = self._quiet.get(req.req_id)
+        if quiet and num_computed < quiet[0] and num_computed + num_new_tokens <= quiet[1]:
+            return self._no_new_blocks
         tables = self._req_blocks.get(req.req_id)
         if tables is None:  # a new or resumed request: its hit's blocks, then fresh ones
             tables = self._req_blocks[req.req_id] = [[] for _ in self.group_windows]
             return self._allocate(req, tables, num_new_tokens, hit or self._no_hit(), cache_salt)
         # A running request (most calls: one token a step, rarely a new block).
         assert hit is None, "a prefix hit is for a request that holds no blocks yet"
-        self._release_behind_windows(tables, req.num_computed_tokens)
-        num_tokens = req.num_computed_tokens + num_new_tokens
+        self._release_behind_windows(tables, num_computed)
+        num_tokens = num_computed + num_new_tokens
         if len(tables[0]) * self.block_size >= num_tokens:  # tables all cover as much
             self._cache_full_blocks(req, num_tokens, cache_salt)
-            return self._no_new_blocks
-        return self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
+            new_ids: Sequence[Sequence[int]] | None = self._no_new_blocks
+        else:
+            new_ids = self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
+        if new_ids is not None:
+            self._quiet[req.req_id] = self._quiet_bounds(len(tables[0]), num_computed, req.req_id)
+        return new_ids
+
+    def _quiet_bounds(
+        self, num_table_blocks: int, num_computed: int, req_id: str
+    ) -> tuple[int, int]:
+        """(c, e): a running request's next allocate_slots, from ``num_computed_tokens`` below c
+        up to ``num_computed + num_new`` of at most e, would do nothing, so it may return at
+        once. Each of its three jobs waits for a block boundary:
+        - no window moves past a block (its first needed block stays that of ``num_computed``);
+        - the tables hold the tokens (``num_table_blocks`` blocks each);
+        - no block fills (the hashing has reached the last full block; a conservative bound,
+          as the request's known tokens may lag its scheduled ones).
+        """
+        bs = self.block_size
+        first_unquiet = 1 << 62
+        for window, _ in self._windows:
+            first_needed = max(0, num_computed - window + 1) // bs
+            first_unquiet = min(first_unquiet, (first_needed + 1) * bs + window - 1)
+        end = num_table_blocks * bs
+        if self.enable_caching:
+            end = min(end, (self._num_hashed.get(req_id, 0) + 1) * bs - 1)
+        return first_unquiet, end
 
     def _allocate(
         self,
@@ -216,6 +248,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release all the request's blocks (each table tail first: see block_pool)."""
         tables = self._req_blocks.pop(req.req_id, [])
+        self._quiet.pop(req.req_id, None)
         self._req_hashes.pop(req.req_id, None)
         self._num_hashed.pop(req.req_id, None)
         for table in tables:
