@@ -168,9 +168,11 @@ class _DecodeSpy:
         self.vocab_size = tokenizer.vocab_size
         self.backend = tokenizer.backend
         self.max_decode_len = 0
+        self.num_decodes = 0
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.max_decode_len = max(self.max_decode_len, len(token_ids))
+        self.num_decodes += 1
         return self._tokenizer.decode(token_ids, skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
@@ -194,6 +196,35 @@ def test_work_per_token_is_bounded(gemma: Tokenizer) -> None:
     continuation = gemma.encode("🧌", add_special_tokens=False)[1]
     detok.update([continuation] * 50)
     assert 0 < spy.max_decode_len <= 16
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deferred_tokens_decode_at_once(gemma: Tokenizer, text: str) -> None:
+    """A final-only output's tokens wait (``defer``) and are decoded as it ends, in one decode
+    of the window: the same text token by token would give."""
+    spy = _DecodeSpy(gemma)
+    prompt = gemma.encode("Say:")
+    output = gemma.encode(text, add_special_tokens=False) * 30
+    detok = IncrementalDetokenizer(spy, prompt)  # type: ignore[arg-type]
+    head = detok.update(output[:1])
+    for token_id in output[1:]:
+        detok.defer([token_id])
+    assert detok.output_text == head  # nothing decoded while deferred
+    assert head + detok.finish() == full_delta(gemma, prompt, output) == text * 30
+    assert spy.num_decodes <= 2 and detok.token_ids == output
+
+
+def test_deferred_invalid_bytes_go_token_by_token(gemma: Tokenizer) -> None:
+    """A run of byte pieces that turns invalid after its character: token by token emits "é"
+    first, a whole decode renders the run as U+FFFD. Deferred, the tokens go one by one too."""
+    byte_id = [gemma.backend.token_to_id(f"<0x{b:02X}>") for b in (0xC3, 0xA9, 0xA9)]
+    output = [*byte_id, *gemma.encode(" ok", add_special_tokens=False)]
+    prompt = gemma.encode("Hi")
+    pieces, _ = stream(gemma, prompt, output)
+    assert "".join(pieces).startswith("é") and not full_delta(gemma, prompt, output).startswith("é")
+    detok = IncrementalDetokenizer(gemma, prompt)
+    detok.defer(output)
+    assert detok.finish() == "".join(pieces)
 
 
 def sentencepiece_with_strip() -> Tokenizer:

@@ -10,7 +10,7 @@ import pytest
 from tokenmill.core.sched_output import RequestUpdate, SampledLogprobs
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import TokenLogprob
-from tokenmill.request import Request
+from tokenmill.request import FinishReason, Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
@@ -51,3 +51,29 @@ def test_a_stop_string_inside_a_multi_token_step_drops_what_follows(gemma, inclu
     assert len(together.outputs[0].logprobs) == 3
     assert together.outputs[0].finish_reason == "stop"
     assert stopped_1 == [2] and stopped_n == [1]  # the scheduler is told to end it
+
+
+def test_a_final_only_text_is_decoded_when_read(gemma) -> None:
+    """A final-only output without stop strings is decoded once, as it ends or is aborted; the
+    text is what a streamed output would carry."""
+    ids = gemma.encode(" one two three four five", add_special_tokens=False)
+    streamed, _ = run(gemma, [[t] for t in ids], SamplingParams())
+    for abort in (False, True):
+        processor = OutputProcessor(gemma)
+        params = SamplingParams(output_kind="final_only")
+        prompt = gemma.encode("Count:")
+        processor.add_request("r", "Count:", [Request("r", prompt, params)], params)
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1 and not abort
+            processor.process(
+                [RequestUpdate("r", [token_id], FinishReason.LENGTH if last else None)]
+            )
+            if not last:
+                assert processor.collect() == []
+        (out,) = [processor.abort("r")] if abort else processor.collect()
+        assert (
+            out.finished
+            and out.outputs[0].text == streamed.outputs[0].text == " one two three four five"
+        )
+        assert out.outputs[0].token_ids == ids
+        assert out.outputs[0].finish_reason == ("abort" if abort else "length")

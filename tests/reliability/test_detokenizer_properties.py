@@ -60,6 +60,21 @@ def stream(
     return text, detok
 
 
+def deferred(
+    tok: Tokenizer, prompt: Sequence[int], output: Sequence[int], skip: bool, split: int
+) -> str:
+    """The text of a final-only output: its first ``split`` tokens streamed, the rest deferred
+    (``defer``) and decoded as it ends (``finish``)."""
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    text = detok.update(output[:split])
+    for token_id in output[split:]:
+        detok.defer([token_id])
+    text += detok.finish()
+    assert detok.finish() == ""  # nothing is left
+    assert detok.output_text == text and detok.token_ids == list(output)
+    return text
+
+
 def full_delta(tok: Tokenizer, prompt: Sequence[int], output: Sequence[int], skip: bool) -> str:
     head = tok.decode(prompt, skip)
     full = tok.decode([*prompt, *output], skip)
@@ -87,6 +102,8 @@ def test_byte_level_any_bytes_stream_equals_full_decode(
     prompt_ids = byte_tok.encode(prompt)
     text, _ = stream(byte_tok, prompt_ids, output, skip, sizes)
     assert text == full_delta(byte_tok, prompt_ids, output, skip)
+    # Decoded at once where that is the same text, token by token where it may not be.
+    assert deferred(byte_tok, prompt_ids, output, skip, sizes[0] % 3) == text
 
 
 def test_invalid_bytes_before_a_character_still_arriving(byte_tok: Tokenizer) -> None:
@@ -180,6 +197,7 @@ def test_gemma_any_ids_stream_equals_full_decode(gemma: Tokenizer) -> None:
         full = full_delta(gemma, prompt_ids, output, skip)
         if not _has_late_invalid_run(gemma, output, skip):
             assert text == full
+            assert deferred(gemma, prompt_ids, output, skip, sizes[0] % 3) == text
         else:  # the rendering of such a run may differ; the rest of the text may not
             assert len(text) >= len(full.replace("\ufffd", ""))
 

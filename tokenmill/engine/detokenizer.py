@@ -70,14 +70,67 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
         self._output_ids: list[int] = []
+        self._deferred: list[int] = []  # output ids not decoded yet (``defer``)
         self._chunks: list[str] = []
         self._stream = self._new_stream()
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Appends output tokens; returns the text that became final with them (may be "")."""
+        self._output_ids.extend(new_token_ids)
+        return self._record(self._step(self._take_deferred(new_token_ids)))
+
+    def defer(self, new_token_ids: Sequence[int]) -> None:
+        """Appends output tokens whose text no one reads yet (a response sent whole): they are
+        decoded by the next call that returns text, at once by ``finish``."""
+        self._output_ids.extend(new_token_ids)
+        self._deferred.extend(new_token_ids)
+
+    def finish(self, new_token_ids: Sequence[int] = ()) -> str:
+        """``update`` then ``flush``: the rest of the text, as the output ends. Deferred tokens
+        are decoded in one call where that gives what token by token would (``_decode_rest``),
+        else token by token."""
+        self._output_ids.extend(new_token_ids)
+        ids = self._take_deferred(new_token_ids)
+        text = self._decode_rest(ids) if len(ids) > 1 else None
+        if text is None:
+            text = self._step(ids) + self._emit(force=True)
+            self._stream = self._new_stream()
+        return self._record(text)
+
+    def flush(self) -> str:
+        """Emits text still held back (an incomplete UTF-8 tail, as U+FFFD); call at the end."""
+        return self.finish()
+
+    def _take_deferred(self, new_token_ids: Sequence[int]) -> Sequence[int]:
+        if not self._deferred:
+            return new_token_ids
+        ids, self._deferred = self._deferred + list(new_token_ids), []
+        return ids
+
+    def _decode_rest(self, token_ids: Sequence[int]) -> str | None:
+        """The text of the window's pending ids and ``token_ids`` through the end, from one
+        decode of the whole window; None where token by token could differ.
+
+        By the module's rule, the pieces token by token (then a flush) concatenate to
+        decode(window + ids) minus decode(its context) when that context's text is a prefix
+        and no byte run in the rest is invalid; with no U+FFFD in the rest, none is.
+        """
+        kept = [t for t in token_ids if t not in self._skipped_ids and 0 <= t < self._vocab_size]
+        head = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :] + kept)
+        if not full.startswith(head) or "\ufffd" in full[len(head) :]:
+            return None
+        self._ids.extend(kept)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = None
+        self._compact()
+        self._stream = self._new_stream()
+        return full[len(head) :]
+
+    def _step(self, new_token_ids: Sequence[int]) -> str:
+        """The token-by-token path: each token through the stream, or the window here."""
         pieces = []
         for token_id in new_token_ids:
-            self._output_ids.append(token_id)
             # NOTE: ids past the tokenizer's vocabulary (a model's padded embedding rows) decode
             # to nothing; in the window they would count as pending bytes.
             if token_id in self._skipped_ids or not 0 <= token_id < self._vocab_size:
@@ -100,13 +153,7 @@ class IncrementalDetokenizer:
                 # out, and a new stream goes on from it.
                 pieces.append(self._emit(force=False))
                 self._stream = self._new_stream()
-        return self._record("".join(pieces))
-
-    def flush(self) -> str:
-        """Emits text still held back (an incomplete UTF-8 tail, as U+FFFD); call at the end."""
-        text = self._emit(force=True)
-        self._stream = self._new_stream()
-        return self._record(text)
+        return "".join(pieces)
 
     def _new_stream(self) -> DecodeStream:
         """A DecodeStream whose context is the window's prefix, fed its pending ids."""

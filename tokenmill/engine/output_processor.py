@@ -39,6 +39,9 @@ class SeqState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Its text is decoded once, as it finishes: no one reads it before (a final-only output)
+    # and no stop string needs it (one Rust call for the whole output, not one a token).
+    defer_text: bool = False
     # Final-only requests: when the last step gave tokens, and the gaps between such steps
     # (RequestMetrics.inter_token_latencies; no one reads their outputs in between).
     last_token_time: float | None = None
@@ -84,6 +87,7 @@ class OutputProcessor:
         for i, req in enumerate(seqs):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             seq = SeqState(i, req, detok)
+            seq.defer_text = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
             state.seqs.append(seq)
             self._seq_owner[req.req_id] = (state, seq)
         self.states[request_id] = state
@@ -159,6 +163,7 @@ class OutputProcessor:
             return None
         for seq in state.seqs:
             if seq.finish_reason is None:
+                seq.text += seq.detokenizer.update([])  # any deferred tokens' text
                 seq.finish_reason = FinishReason.ABORT
         return self._make_output(state)
 
@@ -191,10 +196,14 @@ class OutputProcessor:
     ) -> None:
         """Append tokens and their logprobs; ``final``: the update, if its finish applies."""
         finish_reason = final.finish_reason if final is not None else None
-        new_text = seq.detokenizer.update(token_ids)
         if finish_reason is not None:
             # Nothing follows: emit a tail held back for more bytes (an incomplete character).
-            new_text += seq.detokenizer.flush()
+            new_text = seq.detokenizer.finish(token_ids)
+        elif seq.defer_text:
+            seq.detokenizer.defer(token_ids)
+            new_text = ""
+        else:
+            new_text = seq.detokenizer.update(token_ids)
         for sampled, top in logprobs:
             seq.logprobs.append(
                 PositionLogprobs(self._with_text(sampled), [self._with_text(t) for t in top])
