@@ -36,17 +36,18 @@ class BlockTables:
     """A request's block tables, one per group of layers (kv_layout.py): row g of one int64
     array, grown by doubling, zero (the null block) past each table's end.
 
-    One array rather than a list per group: a decode step takes the tables of all its rows in a
-    few numpy calls (``columns``, then one stack), not a Python loop over rows and groups (1,536
-    of them at 256 requests of gemma-3's six groups).
+    One array rather than a list per group: a decode step copies a request's tables into its
+    row in one numpy call (RowTables), not a Python loop over groups (1,536 of them at 256
+    requests of gemma-3's six groups).
     """
 
-    __slots__ = ("_array", "_lengths")
+    __slots__ = ("_array", "_lengths", "version")
 
     def __init__(self, tables: Sequence[Sequence[int]]) -> None:
         width = max([16, *(len(t) for t in tables)])
         self._array = np.zeros((len(tables), width), dtype=np.int64)
         self._lengths = [len(t) for t in tables]
+        self.version = 0  # counts the extends: a copy of the tables with another is stale
         for g, table in enumerate(tables):
             self._array[g, : len(table)] = table
 
@@ -66,17 +67,60 @@ class BlockTables:
             self._grow(end)
         self._array[g, start:end] = block_ids
         self._lengths[g] = end
+        self.version += 1
 
-    def columns(self, num: int) -> np.ndarray:
-        """Every group's first ``num`` entries [num_groups, num], zeros past a table's end."""
-        if num > self._array.shape[1]:
-            self._grow(num)
-        return self._array[:, :num]
+    @property
+    def array(self) -> np.ndarray:
+        """Every group's table [num_groups, width], zeros past each one's end (a view: valid
+        until the next ``extend``)."""
+        return self._array
 
     def _grow(self, width: int) -> None:
         array = np.zeros((self._array.shape[0], max(width, 2 * self._array.shape[1])), np.int64)
         array[:, : self._array.shape[1]] = self._array
         self._array = array
+
+
+class RowTables:
+    """The block tables of a decode step's rows [groups, rows, cols], kept from step to step.
+
+    A row is written only when it holds another request's tables than in the step before, or
+    that request's tables grew: a few rows a step of hundreds, where stacking every row's
+    tables anew cost ~0.7 us a row (0.18 ms at 256 requests).
+    """
+
+    def __init__(self, num_groups: int) -> None:
+        self._array = np.zeros((num_groups, 0, 0), dtype=np.int64)
+        self._owners: list[BlockTables | None] = []  # whose tables each row holds
+        self._versions: list[int] = []  # at which version
+        self._widths: list[int] = []  # each row's columns that may be non-zero
+
+    def take(self, row_tables: list[BlockTables], cols: int) -> np.ndarray:
+        """Row i of the result: ``row_tables[i]``'s first ``cols`` entries of each group, zeros
+        past a table's end (a view: valid until the next call)."""
+        n = len(row_tables)
+        if n > self._array.shape[1] or cols > self._array.shape[2]:
+            self._grow(n, cols)
+        array, owners, versions, widths = self._array, self._owners, self._versions, self._widths
+        for i, tables in enumerate(row_tables):
+            if owners[i] is tables and versions[i] == tables.version:
+                continue
+            src = tables.array
+            width = min(src.shape[1], array.shape[2])
+            array[:, i, :width] = src[:, :width]
+            if widths[i] > width:  # the previous owner's longer tables
+                array[:, i, width : widths[i]] = 0
+            owners[i], versions[i], widths[i] = tables, tables.version, width
+        return array[:, :n, :cols]
+
+    def _grow(self, rows: int, cols: int) -> None:
+        """Room for ``rows`` x ``cols`` (doubling); every row is written again."""
+        groups, old_rows, old_cols = self._array.shape
+        rows, cols = max(rows, 2 * old_rows), max(cols, 2 * old_cols, 16)
+        self._array = np.zeros((groups, rows, cols), dtype=np.int64)
+        self._owners = [None] * rows
+        self._versions = [0] * rows
+        self._widths = [0] * rows
 
 
 @dataclass(slots=True)

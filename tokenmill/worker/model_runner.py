@@ -55,11 +55,10 @@ from tokenmill.worker.input_batch import (
     PoolingRows,
     PromptLogprobRows,
     RequestState,
+    RowTables,
     StepInputs,
     build_step_inputs,
-    pending_rows,
     pending_token,
-    prompt_logprob_rows,
 )
 from tokenmill.worker.recurrent_state import RecurrentStatePool
 from tokenmill.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
@@ -183,6 +182,7 @@ class ModelRunner:
         # One logits buffer for every step, grown to the largest batch seen: a fresh [32, 262k]
         # float32 tensor each step cost ~10 ms of page faults (over 32 MB, malloc maps anew).
         self._logits_buffer: torch.Tensor | None = None
+        self._row_tables = RowTables(self.kv_layout.num_groups)  # decode graph steps' tables
         self.decode_graphs: DecodeGraphs | None = None
         self.cuda_graphs: CudaDecodeGraphs | None = None
         # Launched steps not yet collected, oldest first (at most two: async scheduling).
@@ -381,22 +381,35 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
         and append the accepted tokens to the requests."""
-        rows = [row for rid, drafts in reqs for row in self._sampling_rows(rid, drafts)]
-        token_ids, logprobs = self.sampler(logits, rows, self._token_bitmask(reqs, len(rows)))
+        requests = self.requests
+        rows: list[SamplingRow] = []
+        constrained = False  # a grammar or a thinking budget among them
+        for rid, drafts in reqs:
+            state = requests[rid]
+            constrained = constrained or state.grammar is not None or state.thinking is not None
+            if state.plain_row is not None and not drafts and not self._drafts:
+                rows.append(state.plain_row)  # what _sampling_rows would return
+            else:
+                rows += self._sampling_rows(rid, drafts)
+        bitmask = self._token_bitmask(reqs, len(rows)) if constrained else None
+        token_ids, logprobs = self.sampler(logits, rows, bitmask)
+        sampled = out.sampled_token_ids
         i = 0
         for rid, drafts in reqs:
-            num_rows = len(drafts) + 1
-            new = accept_drafts(token_ids[i : i + num_rows], drafts)
-            state = self.requests[rid]
-            state.token_ids.extend(new)
+            if drafts:
+                num_rows = len(drafts) + 1
+                new = accept_drafts(token_ids[i : i + num_rows], drafts)
+            else:
+                num_rows, new = 1, [token_ids[i]]
+            state = requests[rid]
+            state.token_ids += new
             if state.grammar is not None:
                 state.grammar.accept(new)
             if state.thinking is not None:
                 state.thinking.accept(new)
-            out.sampled_token_ids[rid] = new
-            row_logprobs = [lp for lp in logprobs[i : i + len(new)] if lp is not None]
-            if row_logprobs:
-                out.logprobs[rid] = _concat_logprobs(row_logprobs)
+            sampled[rid] = new
+            if logprobs[i] is not None:  # a request's rows have log-probs, or none do
+                out.logprobs[rid] = _concat_logprobs(logprobs[i : i + len(new)])
             i += num_rows
         # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
         if self.proposer is not None and len(reqs) <= self.speculative_max_batch:
@@ -570,19 +583,30 @@ class ModelRunner:
         if graphs is None or not scheduled or not graphs.runs(sum(scheduled.values())):
             return None
         num_computed = sched.num_computed_tokens()
+        drafts_of = sched.draft_token_ids
+        requests = self.requests
         ids: list[int] = []
         positions: list[int] = []
         row_tables: list[BlockTables] = []  # each row's request's tables
         pending: list[tuple[int, int]] = []  # (row, pick) of the launched step's picks
         for rid, n in scheduled.items():
-            state, p = self.requests[rid], num_computed[rid]
-            drafts = sched.draft_token_ids.get(rid, [])
-            if n != 1 + len(drafts) or p + 1 != len(state.token_ids):
-                return None  # a prompt chunk: no sample, or a query of several known tokens
-            if prompt_logprob_rows(state, rid, 0, p, 1) or state.sampling_params.pooling:
-                return None  # prompt log-probs owed, or a one-token prompt to embed
-            pending += pending_rows(len(ids), state.token_ids[p : p + 1])
-            ids.append(state.token_ids[p])
+            state, p = requests[rid], num_computed[rid]
+            token_ids = state.token_ids
+            # A decode runs its last known token (so no prompt log-prob is owed: the token it
+            # predicts is an output); else a prompt chunk, or a one-token prompt to embed.
+            if p + 1 != len(token_ids) or state.sampling_params.pooling is not None:
+                return None
+            token = token_ids[p]
+            if token < 0:  # a placeholder (pending_token): the launched step's pick
+                pending.append((len(ids), -1 - token))
+            ids.append(token)
+            drafts = drafts_of.get(rid) if drafts_of else None
+            if n == 1 and not drafts:  # the common row: one token, no drafts
+                positions.append(p)
+                row_tables.append(state.block_ids)
+                continue
+            if not drafts or n != 1 + len(drafts):
+                return None  # a query of several known tokens
             ids += drafts
             positions += range(p, p + n)
             row_tables += [state.block_ids] * n
@@ -593,7 +617,7 @@ class ModelRunner:
         bs = self.block_size
         pos = np.array(positions)
         cols = int(pos.max()) // bs + 1
-        tables = np.stack([t.columns(cols) for t in row_tables], axis=1)  # [groups, rows, cols]
+        tables = self._row_tables.take(row_tables, cols)  # [groups, rows, cols]
         slots = tables[:, np.arange(len(ids)), pos // bs] * bs + pos % bs  # [groups, rows]
         return graphs.step(ids, pos, slots, tables, self._pending_ids(pending))
 
