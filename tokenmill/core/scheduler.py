@@ -58,6 +58,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec = SpecDecodeStats()
         self.cache_salts: dict[str, str] = {}
+        # Requests whose next step needs this one's tokens on the host (_can_run_ahead false).
+        self._no_run_ahead: set[str] = set()
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -67,6 +69,8 @@ class Scheduler:
         self.requests[req.req_id] = req
         if cache_salt:
             self.cache_salts[req.req_id] = cache_salt
+        if not _can_run_ahead(req):
+            self._no_run_ahead.add(req.req_id)
         self.waiting.append(req)
 
     def finish_request(self, req_id: str, reason: FinishReason) -> Request | None:
@@ -98,61 +102,68 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
+        running: list[tuple[Request, int]] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted = self._schedule_running(num_scheduled, cached_reqs, budget)
-        budget -= sum(num_scheduled.values())
-        drafts = self._take_drafts(num_scheduled)
+        drafts: dict[str, list[int]] = {}
+        preempted, budget = self._schedule_running(running, cached_reqs, drafts, budget)
+        new: list[tuple[Request, int]] = []
         new_reqs: list[NewRequestData] = []
         if not preempted:  # memory is tight: let running requests finish before new ones join
-            self._schedule_waiting(num_scheduled, new_reqs, budget)
+            self._schedule_waiting(new, new_reqs, budget)
         # Batch order: new requests first, then running ones.
-        order = [r.req_id for r in new_reqs] + [r.req_id for r in cached_reqs]
+        num_scheduled = {req.req_id: n for req, n in new}
+        num_scheduled |= {req.req_id: n for req, n in running}
         out = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
-            num_scheduled_tokens={rid: num_scheduled[rid] for rid in order},
+            num_scheduled_tokens=num_scheduled,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
             draft_token_ids=drafts,
-            can_run_ahead=not drafts and all(_can_run_ahead(self.requests[rid]) for rid in order),
+            can_run_ahead=not drafts and self._no_run_ahead.isdisjoint(num_scheduled),
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests[rid]
-            req.num_computed_tokens += n
-            if req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
-                req.num_pending_tokens += 1  # this step samples its next token
+        for scheduled in (new, running):
+            for req, n in scheduled:
+                req.num_computed_tokens += n
+                num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+                if req.num_computed_tokens >= num_known + req.num_pending_tokens:
+                    req.num_pending_tokens += 1  # this step samples its next token
         return out
 
     def _schedule_running(
         self,
-        num_scheduled: dict[str, int],
+        scheduled: list[tuple[Request, int]],
         cached_reqs: list[CachedRequestData],
+        drafts: dict[str, list[int]],
         budget: int,
-    ) -> bool:
+    ) -> tuple[bool, int]:
+        """Schedule the running requests in order (each its missing tokens, drafts with a
+        decode), preempting the newest while blocks run out; (whether any was, budget left)."""
         preempted = False
+        max_model_len = self.config.max_model_len
+        salts = self.cache_salts
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if not self._has_room(req):
+            num_outputs = len(req.output_token_ids) + req.num_pending_tokens
+            num_tokens = len(req.prompt_token_ids) + num_outputs
+            if num_outputs >= req.max_tokens or num_tokens >= max_model_len:
                 i += 1  # its pending token is its last: it finishes when the token is in
                 continue
-            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            num_new = min(num_tokens - req.num_computed_tokens, budget)
             if num_new == 1 and req.draft_token_ids:  # a decode: its drafts run with it
                 room = min(
-                    self.config.max_model_len - req.num_tokens,
+                    max_model_len - req.num_tokens,
                     req.max_tokens - req.num_output_tokens - 1,  # the last sample is one more
                     budget - 1,
                 )
                 del req.draft_token_ids[max(room, 0) :]
                 num_new += len(req.draft_token_ids)
-            else:
+            elif req.draft_token_ids:
                 req.draft_token_ids.clear()
-            new_block_ids = self.kv.allocate_slots(
-                req, num_new, cache_salt=self.cache_salts.get(req.req_id)
-            )
+            new_block_ids = self.kv.allocate_slots(req, num_new, cache_salt=salts.get(req.req_id))
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest request gives way
                 self._preempt(victim)
@@ -160,36 +171,22 @@ class Scheduler:
                 if victim is req:
                     break
                 new_block_ids = self.kv.allocate_slots(
-                    req, num_new, cache_salt=self.cache_salts.get(req.req_id)
+                    req, num_new, cache_salt=salts.get(req.req_id)
                 )
             if new_block_ids is None:
                 break
-            num_scheduled[req.req_id] = num_new
+            scheduled.append((req, num_new))
             cached_reqs.append(
                 CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens)
             )
+            if req.draft_token_ids:  # each proposal runs once
+                drafts[req.req_id], req.draft_token_ids = req.draft_token_ids, []
             budget -= num_new
             i += 1
-        return preempted
-
-    def _has_room(self, req: Request) -> bool:
-        """Whether a request may run a token after the ones it has and its pending one."""
-        num_tokens = req.num_tokens + req.num_pending_tokens
-        return (
-            req.num_output_tokens + req.num_pending_tokens < req.max_tokens
-            and num_tokens < self.config.max_model_len
-        )
-
-    def _take_drafts(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
-        """The drafts of the running requests scheduled this step (each proposal runs once)."""
-        drafts: dict[str, list[int]] = {}
-        for req in self.running:
-            if req.draft_token_ids and req.req_id in num_scheduled:
-                drafts[req.req_id], req.draft_token_ids = req.draft_token_ids, []
-        return drafts
+        return preempted, budget
 
     def _schedule_waiting(
-        self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData], budget: int
+        self, scheduled: list[tuple[Request, int]], new_reqs: list[NewRequestData], budget: int
     ) -> None:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -213,7 +210,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             self.running.append(req)
-            num_scheduled[req.req_id] = num_new
+            scheduled.append((req, num_new))
             new_reqs.append(
                 NewRequestData(
                     req_id=req.req_id,
@@ -259,13 +256,15 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         now = time.monotonic()
+        sampled, logprobs = runner_out.sampled_token_ids, runner_out.logprobs
+        # Most steps carry none of these: no lookup a request for them then.
+        prompt_logprobs_of, embeddings = runner_out.prompt_logprobs, runner_out.embeddings
+        drafts_in, new_drafts = sched_out.draft_token_ids, runner_out.draft_token_ids
         for req_id in sched_out.num_scheduled_tokens:
             req = self.requests.get(req_id)
-            token_ids = runner_out.sampled_token_ids.get(req_id, [])
-            prompt_logprobs = runner_out.prompt_logprobs.get(req_id)
-            embedding = runner_out.embeddings.get(req_id)
-            if req is None or req.is_finished:
+            if req is None or req.status == RequestStatus.FINISHED:
                 continue
+            embedding = embeddings.get(req_id) if embeddings else None
             if embedding is not None:  # an embedding request: its prompt ran, it is done
                 req.num_pending_tokens -= 1
                 req.first_token_time = now
@@ -273,50 +272,51 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP)
                 updates.append(RequestUpdate(req_id, [], FinishReason.STOP, embedding=embedding))
                 continue
+            token_ids = sampled.get(req_id)
+            prompt_logprobs = prompt_logprobs_of.get(req_id) if prompt_logprobs_of else None
             if not (token_ids or prompt_logprobs):
                 continue
+            update = RequestUpdate(req_id, [], None, None, logprobs.get(req_id), prompt_logprobs)
             if token_ids:
                 req.num_pending_tokens -= 1
-            if token_ids and req.first_token_time is None:
-                req.first_token_time = now
-            # Rejected drafts: K drafts give 1 + (accepted) tokens; the rest is not computed.
-            num_drafts = len(sched_out.draft_token_ids.get(req_id, ()))
-            if token_ids and num_drafts:
-                req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
-                self.spec.record(num_drafts, len(token_ids) - 1)
-            update = RequestUpdate(
-                req_id,
-                [],
-                logprobs=runner_out.logprobs.get(req_id),
-                prompt_logprobs=prompt_logprobs,
-            )
-            for token_id in token_ids:
-                req.output_token_ids.append(token_id)
-                update.new_token_ids.append(token_id)
-                reason = self._check_stop(req, token_id)
-                if reason is not None:
-                    update.finish_reason = reason
-                    update.stop_reason = req.stop_reason
-                    self._dequeue(req)  # running, or preempted while its token was pending
-                    self._finish(req, reason)
-                    break
-            if not req.is_finished:
-                req.draft_token_ids = runner_out.draft_token_ids.get(req_id, [])
-            _cut_logprobs(update)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                # Rejected drafts: K drafts give 1 + (accepted) tokens; the rest is not computed.
+                num_drafts = len(drafts_in.get(req_id, ())) if drafts_in else 0
+                if num_drafts:
+                    req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
+                    self.spec.record(num_drafts, len(token_ids) - 1)
+                for token_id in token_ids:
+                    req.output_token_ids.append(token_id)
+                    update.new_token_ids.append(token_id)
+                    reason = self._check_stop(req, token_id)
+                    if reason is not None:
+                        update.finish_reason = reason
+                        update.stop_reason = req.stop_reason
+                        self._dequeue(req)  # running, or preempted while its token was pending
+                        self._finish(req, reason)
+                        break
+            if req.status != RequestStatus.FINISHED:
+                drafts = new_drafts.get(req_id) if new_drafts else None
+                if drafts is not None or req.draft_token_ids:
+                    req.draft_token_ids = drafts or []
+            if update.logprobs is not None:
+                _cut_logprobs(update)
             updates.append(update)
         return updates
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_outputs = len(req.output_token_ids)
+        if num_outputs >= params.min_tokens:
             if not params.ignore_eos and token_id in req.eos_token_ids:
                 return FinishReason.STOP
-            if token_id in params.stop_token_ids:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
                 req.stop_reason = token_id
                 return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens:
+        if num_outputs >= req.max_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.prompt_token_ids) + num_outputs >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -332,6 +332,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finished_time = time.monotonic()
         self.cache_salts.pop(req.req_id, None)
+        self._no_run_ahead.discard(req.req_id)
         self._finished_req_ids.add(req.req_id)
         del self.requests[req.req_id]
 
