@@ -145,7 +145,8 @@ class IncrementalDetokenizer:
             if piece is not None and "\ufffd" not in piece:  # the window moves as the stream's
                 self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
                 self._prefix_text = None
-                self._compact()
+                if self._prefix_offset > _COMPACT_AT:
+                    self._compact()
                 pieces.append(piece)
             elif piece is not None or len(self._ids) - self._read_offset >= _MAX_PENDING_BYTES:
                 # Invalid bytes (the stream may split a run full decoding renders as one U+FFFD),
@@ -153,7 +154,7 @@ class IncrementalDetokenizer:
                 # out, and a new stream goes on from it.
                 pieces.append(self._emit(force=False))
                 self._stream = self._new_stream()
-        return "".join(pieces)
+        return pieces[0] if len(pieces) == 1 else "".join(pieces)
 
     def _new_stream(self) -> DecodeStream:
         """A DecodeStream whose context is the window's prefix, fed its pending ids."""

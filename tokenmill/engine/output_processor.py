@@ -255,11 +255,14 @@ class OutputProcessor:
         delta = params.output_kind == RequestOutputKind.DELTA
         hold = state.stop_hold
         completions = []
+        finished = True
         for seq in state.seqs:
             done = seq.finish_reason is not None
-            sendable = len(seq.text) if done else max(seq.num_sent_chars, len(seq.text) - hold)
+            finished = finished and done
+            text = seq.text
+            sendable = len(text) if done else max(seq.num_sent_chars, len(text) - hold)
             token_ids = seq.detokenizer.token_ids
-            text_delta = seq.text[seq.num_sent_chars : sendable]
+            text_delta = text[seq.num_sent_chars : sendable]
             ids_delta = token_ids[seq.num_sent_tokens :]
             logprobs = None
             if params.logprobs is not None:
@@ -267,32 +270,31 @@ class OutputProcessor:
                 logprobs = seq.logprobs[seq.num_sent_tokens :] if delta else list(seq.logprobs)
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
-                    text=text_delta if delta else seq.text[:sendable],
-                    token_ids=ids_delta if delta else list(token_ids),
-                    finish_reason=str(seq.finish_reason) if done else None,
-                    stop_reason=seq.stop_reason,
-                    logprobs=logprobs,
-                    text_delta=text_delta,
-                    token_ids_delta=ids_delta,
+                    seq.index,
+                    text_delta if delta else text[:sendable],
+                    ids_delta if delta else list(token_ids),
+                    str(seq.finish_reason) if done else None,
+                    seq.stop_reason,
+                    logprobs,
+                    text_delta,
+                    ids_delta,
                 )
             )
             seq.num_sent_chars = sendable
             seq.num_sent_tokens = len(token_ids)
-        finished = state.finished
         if finished:
             self.states.pop(state.request_id, None)
             for seq in state.seqs:
                 self._seq_owner.pop(seq.request.req_id, None)
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=_metrics(state),
-            prompt_logprobs=self._prompt_logprobs_out(state, delta),
-            embedding=state.embedding,
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            completions,
+            finished,
+            _metrics(state),
+            self._prompt_logprobs_out(state, delta),
+            state.embedding,
         )
 
     @staticmethod
