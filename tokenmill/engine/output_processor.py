@@ -65,7 +65,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        for seq in self.seqs:  # (a loop: all() over a generator cost more, every request a step)
+            if seq.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -111,7 +114,7 @@ class OutputProcessor:
             if owner is None:
                 continue
             state, seq = owner
-            if state.request_id in self._failed:
+            if self._failed and state.request_id in self._failed:
                 continue
             try:
                 # n > 1 siblings compute the same prompt: only the first sequence's are kept.

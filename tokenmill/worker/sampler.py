@@ -16,7 +16,7 @@ the row samples p as usual and the runner keeps the draft when they agree.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,15 @@ class SamplingRow:
     # ([vocab] probabilities); None when there is none or the draft was deterministic.
     draft_token_id: int = -1
     draft_probs: torch.Tensor | None = None
+    # What its params ask of a pick, read once (a row is reused from step to step): whether
+    # it is greedy, and whether its logits are adjusted first (a bias, penalties, min_tokens).
+    greedy: bool = field(init=False)
+    adjusted: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = p.is_greedy
+        self.adjusted = bool(p.logit_bias) or p.has_penalties or p.min_tokens > 0
 
 
 class Sampler:
@@ -99,6 +108,8 @@ class Sampler:
     @staticmethod
     def _apply_penalties_and_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         for i, row in enumerate(rows):
+            if not row.adjusted:
+                continue
             p = row.params
             if p.logit_bias:
                 _apply_logit_bias(logits[i], p.logit_bias)
@@ -131,7 +142,7 @@ class Sampler:
 
     def _pick(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         greedy = self.kernels.argmax(logits)
-        random_idx = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        random_idx = [i for i, r in enumerate(rows) if not r.greedy]
         if not random_idx:
             return greedy
         idx = to_device(random_idx, logits)
