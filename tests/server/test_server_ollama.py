@@ -9,7 +9,7 @@ import json
 import httpx
 import ollama
 import pytest
-from live_server import MODEL_NAME, running_server
+from live_server import MODEL_NAME, running_server, scrape
 
 API_KEY = "sk-ollama-test"
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -49,8 +49,13 @@ def test_list_show_ps_and_version(client: ollama.Client, server) -> None:
     assert httpx.get(f"{server.url}/api/version", headers=auth).json()["version"]
 
 
-def test_chat_streamed_equals_not_streamed(client: ollama.Client) -> None:
+def test_chat_streamed_equals_not_streamed(client: ollama.Client, server) -> None:
+    itls = "tokenmill:inter_token_latency_seconds_count"
+    before = scrape(server.url, {"Authorization": f"Bearer {API_KEY}"}).get(itls, 0)
     full = client.chat(MODEL_NAME, messages=MESSAGES, options=GREEDY)
+    # Sent whole, its output is built once (final-only); its 7 gaps are timed all the same.
+    after = scrape(server.url, {"Authorization": f"Bearer {API_KEY}"}).get(itls, 0)
+    assert after - before == 7
     assert full.message.role == "assistant" and full.message.content
     assert full.done and full.done_reason == "length"
     assert full.eval_count == 8 and full.prompt_eval_count > 5

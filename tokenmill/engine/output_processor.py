@@ -65,7 +65,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        for seq in self.seqs:  # (a loop: all() over a generator cost more, every request a step)
+        # NOTE: a loop, as all() over a generator cost more (every request, every step).
+        for seq in self.seqs:  # noqa: SIM110
             if seq.finish_reason is None:
                 return False
         return True

@@ -38,7 +38,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.recipes import show_fields
-from tokenmill.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputs
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import caller_of
 from tokenmill.server.errors import APIError, bad_request, from_value_error
@@ -471,6 +471,10 @@ class OllamaServing:
                 seed=opts.seed,
                 stop=stop,
                 structured_outputs=_format(body.format),
+                # A reply sent whole reads only the final output: none is built before.
+                output_kind=(
+                    RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
+                ),
             )
         except ValueError as e:
             raise from_value_error(e, OLLAMA_NAMES) from None
