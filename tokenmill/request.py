@@ -80,6 +80,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]``, without copying the rest."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

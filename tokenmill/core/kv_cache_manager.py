@@ -107,7 +107,7 @@ class KVCacheManager:
             return none
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        hashes = self._hashes(req, tokens, max_blocks, cache_salt)
+        hashes = self._hashes(req, max_blocks, cache_salt)
         found: dict[tuple[int, int], Block | None] = {}
 
         def cached(group: int, i: int) -> Block | None:
@@ -186,7 +186,7 @@ class KVCacheManager:
             self._cache_full_blocks(req, num_tokens, cache_salt)
             new_ids: Sequence[Sequence[int]] | None = self._no_new_blocks
         else:
-            new_ids = self._allocate(req, tables, num_new_tokens, self._no_hit(), cache_salt)
+            new_ids = self._grow(req, tables, num_tokens, cache_salt)
         if new_ids is not None:
             self._quiet[req.req_id] = self._quiet_bounds(len(tables[0]), num_computed, req.req_id)
         return new_ids
@@ -240,6 +240,22 @@ class KVCacheManager:
             table.extend(new)
             new_ids.append([b.block_id for b in new])
         self._cache_full_blocks(req, num_computed + num_new_tokens, cache_salt)
+        return new_ids
+
+    def _grow(
+        self, req: Request, tables: list[list[Block]], num_tokens: int, cache_salt: str | None
+    ) -> list[list[int]] | None:
+        """A running request's allocation: each table to ``num_tokens`` tokens' blocks (the
+        case of ``_allocate`` without a prefix hit: every table is as long as the others)."""
+        num_new = -(-num_tokens // self.block_size) - len(tables[0])
+        if num_new * len(tables) > self.pool.num_free_blocks:
+            return None
+        new_ids = []
+        for table in tables:
+            new = self.pool.allocate(num_new)
+            table.extend(new)
+            new_ids.append([b.block_id for b in new])
+        self._cache_full_blocks(req, num_tokens, cache_salt)
         return new_ids
 
     def _no_hit(self) -> PrefixHit:
@@ -304,25 +320,27 @@ class KVCacheManager:
         num_full = min(num_tokens, req.num_tokens) // self.block_size
         start = self._num_hashed.get(req.req_id, 0)
         if num_full <= start:
-            return  # before all_token_ids, which copies the request's tokens
-        tokens = req.all_token_ids
-        hashes = self._hashes(req, tokens, num_full, cache_salt)
-        for g, table in enumerate(self._req_blocks[req.req_id]):
-            for i in range(start, num_full):
-                if table[i].block_hash is None and table[i].block_id != NULL_BLOCK:
-                    chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-                    self.pool.cache_block(table[i], _group_key(hashes[i], g), chunk)
+            return
+        hashes = self._hashes(req, num_full, cache_salt)
+        tables = self._req_blocks[req.req_id]
+        bs = self.block_size
+        for i in range(start, num_full):
+            chunk = None  # the block's tokens, sliced once for every group that registers it
+            for g, table in enumerate(tables):
+                block = table[i]
+                if block.block_hash is None and block.block_id != NULL_BLOCK:
+                    chunk = chunk or tuple(req.token_range(i * bs, (i + 1) * bs))
+                    self.pool.cache_block(block, _group_key(hashes[i], g), chunk)
         self._num_hashed[req.req_id] = num_full
 
-    def _hashes(
-        self, req: Request, tokens: list[int], num_full: int, cache_salt: str | None
-    ) -> list[BlockHash]:
+    def _hashes(self, req: Request, num_full: int, cache_salt: str | None) -> list[BlockHash]:
         """Chained hashes of the first ``num_full`` blocks, memoized per request."""
         hashes = self._req_hashes.setdefault(req.req_id, [])
+        bs = self.block_size
         while len(hashes) < num_full:
             i = len(hashes)
-            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             parent = hashes[-1] if hashes else None
+            chunk = req.token_range(i * bs, (i + 1) * bs)
             hashes.append(hash_block_tokens(parent, chunk, cache_salt if i == 0 else None))
         return hashes
 

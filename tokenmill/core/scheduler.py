@@ -144,6 +144,7 @@ class Scheduler:
         preempted = False
         max_model_len = self.config.max_model_len
         salts = self.cache_salts
+        allocate_slots = self.kv.allocate_slots
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -163,16 +164,15 @@ class Scheduler:
                 num_new += len(req.draft_token_ids)
             elif req.draft_token_ids:
                 req.draft_token_ids.clear()
-            new_block_ids = self.kv.allocate_slots(req, num_new, cache_salt=salts.get(req.req_id))
+            salt = salts.get(req.req_id) if salts else None
+            new_block_ids = allocate_slots(req, num_new, None, salt)
             while new_block_ids is None:
                 victim = self.running.pop()  # the newest request gives way
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                new_block_ids = self.kv.allocate_slots(
-                    req, num_new, cache_salt=salts.get(req.req_id)
-                )
+                new_block_ids = allocate_slots(req, num_new, None, salt)
             if new_block_ids is None:
                 break
             scheduled.append((req, num_new))

@@ -369,6 +369,8 @@ class ModelRunner:
                 thinking=_budget_state(new.thinking, new.token_ids[new.num_prompt_tokens :]),
             )
         for cached in sched.cached_reqs:
+            if not any(cached.new_block_ids):  # most steps of a running request
+                continue
             tables = self.requests[cached.req_id].block_ids
             for g, new_ids in enumerate(cached.new_block_ids):
                 if new_ids:
@@ -396,13 +398,14 @@ class ModelRunner:
         sampled = out.sampled_token_ids
         i = 0
         for rid, drafts in reqs:
+            state = requests[rid]
             if drafts:
                 num_rows = len(drafts) + 1
                 new = accept_drafts(token_ids[i : i + num_rows], drafts)
+                state.token_ids += new
             else:
                 num_rows, new = 1, [token_ids[i]]
-            state = requests[rid]
-            state.token_ids += new
+                state.token_ids.append(token_ids[i])
             if state.grammar is not None:
                 state.grammar.accept(new)
             if state.thinking is not None:
