@@ -13,7 +13,13 @@ Three parts, each timed per step over --steps steps (the median from the 100th o
   inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
   outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
 
+``--forward none`` leaves the forward out of the timed steps instead (after the first steps,
+whose logits stay in the buffer the sampler reads): the host's work in the caches it would
+have beside a GPU, where the forward runs on the device. On a CPU the eager forward over
+hundreds of rows evicts the host's data between steps, which the first figure includes.
+
     .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400] [--kinds ...]
+        [--forward cpu|none]
 """
 
 from __future__ import annotations
@@ -85,17 +91,22 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int, kind: str) ->
     return statistics.median(times[100:]) * 1e3
 
 
-def engine_host_ms(num_requests: int, steps: int, kind: str = "cumulative") -> tuple[float, float]:
+def engine_host_ms(
+    num_requests: int, steps: int, kind: str = "cumulative", forward: str = "cpu"
+) -> tuple[float, float]:
     """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``
-    whose outputs are of ``kind`` (SamplingParams.output_kind)."""
+    whose outputs are of ``kind`` (SamplingParams.output_kind); ``forward``: "cpu" (run and
+    timed apart) or "none" (left out once the prompts ran)."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
     worker.cuda_graphs_supported = lambda device: True
     forward_s: list[float] = []
     replay = CudaDecodeGraphs.replay
+    run_forward = [True]
 
     def timed_replay(graphs: CudaDecodeGraphs, b: int) -> None:
         start = time.perf_counter()
-        replay(graphs, b)
+        if run_forward[0]:
+            replay(graphs, b)
         forward_s.append(time.perf_counter() - start)
 
     CudaDecodeGraphs.replay = timed_replay  # type: ignore[method-assign]
@@ -130,6 +141,8 @@ def engine_host_ms(num_requests: int, steps: int, kind: str = "cumulative") -> t
         engine.add_request([1] + [rng.randrange(3, 259) for _ in range(100)], params)
     while engine.stats().num_waiting:
         engine.step()
+    engine.step()  # a decode step: the graph path's logits buffer is made
+    run_forward[0] = forward == "cpu"
     host, whole = [], []
     for _ in range(steps):
         forward_s.clear()
@@ -148,6 +161,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kinds", default="cumulative,delta,final_only", help="output kinds")
+    p.add_argument("--forward", default="cpu", choices=("cpu", "none"),
+                   help="run the forward (timed apart), or leave it out of the timed steps")  # fmt: skip
     ns = p.parse_args()
     if ns.steps <= 100:
         p.error("--steps must be over 100 (the first 100 are a warm-up)")
@@ -161,8 +176,9 @@ def main() -> None:
     for kind in ns.kinds.split(","):
         print(f"  [{kind}] output processing (process + collect): "
               f"{outputs_ms(config, ns.requests, ns.steps, kind):.2f}")  # fmt: skip
-        host, whole = engine_host_ms(ns.requests, ns.steps, kind)
-        print(f"  [{kind}] engine step, host share (tiny gemma-3, CUDA-graph path): "
+        host, whole = engine_host_ms(ns.requests, ns.steps, kind, ns.forward)
+        what = "host share" if ns.forward == "cpu" else "host alone, no forward"
+        print(f"  [{kind}] engine step, {what} (tiny gemma-3, CUDA-graph path): "
               f"{host:.2f} of {whole:.2f}")  # fmt: skip
 
 
