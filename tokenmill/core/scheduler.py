@@ -276,7 +276,8 @@ class Scheduler:
             prompt_logprobs = prompt_logprobs_of.get(req_id) if prompt_logprobs_of else None
             if not (token_ids or prompt_logprobs):
                 continue
-            update = RequestUpdate(req_id, [], None, None, logprobs.get(req_id), prompt_logprobs)
+            update = RequestUpdate(req_id, token_ids or [], None, None, logprobs.get(req_id),
+                                   prompt_logprobs)  # fmt: skip
             if token_ids:
                 req.num_pending_tokens -= 1
                 if req.first_token_time is None:
@@ -286,11 +287,11 @@ class Scheduler:
                 if num_drafts:
                     req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
                     self.spec.record(num_drafts, len(token_ids) - 1)
-                for token_id in token_ids:
+                for i, token_id in enumerate(token_ids):
                     req.output_token_ids.append(token_id)
-                    update.new_token_ids.append(token_id)
                     reason = self._check_stop(req, token_id)
-                    if reason is not None:
+                    if reason is not None:  # the tokens after a stop are dropped
+                        update.new_token_ids = token_ids[: i + 1]
                         update.finish_reason = reason
                         update.stop_reason = req.stop_reason
                         self._dequeue(req)  # running, or preempted while its token was pending

@@ -70,7 +70,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
         self._output_ids: list[int] = []
-        self._deferred: list[int] = []  # output ids not decoded yet (``defer``)
+        self._num_decoded = 0  # output ids decoded so far; the rest were deferred (``defer``)
         self._chunks: list[str] = []
         self._stream = self._new_stream()
 
@@ -83,7 +83,6 @@ class IncrementalDetokenizer:
         """Appends output tokens whose text no one reads yet (a response sent whole): they are
         decoded by the next call that returns text, at once by ``finish``."""
         self._output_ids.extend(new_token_ids)
-        self._deferred.extend(new_token_ids)
 
     def finish(self, new_token_ids: Sequence[int] = ()) -> str:
         """``update`` then ``flush``: the rest of the text, as the output ends. Deferred tokens
@@ -102,10 +101,12 @@ class IncrementalDetokenizer:
         return self.finish()
 
     def _take_deferred(self, new_token_ids: Sequence[int]) -> Sequence[int]:
-        if not self._deferred:
-            return new_token_ids
-        ids, self._deferred = self._deferred + list(new_token_ids), []
-        return ids
+        """The ids to decode now: the deferred ones, then ``new_token_ids`` (both already in
+        the output ids)."""
+        start, self._num_decoded = self._num_decoded, len(self._output_ids)
+        if start == self._num_decoded - len(new_token_ids):
+            return new_token_ids  # nothing was deferred
+        return self._output_ids[start:]
 
     def _decode_rest(self, token_ids: Sequence[int]) -> str | None:
         """The text of the window's pending ids and ``token_ids`` through the end, from one
