@@ -383,11 +383,10 @@ class ModelRunner:
     ) -> RunnerOutput:
         """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
         and append the accepted tokens to the requests."""
-        requests = self.requests
+        states = [self.requests[rid] for rid, _ in reqs]
         rows: list[SamplingRow] = []
         constrained = False  # a grammar or a thinking budget among them
-        for rid, drafts in reqs:
-            state = requests[rid]
+        for (rid, drafts), state in zip(reqs, states):
             constrained = constrained or state.grammar is not None or state.thinking is not None
             if state.plain_row is not None and not drafts and not self._drafts:
                 rows.append(state.plain_row)  # what _sampling_rows would return
@@ -397,8 +396,7 @@ class ModelRunner:
         token_ids, logprobs = self.sampler(logits, rows, bitmask)
         sampled = out.sampled_token_ids
         i = 0
-        for rid, drafts in reqs:
-            state = requests[rid]
+        for (rid, drafts), state in zip(reqs, states):
             if drafts:
                 num_rows = len(drafts) + 1
                 new = accept_drafts(token_ids[i : i + num_rows], drafts)
