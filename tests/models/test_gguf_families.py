@@ -20,7 +20,16 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from gguf import GGMLQuantizationType as T
-from test_gguf_loading import FLOAT_ATOL, VOCAB, _add_tokenizer, _decode, _encode, _permute
+from test_gguf_loading import (
+    FLOAT_ATOL,
+    VOCAB,
+    _add_tokenizer,
+    _decode,
+    _encode,
+    _permute,
+    finish_reference,
+    random_reference,
+)
 
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
@@ -71,13 +80,8 @@ def hf_config(arch: str):
 
 def write_family_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
     """A GGUF of random weights, and transformers' model of the weights it stands for."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     config = hf_config(arch)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, state, rng = random_reference(config, seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS[arch])
     writer.add_context_length(512)
@@ -145,13 +149,7 @@ def write_family_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
             else:
                 ref = add(f"blk.{layer}.{gg}.{kind}", w)
             state[name] = torch.from_numpy(np.ascontiguousarray(ref))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config._attn_implementation = "eager"
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+    return finish_reference(writer, config, model, state)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYERS))

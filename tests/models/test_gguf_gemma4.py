@@ -26,7 +26,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from test_gguf_families import assert_logprobs_match
-from test_gguf_loading import VOCAB, _add_tokenizer, _decode, _encode
+from test_gguf_loading import (
+    VOCAB,
+    _add_tokenizer,
+    _decode,
+    _encode,
+    finish_reference,
+    random_reference,
+)
 
 from tokenmill.config import config_from_hf
 from tokenmill.models.loader import load_model_config
@@ -148,13 +155,8 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
 
 def write_gemma4_gguf(path: Path, variant: str, seed: int = 0) -> torch.nn.Module:
     """A GGUF of random weights, and transformers' model of the weights it stands for."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     config = hf_config(variant)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, state, rng = random_reference(config, seed)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     _write_metadata(writer, config.to_dict())
     _add_tokenizer(writer)
@@ -188,13 +190,7 @@ def write_gemma4_gguf(path: Path, variant: str, seed: int = 0) -> torch.nn.Modul
             raise AssertionError(f"unexpected tensor {name}")
         state[name] = torch.from_numpy(np.ascontiguousarray(add(gg, weight(name))))
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config._attn_implementation = "eager"
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+    return finish_reference(writer, config, model, state)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -23,7 +23,15 @@ import pytest
 import torch
 from conftest import assert_all_blocks_free
 from gguf import GGMLQuantizationType as T
-from test_gguf_loading import FLOAT_ATOL, VOCAB, _add_tokenizer, _decode, _encode
+from test_gguf_loading import (
+    FLOAT_ATOL,
+    VOCAB,
+    _add_tokenizer,
+    _decode,
+    _encode,
+    finish_reference,
+    random_reference,
+)
 
 from tokenmill.engine import LLMEngine
 from tokenmill.models.loader import load_model_config
@@ -89,13 +97,8 @@ def _tile(w: np.ndarray, axis: int, head_dim: int, inverse: bool = False) -> np.
 
 def write_hybrid_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
     """A GGUF of random weights, and transformers' model of the weights it stands for."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     config = hf_config(arch)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, state, rng = random_reference(config, seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
@@ -210,13 +213,7 @@ def write_hybrid_gguf(path: Path, arch: str, seed: int = 0) -> torch.nn.Module:
                 elif tiled and module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
                     opts = dict(store=lambda x: _tile(x, 0, 1), undo=lambda x: _tile(x, 0, 1, True))
                 put(name, gg, w, **opts)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config._attn_implementation = "eager"
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+    return finish_reference(writer, config, model, state)
 
 
 @pytest.fixture(scope="module", params=["qwen35", "qwen3next"])

@@ -164,6 +164,32 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     return f"model.layers.{layer}.{hf}.weight"
 
 
+def random_reference(
+    config: object, seed: int
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor], np.random.Generator]:
+    """transformers' float32 model of ``config`` (seeded), a copy of its state to replace with
+    the weights a test file holds, and the generator that draws them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model, state, np.random.default_rng(seed)
+
+
+def finish_reference(
+    writer: gguf.GGUFWriter, config: object, model: torch.nn.Module, state: dict
+) -> torch.nn.Module:
+    """Write the GGUF out; the reference model, eager, with the weights the file holds."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config._attn_implementation = "eager"  # type: ignore[attr-defined]
+    model.load_state_dict(state, strict=True)
+    return model.float().eval()
+
+
 def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     """A SentencePiece vocabulary of VOCAB pieces: specials, the 256 byte pieces, then single
     characters (no merges to recover)."""

@@ -31,6 +31,8 @@ from test_gguf_loading import (
     _encode,
     _permute,
     _unpermute,
+    finish_reference,
+    random_reference,
 )
 
 from tokenmill.engine import LLMEngine
@@ -106,13 +108,8 @@ def write_moe_gguf(
     """A GGUF of random weights, and transformers' model of the weights it stands for.
     ``per_expert``: a 2-D tensor per expert (``blk.0.ffn_gate.3.weight``, older Mixtral files)
     instead of the stacks."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
     config = hf_config(arch)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model, state, rng = random_reference(config, seed)
     float_only = expert_type == T.F32  # then every tensor is F32
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
     writer.add_block_count(LAYERS)
@@ -190,13 +187,7 @@ def write_moe_gguf(
             ref = add(f"blk.{layer}.{LAYER_NAMES[module]}.{kind}", stored, T.Q8_0)
             ref = _unpermute(ref, heads) if heads else ref.reshape(w.shape)
             state[name] = torch.from_numpy(np.ascontiguousarray(ref))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config._attn_implementation = "eager"
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+    return finish_reference(writer, config, model, state)
 
 
 _FILES: dict[tuple[str, T], tuple[Path, torch.nn.Module]] = {}
