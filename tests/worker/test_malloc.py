@@ -13,9 +13,9 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is
 
 # Run in a fresh interpreter: in the test process, threads that earlier tests left behind may
 # call malloc_trim (the tokenizer loader does), which hands free heap pages back to the OS
-# between the two fills (one CI run counted 17,748 faults the second time).
+# between fills (one CI run counted 17,748 faults the second time).
 _CHILD = """
-import resource, torch
+import resource, sys, torch
 from tokenmill.worker.malloc import keep_freed_buffers
 
 def faults_of_a_filled_buffer(nbytes):
@@ -25,26 +25,36 @@ def faults_of_a_filled_buffer(nbytes):
     del buf
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-assert keep_freed_buffers()
+if sys.argv[1] == "keep":
+    assert keep_freed_buffers()
 nbytes = 96 << 20  # above glibc's largest adaptive mmap threshold (32 MiB)
-faults_of_a_filled_buffer(nbytes)  # the first time its pages fault in
-print(nbytes >> 12, faults_of_a_filled_buffer(nbytes))
+print(nbytes >> 12, *(faults_of_a_filled_buffer(nbytes) for _ in range(6)))
 """
+
+
+def _faults_per_fill(mode: str) -> tuple[int, list[int]]:
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-c", _CHILD, mode]
+    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, check=True, timeout=120)
+    pages, *faults = map(int, out.stdout.split())
+    return pages, faults
 
 
 @glibc
 def test_a_step_sized_buffer_is_reused_without_page_faults() -> None:
-    """NOTE: in about 1 process of 6 here (Intel Xeon, glibc 2.36) the second fill faults every
-    page again: where the address space after the heap is taken (ASLR's draw), glibc maps
-    large blocks however high the threshold. So up to 5 fresh processes are tried, and one must
-    reuse its buffer (all 5 missing by chance: ~1 in 8,000)."""
-    repo = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-c", _CHILD]
-    seen = []
-    for _ in range(5):
-        out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, check=True, timeout=120)
-        pages, again = map(int, out.stdout.split())
-        seen.append(again)
-        if again < pages // 10:  # under a tenth of its 4 KiB pages
-            return
-    pytest.fail(f"every process faulted its freed buffer in again: {seen} of {pages} pages")
+    """The steady state is what a worker's steps see, so the last fills are the ones checked.
+
+    NOTE: the first fills may fault again. When a small allocation (a tensor's own structs)
+    lands right after the freed buffer, it can't merge into the heap's top, and the aligned
+    allocation needs a little more than the freed chunk, so the heap grows once more. Of 100
+    processes here (AMD EPYC, glibc 2.36), 72 faulted in the second or third fill and none
+    after; CI once saw the second fill fault in 5 processes of 5."""
+    pages, faults = _faults_per_fill("keep")
+    assert sum(faults[3:]) < pages // 10, f"the last fills faulted their pages in again: {faults}"
+
+
+@glibc
+def test_without_the_setting_every_fill_faults_its_buffer_in() -> None:
+    """The check above can fail: with glibc's own thresholds the buffer is mapped anew each time."""
+    pages, faults = _faults_per_fill("default")
+    assert min(faults) >= pages, faults
