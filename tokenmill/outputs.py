@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from tokenmill.pooling import Pooling
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,49 @@ class RequestOutput:
     # Set when the request failed inside the engine (the others go on): what went wrong. The
     # output is finished; its sequences end with finish_reason "abort".
     error: str | None = None
+
+    def accumulating(self) -> RequestOutput:
+        """A copy whose lists are its own: the start of a cumulative output that later delta
+        outputs (SamplingParams.output_kind "delta") are ``add``-ed to."""
+        return replace(
+            self,
+            outputs=[_owned(c) for c in self.outputs],
+            prompt_logprobs=_copy(self.prompt_logprobs),
+        )
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold ``later``, the request's next delta output, into this one (from
+        ``accumulating``), which then reads as the cumulative output would: each step costs
+        the delta's length, where a cumulative output copies everything so far."""
+        kept = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            into = kept.get(c.index)
+            if into is None:  # not in the first output (there, every sequence is)
+                self.outputs.append(_owned(c))
+                continue
+            into.text += c.text
+            into.token_ids.extend(c.token_ids)
+            if into.logprobs is None:
+                into.logprobs = _copy(c.logprobs)
+            elif c.logprobs:
+                into.logprobs.extend(c.logprobs)
+            into.finish_reason, into.stop_reason = c.finish_reason, c.stop_reason
+            into.text_delta, into.token_ids_delta = c.text_delta, c.token_ids_delta
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = _copy(later.prompt_logprobs)
+        elif later.prompt_logprobs:
+            self.prompt_logprobs.extend(later.prompt_logprobs)
+        self.finished, self.metrics = later.finished, later.metrics
+        self.embedding = later.embedding if later.embedding is not None else self.embedding
+        self.error = later.error if later.error is not None else self.error
+
+
+def _owned(c: CompletionOutput) -> CompletionOutput:
+    return replace(c, token_ids=list(c.token_ids), logprobs=_copy(c.logprobs))
+
+
+def _copy(items: list[T] | None) -> list[T] | None:
+    return None if items is None else list(items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,6 +194,27 @@ def test_output_kinds_carry_the_same_completion(engine):
         assert [p.text for p in parts] == [out.outputs[i].text_delta for out in cumulative]
 
 
+def test_delta_outputs_added_up_read_as_the_cumulative_ones(engine):
+    """What a streaming server keeps (Run.record): the first delta output, ``accumulating``,
+    then each later one ``add``-ed, reads at every step as that step's cumulative output, log-
+    probs and prompt log-probs included; the outputs added stay as the engine sent them."""
+    params = seeded_params(n=2, logprobs=1, prompt_logprobs=1, max_tokens=10)
+    cumulative = _outputs_of(engine, params)
+    delta = _outputs_of(engine, dataclasses.replace(params, output_kind="delta"))
+    sent = [(c.text, list(c.token_ids), list(c.logprobs)) for c in delta[0].outputs]
+    total = delta[0].accumulating()
+    for step, (part, want) in enumerate(zip(delta, cumulative, strict=True)):
+        if step:
+            total.add(part)
+        assert total.prompt_logprobs == want.prompt_logprobs
+        assert total.finished == want.finished
+        for got, c in zip(total.outputs, want.outputs, strict=True):
+            assert (got.index, got.text, got.token_ids) == (c.index, c.text, c.token_ids)
+            assert (got.logprobs, got.finish_reason) == (c.logprobs, c.finish_reason)
+    assert [(c.text, c.token_ids, c.logprobs) for c in delta[0].outputs] == sent
+    assert total.metrics.num_generation_tokens == sum(len(c.token_ids) for c in total.outputs)
+
+
 def test_a_final_only_output_carries_the_gaps_between_its_tokens(engine):
     """No output is built for a final-only request until it ends (the server's non-streaming
     requests), so the engine times the steps that gave it tokens: one gap a token after the

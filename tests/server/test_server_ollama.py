@@ -72,11 +72,10 @@ def test_generate_continues_from_its_context(client: ollama.Client) -> None:
     assert len(first.context) == first.prompt_eval_count + 8
     more = client.generate(MODEL_NAME, " then", context=first.context, options=GREEDY)
     assert more.prompt_eval_count > len(first.context)
-    streamed = "".join(
-        c.response for c in client.generate(MODEL_NAME, "Once upon a time", options=GREEDY,
-                                            stream=True)
-    )  # fmt: skip
-    assert streamed == first.response
+    chunks = list(client.generate(MODEL_NAME, "Once upon a time", options=GREEDY, stream=True))
+    assert "".join(c.response for c in chunks) == first.response
+    # The stream's last object counts and carries all of it, as the whole reply does.
+    assert (chunks[-1].eval_count, chunks[-1].context) == (8, first.context)
     raw = client.generate(MODEL_NAME, "abc", raw=True, options=GREEDY)
     assert raw.prompt_eval_count < first.prompt_eval_count  # no chat template around it
 

@@ -166,10 +166,8 @@ class AnthropicServing:
                 },
             }
             yield _event("message_start", {"type": "message_start", "message": start})
-            final: RequestOutput | None = None
             try:
-                async for out, thinking, text in chat.deltas():
-                    final = out
+                async for thinking, text in chat.deltas():
                     for event in blocks.delta("thinking", thinking):
                         yield event
                     if chat.parser is not None:
@@ -186,7 +184,7 @@ class AnthropicServing:
                 error = self.openai.engine_error(e)
                 yield _event("error", _error_body(error.message, "api_error"))
                 return
-            assert final is not None
+            final = run.output(0)  # the whole reply: the stream's deltas added up
             calls: list[tools_mod.ToolCall] = []
             if chat.parser is not None:
                 text, calls = chat.calls(held)

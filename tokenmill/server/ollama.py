@@ -471,9 +471,10 @@ class OllamaServing:
                 seed=opts.seed,
                 stop=stop,
                 structured_outputs=_format(body.format),
-                # A reply sent whole reads only the final output: none is built before.
+                # A stream reads each step's new part (the run adds them up, Run.record); a
+                # reply sent whole reads only the final output: none is built before.
                 output_kind=(
-                    RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
+                    RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
                 ),
             )
         except ValueError as e:
@@ -531,7 +532,7 @@ class OllamaServing:
                     if delta or thinking:
                         yield json.dumps(chunks.delta(delta, thinking)) + "\n"
                     if out.finished:
-                        yield json.dumps(chunks.final(out, "")) + "\n"
+                        yield json.dumps(chunks.final(run.output(0), "")) + "\n"
         except Aborted:
             run.failed = True
             yield json.dumps({"error": run.aborted_error().message}) + "\n"

@@ -181,9 +181,10 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=_logit_bias(self.logit_bias),
-                # A response sent whole reads only the final output: none is built before.
+                # A stream reads each step's new part (the run adds them up, Run.record); a
+                # response sent whole reads only the final output: none is built before.
                 output_kind=(
-                    RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY
+                    RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
                 ),
             )
         except ValueError as e:

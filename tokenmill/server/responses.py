@@ -232,10 +232,8 @@ class ResponsesServing:
         try:
             yield items.event("response.created", response=response.snapshot("in_progress"))
             yield items.event("response.in_progress", response=response.snapshot("in_progress"))
-            final: RequestOutput | None = None
             try:
-                async for out, thinking, text in chat.deltas():
-                    final = out
+                async for thinking, text in chat.deltas():
                     for event in items.text("reasoning", thinking):
                         yield event
                     if chat.parser is not None:
@@ -252,7 +250,7 @@ class ResponsesServing:
                 failed.error = {"code": error.code or "server_error", "message": error.message}
                 yield items.event("response.failed", response=failed)
                 return
-            assert final is not None
+            final = run.output(0)  # the whole reply: the stream's deltas added up
             if chat.parser is not None:
                 text, calls = chat.calls(held)
                 for event in items.text("message", text):

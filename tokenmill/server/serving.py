@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from tokenmill.engine.llm_engine import PreparedRequest
 from tokenmill.harmony import HarmonyStream
-from tokenmill.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tokenmill.outputs import PositionLogprobs, RequestOutput
 from tokenmill.reasoning import (
     REASONING_TAGS,
     ReasoningStream,
@@ -41,7 +41,7 @@ from tokenmill.reasoning import (
     reasoning_stream,
     split_reasoning,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.server import tools as tools_mod
 from tokenmill.server.auth import NO_KEY_ID, OPEN_CALLER, Caller, caller_of
 from tokenmill.server.config import ServerConfig
@@ -101,6 +101,7 @@ class Run:
     streams: list[AsyncIterator[RequestOutput]]
     trackers: list[RequestTracker]
     ticket: Ticket
+    # Per prompt, its output so far: cumulative, whichever kind the engine sends (record).
     finals: list[RequestOutput | None] = field(default_factory=list)
     caller: Caller = OPEN_CALLER
     user: str | None = None
@@ -120,10 +121,23 @@ class Run:
         return self.prepared[0].params.n
 
     def record(self, prompt_idx: int, out: RequestOutput) -> None:
+        """Take a prompt's next output (a stream's deltas are added up in ``finals``)."""
         self.trackers[prompt_idx].observe(out)
-        self.finals[prompt_idx] = out
+        kept = self.finals[prompt_idx]
+        if self.prepared[prompt_idx].params.output_kind != RequestOutputKind.DELTA:
+            self.finals[prompt_idx] = out
+        elif kept is None:
+            self.finals[prompt_idx] = out.accumulating()
+        else:
+            kept.add(out)
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise Aborted()
+
+    def output(self, prompt_idx: int) -> RequestOutput:
+        """A prompt's output so far, cumulative (after its first ``record``)."""
+        out = self.finals[prompt_idx]
+        assert out is not None, "no output recorded yet"
+        return out
 
     @property
     def engine_request_ids(self) -> list[str]:
@@ -179,9 +193,10 @@ class StartedChat:
     parser: str | None
     thinking: Thinking | None
 
-    async def deltas(self) -> AsyncIterator[tuple[RequestOutput, str, str]]:
-        """Each output of the run (one prompt, one choice; recorded) with its new thinking and
-        its new answer text: what a stream of another API's events is made from."""
+    async def deltas(self) -> AsyncIterator[tuple[str, str]]:
+        """The new thinking and the new answer text of each output of the run (one prompt, one
+        choice; recorded, so ``run.output(0)`` is the reply so far): what a stream of another
+        API's events is made from."""
         split = self.thinking.stream() if self.thinking is not None else None
         async for _, out in merge_streams(self.run.streams):
             self.run.record(0, out)
@@ -191,7 +206,7 @@ class StartedChat:
                 if out.finished:
                     tail_thinking, tail_text = split.finish()
                     thinking, text = thinking + tail_thinking, text + tail_text
-            yield out, thinking, text
+            yield thinking, text
 
     def calls(self, text: str) -> tuple[str, list[tools_mod.ToolCall]]:
         """(the answer text, the tool calls in it): with tools offered, the calls parsed out."""
@@ -869,7 +884,6 @@ class _ChatChunks:
         # (which alone may hold tool calls).
         self.thinking = thinking
         self._split = [thinking.stream() for _ in range(run.n)] if thinking else []
-        self._num_sent_logprobs = [0] * run.n
         self._finished: set[int] = set()
         self._held = [""] * run.n  # text that may still be a tool call, per choice
         self._streaming = [parser is None] * run.n  # a choice's text is plain content
@@ -890,7 +904,7 @@ class _ChatChunks:
     def output(self, prompt_idx: int, out: RequestOutput) -> Iterator[str]:
         for c in out.outputs:
             idx = c.index
-            new = _new_logprobs(c, self._num_sent_logprobs, idx)
+            new = c.logprobs or []  # a delta output's: its new tokens'
             finished = c.finish_reason is not None and c.finish_reason != "abort"
             reasoning, text = "", c.text_delta
             if self._split:
@@ -1010,7 +1024,6 @@ class _CompletionChunks:
         self.tokenizer = engine.tokenizer
         self._echoed: set[int] = set()
         num_choices = run.n * len(run.prepared)
-        self._num_sent_logprobs = [0] * num_choices
         self._text_offsets = [len(self.echo_texts[i // run.n]) for i in range(num_choices)]
         self._finished: set[int] = set()
         self._prompt_sent: set[int] = set()
@@ -1035,7 +1048,8 @@ class _CompletionChunks:
     def output(self, prompt_idx: int, out: RequestOutput) -> Iterator[str]:
         if self.scores_prompt and prompt_idx not in self._echoed:
             self._echoed.add(prompt_idx)
-            echo, offset = self._prompt_logprobs(out, prompt_idx)
+            # The prompt's log-probs so far (all of them: none is sent before its first token).
+            echo, offset = self._prompt_logprobs(self.run.output(prompt_idx), prompt_idx)
             for i in range(self.run.n):
                 idx = prompt_idx * self.run.n + i
                 self._text_offsets[idx] = offset
@@ -1044,7 +1058,7 @@ class _CompletionChunks:
                 )
         for c in out.outputs:
             idx = prompt_idx * self.run.n + c.index
-            new = _new_logprobs(c, self._num_sent_logprobs, idx)
+            new = c.logprobs or []  # a delta output's: its new tokens'
             finished = c.finish_reason is not None and c.finish_reason != "abort"
             if finished and idx in self._finished:
                 continue
@@ -1060,7 +1074,7 @@ class _CompletionChunks:
             prompt_logprobs = None
             if self.vllm_prompt_logprobs and idx not in self._prompt_sent:
                 self._prompt_sent.add(idx)
-                prompt_logprobs = _by_token_id(out)
+                prompt_logprobs = _by_token_id(self.run.output(prompt_idx))
             logprobs = None
             if self.logprobs:
                 logprobs, self._text_offsets[idx] = _completion_logprobs(
@@ -1164,14 +1178,6 @@ def _unsampled(finals: list[RequestOutput]) -> list[RequestOutput]:
         )
         for out in finals
     ]  # fmt: skip
-
-
-def _new_logprobs(c: CompletionOutput, num_sent: list[int], idx: int) -> list[PositionLogprobs]:
-    if not c.logprobs:
-        return []
-    new = c.logprobs[num_sent[idx] :]
-    num_sent[idx] = len(c.logprobs)
-    return new
 
 
 def _prompt_text(engine: AsyncEngine, prepared: PreparedRequest) -> str:
