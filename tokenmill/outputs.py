@@ -112,8 +112,8 @@ class RequestOutput:
     error: str | None = None
 
     def accumulating(self) -> RequestOutput:
-        """A copy whose lists are its own: the start of a cumulative output that later delta
-        outputs (SamplingParams.output_kind "delta") are ``add``-ed to."""
+        """A copy of a delta output (SamplingParams.output_kind "delta") whose lists are its
+        own, for later delta outputs to be ``add``-ed to."""
         return replace(
             self,
             outputs=[_owned(c) for c in self.outputs],
@@ -121,9 +121,10 @@ class RequestOutput:
         )
 
     def add(self, later: RequestOutput) -> None:
-        """Fold ``later``, the request's next delta output, into this one (from
-        ``accumulating``), which then reads as the cumulative output would: each step costs
-        the delta's length, where a cumulative output copies everything so far."""
+        """Join ``later``, the request's next delta output, to this one (from
+        ``accumulating``): the two read as one delta output, spanning both steps. Added up
+        from a request's first output, that is the cumulative output, at the cost of each
+        delta's length where a cumulative output copies everything so far every step."""
         kept = {c.index: c for c in self.outputs}
         for c in later.outputs:
             into = kept.get(c.index)
@@ -131,13 +132,13 @@ class RequestOutput:
                 self.outputs.append(_owned(c))
                 continue
             into.text += c.text
+            into.text_delta = into.text  # a delta output's text is its delta
             into.token_ids.extend(c.token_ids)
             if into.logprobs is None:
                 into.logprobs = _copy(c.logprobs)
             elif c.logprobs:
                 into.logprobs.extend(c.logprobs)
             into.finish_reason, into.stop_reason = c.finish_reason, c.stop_reason
-            into.text_delta, into.token_ids_delta = c.text_delta, c.token_ids_delta
         if self.prompt_logprobs is None:
             self.prompt_logprobs = _copy(later.prompt_logprobs)
         elif later.prompt_logprobs:
@@ -148,7 +149,9 @@ class RequestOutput:
 
 
 def _owned(c: CompletionOutput) -> CompletionOutput:
-    return replace(c, token_ids=list(c.token_ids), logprobs=_copy(c.logprobs))
+    """A delta completion whose lists are its own (its ids are its delta ids: one list)."""
+    ids = list(c.token_ids)
+    return replace(c, token_ids=ids, token_ids_delta=ids, logprobs=_copy(c.logprobs))
 
 
 def _copy(items: list[T] | None) -> list[T] | None:

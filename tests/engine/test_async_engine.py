@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
@@ -58,4 +59,34 @@ def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_m
     texts, wakes = asyncio.run(main())
     assert texts == alone
     assert steps_with_outputs >= 8 and wakes == steps_with_outputs
+    assert_all_blocks_free(engine)
+
+
+def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_model_dir):
+    """While the caller is busy, the steps' delta outputs queue up; the next read joins them:
+    fewer outputs than tokens, the same text, token ids and log-probs as the request alone."""
+    engine = LLMEngine.from_args(
+        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
+        num_threads=1,
+    )  # fmt: skip
+    params = dataclasses.replace(PARAMS, max_tokens=24, logprobs=1)
+    prompt = random_prompts(1, seed=4)[0]
+    (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
+    async_engine = AsyncEngine(engine)
+
+    async def main() -> list:
+        outs = []
+        async for out in async_engine.generate(prompt, params):
+            outs.append(out)
+            time.sleep(0.02)  # busy (the loop blocked), as a server writing hundreds of chunks
+        await async_engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    want = alone.outputs[0]
+    assert 1 < len(outs) < 24 and outs[-1].finished
+    parts = [out.outputs[0] for out in outs]
+    assert "".join(p.text for p in parts) == "".join(p.text_delta for p in parts) == want.text
+    assert [t for p in parts for t in p.token_ids_delta] == want.token_ids
+    assert [lp for p in parts for lp in p.logprobs] == want.logprobs
     assert_all_blocks_free(engine)

@@ -211,6 +211,7 @@ def test_delta_outputs_added_up_read_as_the_cumulative_ones(engine):
         for got, c in zip(total.outputs, want.outputs, strict=True):
             assert (got.index, got.text, got.token_ids) == (c.index, c.text, c.token_ids)
             assert (got.logprobs, got.finish_reason) == (c.logprobs, c.finish_reason)
+            assert (got.text_delta, got.token_ids_delta) == (c.text, c.token_ids)  # one delta
     assert [(c.text, c.token_ids, c.logprobs) for c in delta[0].outputs] == sent
     assert total.metrics.num_generation_tokens == sum(len(c.token_ids) for c in total.outputs)
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (each carries the deltas since the last one)."""
+        """Stream a request's outputs (each carries the deltas since the last one; delta outputs
+        that queued up while the caller was busy come as one)."""
         prepared = (
             prompt
             if isinstance(prompt, PreparedRequest)
@@ -128,10 +129,23 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, prepared, cache_salt, stream))
+        # A consumer behind the engine (the server's loop with hundreds of streams) takes the
+        # delta outputs queued meanwhile as one: fewer, larger chunks to write, so it catches up.
+        join = prepared.params.output_kind == RequestOutputKind.DELTA
+        held: StreamItem | None = None  # an error queued after joined outputs: raised next
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
+                held = None
+                if join and isinstance(item, RequestOutput) and not stream.queue.empty():
+                    item = item.accumulating()
+                    while not item.finished and not stream.queue.empty():
+                        later = stream.queue.get_nowait()
+                        if isinstance(later, BaseException):
+                            held = later
+                            break
+                        item.add(later)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
