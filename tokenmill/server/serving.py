@@ -76,7 +76,6 @@ from tokenmill.server.protocol import (
     TokenizerInfo,
     UsageInfo,
 )
-from tokenmill.server.sse import ChunkFrame
 from tokenmill.server.state import ServerState, ServerStatus, Ticket
 from tokenmill.server.usage import UsageMeter
 from tokenmill.tokenizer import Tokenizer
@@ -879,6 +878,7 @@ class _ChatChunks:
     ) -> None:
         self.run = run
         self.logprobs = body.logprobs
+        self.include_usage = body.include_usage
         self.parser = parser
         # A reasoning model's thinking goes out as reasoning_content, apart from the answer
         # (which alone may hold tool calls).
@@ -887,13 +887,13 @@ class _ChatChunks:
         self._finished: set[int] = set()
         self._held = [""] * run.n  # text that may still be a tool call, per choice
         self._streaming = [parser is None] * run.n  # a choice's text is plain content
-        self._frame = ChunkFrame(
-            ChatCompletionChunk, ChatChunkChoice, run.request_id, run.created, run.model,
-            body.include_usage,
-        )  # fmt: skip
 
     def _chunk(self, choice: ChatChunkChoice) -> str:
-        return self._frame.event(choice)
+        chunk = ChatCompletionChunk(
+            id=self.run.request_id, created=self.run.created, model=self.run.model, choices=[choice]
+        )
+        exclude = {"timings"} if self.include_usage else {"timings", "usage"}
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
     def start(self) -> Iterator[str]:
         for idx in range(self.run.n):
@@ -917,11 +917,13 @@ class _ChatChunks:
                 delta = {"reasoning_content": reasoning} if reasoning else {}
                 if text or not reasoning:
                     delta["content"] = text
-                if self.logprobs:
-                    choice = ChatChunkChoice(index=idx, delta=delta, logprobs=_chat_logprobs(new))
-                    yield self._chunk(choice)
-                else:  # the common chunk: its delta alone
-                    yield self._frame.plain_event(index=idx, delta=delta)
+                yield self._chunk(
+                    ChatChunkChoice(
+                        index=idx,
+                        delta=delta,
+                        logprobs=_chat_logprobs(new) if self.logprobs else None,
+                    )
+                )
             if finished and idx not in self._finished:
                 self._finished.add(idx)
                 finish_reason = c.finish_reason
@@ -1008,6 +1010,7 @@ class _CompletionChunks:
     def __init__(self, run: Run, body: CompletionRequest, engine: AsyncEngine) -> None:
         self.run = run
         self.logprobs = body.logprobs is not None
+        self.include_usage = body.include_usage
         self.echo_texts = (
             [_prompt_text(engine, p) for p in run.prepared]
             if body.echo
@@ -1024,13 +1027,13 @@ class _CompletionChunks:
         self._text_offsets = [len(self.echo_texts[i // run.n]) for i in range(num_choices)]
         self._finished: set[int] = set()
         self._prompt_sent: set[int] = set()
-        self._frame = ChunkFrame(
-            CompletionChunk, CompletionChoice, run.request_id, run.created, run.model,
-            body.include_usage,
-        )  # fmt: skip
 
     def _chunk(self, choice: CompletionChoice) -> str:
-        return self._frame.event(choice)
+        chunk = CompletionChunk(
+            id=self.run.request_id, created=self.run.created, model=self.run.model, choices=[choice]
+        )
+        exclude = {"timings"} if self.include_usage else {"timings", "usage"}
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
     def start(self) -> Iterator[str]:
         if self.scores_prompt:
@@ -1079,22 +1082,14 @@ class _CompletionChunks:
                 )
             if finished:
                 self._finished.add(idx)
-            finish_reason = c.finish_reason if finished else None
-            stop_reason = c.stop_reason if finished else None
-            if logprobs is None and prompt_logprobs is None:  # the common chunk: text alone
-                yield self._frame.plain_event(
-                    index=idx, text=c.text_delta, finish_reason=finish_reason,
-                    stop_reason=stop_reason,
-                )  # fmt: skip
-                continue
             yield self._chunk(
                 CompletionChoice(
                     index=idx,
                     text=c.text_delta,
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=stop_reason,
+                    finish_reason=c.finish_reason if finished else None,
+                    stop_reason=c.stop_reason if finished else None,
                 )
             )
 
