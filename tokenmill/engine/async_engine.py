@@ -244,8 +244,8 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their streams: one hand-off to each listening event loop, not
-        one an output (each wakes the loop: a write to its self-pipe, ~2 us with hundreds of
-        streams a step, and the loop's thread contending for the GIL while they go on)."""
+        one an output (each writes the loop's self-pipe and wakes its thread to contend for
+        the GIL while the rest go out: ~1 ms of the engine thread a step at 256 streams)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, StreamItem]]] = {}
         for out in outputs:
             for hook in self.output_hooks:
