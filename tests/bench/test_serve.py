@@ -110,10 +110,13 @@ def test_ttft_and_tokens_agree_with_the_servers_metrics(server, tokenizer):
     client = sum(r.ttft for r in results) + test.ttft
     served = _delta(before, after, TTFT + "_sum")
     assert served <= client <= served + 9 * 0.05
-    # Each token its own chunk: the client's pooled ITL gaps are the server's.
-    assert [len(r.chunk_times) for r in results] == [8] * 8
+    # Each output its own chunk: the client's pooled ITL gaps are the server's. (A token a
+    # chunk, unless the server was too busy to send each: then those that queued come as one.)
+    num_chunks = [len(r.chunk_times) for r in results]
+    assert all(1 <= n <= 8 for n in num_chunks) and sum(num_chunks) > 8
     itl = "tokenmill:inter_token_latency_seconds"
-    assert _delta(before, after, itl + "_count") == 8 * 7 + 1
+    num_gaps = sum(n - 1 for n in num_chunks) + len(test.chunk_times) - 1
+    assert _delta(before, after, itl + "_count") == num_gaps
     client_itl = sum(sum(r.itl) for r in results)
     assert client_itl == pytest.approx(_delta(before, after, itl + "_sum") - sum(test.itl), abs=0.5)
     metrics = calculate_metrics(results, outcome.duration_s)
