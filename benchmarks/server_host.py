@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -129,11 +130,9 @@ def wait_ready(url: str, child: subprocess.Popen, timeout: float = 120.0) -> Non
     while time.monotonic() < deadline:
         if child.poll() is not None:
             raise SystemExit(f"the server exited ({child.returncode}) while starting")
-        try:
+        with contextlib.suppress(httpx.HTTPError):  # not listening yet
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
-        except httpx.HTTPError:
-            pass
         time.sleep(0.2)
     raise SystemExit("the server did not become ready")
 

@@ -123,8 +123,8 @@ class RequestOutput:
     def add(self, later: RequestOutput) -> None:
         """Join ``later``, the request's next delta output, to this one (from
         ``accumulating``): the two read as one delta output, spanning both steps. Added up
-        from a request's first output, that is the cumulative output, at the cost of each
-        delta's length where a cumulative output copies everything so far every step."""
+        from a request's first output, that is the cumulative output: its lists grow by each
+        delta (the text is copied, a memcpy), where a cumulative output copies every list."""
         kept = {c.index: c for c in self.outputs}
         for c in later.outputs:
             into = kept.get(c.index)
