@@ -58,6 +58,11 @@ class Request:
     # takes it back. With async scheduling the next step is scheduled before the output is in
     # (then 2 for a while), and runs that pending token, whose id only the device knows.
     num_pending_tokens: int = 0
+    # What may end it, read at each of its tokens (Scheduler._check_stop's quick test): the
+    # ids that may stop it and the outputs it may reach (max_tokens, the context). The
+    # scheduler sets them as the request enters.
+    stop_ids: frozenset[int] = frozenset()
+    max_outputs: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -66,6 +66,10 @@ class Scheduler:
     def add_request(self, req: Request, cache_salt: str | None = None) -> None:
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
+        params = req.sampling_params
+        eos = () if params.ignore_eos else req.eos_token_ids
+        req.stop_ids = frozenset(eos).union(params.stop_token_ids or ())
+        req.max_outputs = min(req.max_tokens, self.config.max_model_len - req.num_prompt_tokens)
         self.requests[req.req_id] = req
         if cache_salt:
             self.cache_salts[req.req_id] = cache_salt
@@ -102,17 +106,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        running: list[tuple[Request, int]] = []
+        running: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         drafts: dict[str, list[int]] = {}
         preempted, budget = self._schedule_running(running, cached_reqs, drafts, budget)
         new: list[tuple[Request, int]] = []
         new_reqs: list[NewRequestData] = []
         if not preempted:  # memory is tight: let running requests finish before new ones join
-            self._schedule_waiting(new, new_reqs, budget)
+            self._schedule_waiting(new, new_reqs, budget, running)
         # Batch order: new requests first, then running ones.
-        num_scheduled = {req.req_id: n for req, n in new}
-        num_scheduled |= {req.req_id: n for req, n in running}
+        num_scheduled = running
+        if new:
+            num_scheduled = {req.req_id: n for req, n in new}
+            num_scheduled |= running
         out = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
@@ -124,23 +130,25 @@ class Scheduler:
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
-        for scheduled in (new, running):
-            for req, n in scheduled:
-                req.num_computed_tokens += n
-                num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
-                if req.num_computed_tokens >= num_known + req.num_pending_tokens:
-                    req.num_pending_tokens += 1  # this step samples its next token
+        # After every waiting request is placed: a sibling waits on its leader's count as it
+        # stood before this step (_is_blocked).
+        for req, n in new:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending_tokens:
+                req.num_pending_tokens += 1  # this step samples its next token
         return out
 
     def _schedule_running(
         self,
-        scheduled: list[tuple[Request, int]],
+        scheduled: dict[str, int],
         cached_reqs: list[CachedRequestData],
         drafts: dict[str, list[int]],
         budget: int,
     ) -> tuple[bool, int]:
         """Schedule the running requests in order (each its missing tokens, drafts with a
-        decode), preempting the newest while blocks run out; (whether any was, budget left)."""
+        decode), preempting the newest while blocks run out; (whether any was, budget left).
+        Each scheduled one's counts move on at once (one pass over them: this runs every step
+        for every request); a victim is always one not yet scheduled (the newest)."""
         preempted = False
         max_model_len = self.config.max_model_len
         salts = self.cache_salts
@@ -150,7 +158,7 @@ class Scheduler:
             req = self.running[i]
             num_outputs = len(req.output_token_ids) + req.num_pending_tokens
             num_tokens = len(req.prompt_token_ids) + num_outputs
-            if num_outputs >= req.max_tokens or num_tokens >= max_model_len:
+            if num_outputs >= req.max_outputs:  # max_tokens, or the context, reached
                 i += 1  # its pending token is its last: it finishes when the token is in
                 continue
             num_new = min(num_tokens - req.num_computed_tokens, budget)
@@ -175,10 +183,12 @@ class Scheduler:
                 new_block_ids = allocate_slots(req, num_new, None, salt)
             if new_block_ids is None:
                 break
-            scheduled.append((req, num_new))
-            cached_reqs.append(
-                CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens)
-            )
+            num_computed = req.num_computed_tokens
+            scheduled[req.req_id] = num_new
+            cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, num_computed))
+            req.num_computed_tokens = num_computed + num_new
+            if num_computed + num_new >= num_tokens:
+                req.num_pending_tokens += 1  # this step samples its next token
             if req.draft_token_ids:  # each proposal runs once
                 drafts[req.req_id], req.draft_token_ids = req.draft_token_ids, []
             budget -= num_new
@@ -186,12 +196,18 @@ class Scheduler:
         return preempted, budget
 
     def _schedule_waiting(
-        self, scheduled: list[tuple[Request, int]], new_reqs: list[NewRequestData], budget: int
+        self,
+        scheduled: list[tuple[Request, int]],
+        new_reqs: list[NewRequestData],
+        budget: int,
+        running: dict[str, int],
     ) -> None:
+        """Start waiting requests in order while budget and blocks last (``running``: this
+        step's running requests, whose counts already include it)."""
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if self._is_blocked(req):
+            if self._is_blocked(req, running):
                 skipped.append(self.waiting.popleft())
                 continue
             salt = self.cache_salts.get(req.req_id)
@@ -227,9 +243,10 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _is_blocked(self, req: Request) -> bool:
+    def _is_blocked(self, req: Request, running: dict[str, int]) -> bool:
         """A preempted request waits for its pending token; n > 1 siblings wait until the
-        first sibling's prompt is in the cache."""
+        first sibling's prompt is in the cache (computed by a step before this one, whose
+        tokens ``running`` counts)."""
         if req.num_pending_tokens:
             return True
         leader = self.requests.get(req.wait_for_req_id) if req.wait_for_req_id else None
@@ -237,7 +254,8 @@ class Scheduler:
             return False
         if req.needs_every_position:
             return False  # it takes no prefix hits (see KVCacheManager.find_cached_prefix)
-        return leader.num_computed_tokens < leader.num_prompt_tokens
+        computed = leader.num_computed_tokens - running.get(leader.req_id, 0)
+        return computed < leader.num_prompt_tokens
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -287,8 +305,11 @@ class Scheduler:
                 if num_drafts:
                     req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
                     self.spec.record(num_drafts, len(token_ids) - 1)
+                outputs = req.output_token_ids
                 for i, token_id in enumerate(token_ids):
-                    req.output_token_ids.append(token_id)
+                    outputs.append(token_id)
+                    if len(outputs) < req.max_outputs and token_id not in req.stop_ids:
+                        continue  # nothing can end it here (_check_stop's quick test)
                     reason = self._check_stop(req, token_id)
                     if reason is not None:  # the tokens after a stop are dropped
                         update.new_token_ids = token_ids[: i + 1]
