@@ -68,6 +68,7 @@ class KVCacheManager:
         # Each window size and its groups.
         sizes = dict.fromkeys(w for w in group_windows if w is not None)
         self._windows = [(w, [g for g, x in enumerate(group_windows) if x == w]) for w in sizes]
+        self._group_suffixes = [_group_key(b"", g) for g in range(len(group_windows))]
         # What allocate_slots returns for a request that needs no new block, most calls: one
         # shared immutable value rather than fresh lists each time.
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in group_windows)
@@ -250,10 +251,11 @@ class KVCacheManager:
         num_new = -(-num_tokens // self.block_size) - len(tables[0])
         if num_new * len(tables) > self.pool.num_free_blocks:
             return None
+        blocks = self.pool.allocate(num_new * len(tables))  # one call: rarely over one a group
         new_ids = []
-        for table in tables:
-            new = self.pool.allocate(num_new)
-            table.extend(new)
+        for g, table in enumerate(tables):
+            new = blocks[g * num_new : (g + 1) * num_new]
+            table += new
             new_ids.append([b.block_id for b in new])
         self._cache_full_blocks(req, num_tokens, cache_salt)
         return new_ids
@@ -286,28 +288,24 @@ class KVCacheManager:
             first_needed = max(0, num_computed - window + 1) // self.block_size
             table = tables[groups[0]]
             if 0 < first_needed <= len(table) and table[first_needed - 1].block_id:
-                for g in groups:
-                    self._release_before_window(g, tables[g], num_computed)
+                self._release_before(first_needed, [tables[g] for g in groups])
 
-    def _release_before_window(self, group: int, table: list[Block], num_computed: int) -> None:
-        """Release the blocks of a window group that no query from position ``num_computed`` on
-        can see: those wholly before its window, which starts at num_computed - window + 1."""
-        window = self.group_windows[group]
-        if window is None:
-            return
-        first_needed = max(0, num_computed - window + 1) // self.block_size
-        # The null entries are a prefix of the table (a prefix hit's, then each release's), so
-        # the blocks to free are those just before first_needed back to the first null one:
-        # O(1) on a step that releases nothing, not a walk over the whole context.
-        out, i = [], min(first_needed, len(table)) - 1
-        while i >= 0 and table[i].block_id != NULL_BLOCK:
-            out.append(i)
-            i -= 1
-        out.reverse()  # freed in table order, as before
-        if out:
-            self.pool.free(table[i] for i in out)
-            for i in out:
-                table[i] = self.pool.blocks[NULL_BLOCK]
+    def _release_before(self, first_needed: int, tables: list[list[Block]]) -> None:
+        """Release the blocks before block ``first_needed`` of window groups' tables (those
+        wholly before the window of the next query): back to the pool, the null block in their
+        entries."""
+        null = self.pool.blocks[NULL_BLOCK]
+        freed: list[Block] = []
+        for table in tables:
+            # The null entries are a prefix of the table (a prefix hit's, then each release's),
+            # so the blocks to free are those just before first_needed back to the first null
+            # one: O(1) on a step that releases little, not a walk over the whole context.
+            end = i = min(first_needed, len(table))
+            while i > 0 and table[i - 1].block_id != NULL_BLOCK:
+                i -= 1
+            freed += table[i:end]  # freed in table order
+            table[i:end] = [null] * (end - i)
+        self.pool.free(freed)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
@@ -323,14 +321,14 @@ class KVCacheManager:
             return
         hashes = self._hashes(req, num_full, cache_salt)
         tables = self._req_blocks[req.req_id]
-        bs = self.block_size
+        bs, suffixes, cache_block = self.block_size, self._group_suffixes, self.pool.cache_block
         for i in range(start, num_full):
             chunk = None  # the block's tokens, sliced once for every group that registers it
-            for g, table in enumerate(tables):
+            for table, suffix in zip(tables, suffixes):
                 block = table[i]
                 if block.block_hash is None and block.block_id != NULL_BLOCK:
                     chunk = chunk or tuple(req.token_range(i * bs, (i + 1) * bs))
-                    self.pool.cache_block(block, _group_key(hashes[i], g), chunk)
+                    cache_block(block, hashes[i] + suffix, chunk)  # _group_key's
         self._num_hashed[req.req_id] = num_full
 
     def _hashes(self, req: Request, num_full: int, cache_salt: str | None) -> list[BlockHash]:
