@@ -224,9 +224,8 @@ class ModelRunner:
             return out
         graph_logits = self._decode_graph_step(sched)
         if graph_logits is not None:
-            drafts = sched.draft_token_ids
-            reqs = [(rid, drafts.get(rid, [])) for rid in sched.num_scheduled_tokens]
-            return self._sample(reqs, graph_logits, out)
+            req_ids = list(sched.num_scheduled_tokens)
+            return self._sample(req_ids, sched.draft_token_ids, graph_logits, out)
         step = self.prepare_step(sched)
         hidden = self.forward(step)
         for rows in step.prompt_logprob_rows:
@@ -238,8 +237,9 @@ class ModelRunner:
         if step.logits_indices.numel() == 0:
             return out
         logits = self.compute_logits(hidden, step)
-        sampling = [(r.req_id, r.draft_token_ids) for r in step.sampling_reqs]
-        return self._sample(sampling, logits, out)
+        req_ids = [r.req_id for r in step.sampling_reqs]
+        drafts_of = {r.req_id: r.draft_token_ids for r in step.sampling_reqs if r.draft_token_ids}
+        return self._sample(req_ids, drafts_of, logits, out)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> None:
@@ -379,24 +379,56 @@ class ModelRunner:
     # ---- sampling -----------------------------------------------------------------------
 
     def _sample(
-        self, reqs: list[tuple[str, list[int]]], logits: torch.Tensor, out: RunnerOutput
+        self,
+        req_ids: list[str],
+        drafts_of: dict[str, list[int]],
+        logits: torch.Tensor,
+        out: RunnerOutput,
     ) -> RunnerOutput:
-        """Sample every logits row (``reqs``: each request with its drafts, 1 + K rows in order)
-        and append the accepted tokens to the requests."""
-        states = [self.requests[rid] for rid, _ in reqs]
+        """Sample every logits row (each request's 1 + K rows in order, K its drafts in
+        ``drafts_of``) and append the accepted tokens to the requests."""
+        requests = self.requests
+        states = [requests[rid] for rid in req_ids]
+        reuse_rows = not drafts_of and not self._drafts
         rows: list[SamplingRow] = []
         constrained = False  # a grammar or a thinking budget among them
-        for (rid, drafts), state in zip(reqs, states):
-            constrained = constrained or state.grammar is not None or state.thinking is not None
-            if state.plain_row is not None and not drafts and not self._drafts:
+        for rid, state in zip(req_ids, states):
+            if state.grammar is not None or state.thinking is not None:
+                constrained = True
+            if reuse_rows and state.plain_row is not None:
                 rows.append(state.plain_row)  # what _sampling_rows would return
             else:
-                rows += self._sampling_rows(rid, drafts)
+                rows += self._sampling_rows(rid, drafts_of.get(rid, []))
+        reqs = [(rid, drafts_of.get(rid, [])) for rid in req_ids] if constrained else []
         bitmask = self._token_bitmask(reqs, len(rows)) if constrained else None
         token_ids, logprobs = self.sampler(logits, rows, bitmask)
         sampled = out.sampled_token_ids
+        if len(rows) == len(states) and not constrained and logprobs.count(None) == len(rows):
+            # Most steps: a row a request, no matcher to advance, no log-probs (one pass).
+            for rid, state, token_id in zip(req_ids, states, token_ids):
+                state.token_ids.append(token_id)
+                sampled[rid] = [token_id]
+        else:
+            self._accept(req_ids, drafts_of, states, token_ids, logprobs, out)
+        # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
+        if self.proposer is not None and len(req_ids) <= self.speculative_max_batch:
+            self._propose(self.proposer, req_ids, out)
+        return out
+
+    @staticmethod
+    def _accept(
+        req_ids: list[str],
+        drafts_of: dict[str, list[int]],
+        states: list[RequestState],
+        token_ids: list[int],
+        logprobs: list[SampledLogprobs | None],
+        out: RunnerOutput,
+    ) -> None:
+        """Each request's picks from its rows (``token_ids``): the accepted drafts and the
+        pick after them, appended to it and its matcher, with their log-probs."""
         i = 0
-        for (rid, drafts), state in zip(reqs, states):
+        for rid, state in zip(req_ids, states):
+            drafts = drafts_of.get(rid)
             if drafts:
                 num_rows = len(drafts) + 1
                 new = accept_drafts(token_ids[i : i + num_rows], drafts)
@@ -408,14 +440,10 @@ class ModelRunner:
                 state.grammar.accept(new)
             if state.thinking is not None:
                 state.thinking.accept(new)
-            sampled[rid] = new
+            out.sampled_token_ids[rid] = new
             if logprobs[i] is not None:  # a request's rows have log-probs, or none do
                 out.logprobs[rid] = _concat_logprobs(logprobs[i : i + len(new)])
             i += num_rows
-        # Proposals for the next step: only in small batches (EngineArgs.speculative_max_batch).
-        if self.proposer is not None and len(reqs) <= self.speculative_max_batch:
-            self._propose(self.proposer, [rid for rid, _ in reqs], out)
-        return out
 
     def _propose(self, proposer: Proposer, req_ids: list[str], out: RunnerOutput) -> None:
         asked = []
@@ -617,7 +645,7 @@ class ModelRunner:
         # (torch's attention masks them).
         bs = self.block_size
         pos = np.array(positions)
-        cols = int(pos.max()) // bs + 1
+        cols = max(positions) // bs + 1  # NOTE: Python's max; numpy's costs ~10x on 256 ints
         tables = self._row_tables.take(row_tables, cols)  # [groups, rows, cols]
         slots = tables[:, np.arange(len(ids)), pos // bs] * bs + pos % bs  # [groups, rows]
         return graphs.step(ids, pos, slots, tables, self._pending_ids(pending))
