@@ -117,6 +117,19 @@ class OutputProcessor:
             state, seq = owner
             if self._failed and state.request_id in self._failed:
                 continue
+            if (
+                seq.defer_text
+                and update.finish_reason is None
+                and update.logprobs is None
+                and update.prompt_logprobs is None
+                and seq.finish_reason is None
+            ):
+                # Most steps of a response sent whole: its tokens wait, undecoded, for its end
+                # (what _append would do, without its checks: no stop strings, no log-probs).
+                seq.detokenizer.defer(update.new_token_ids)
+                if update.new_token_ids:
+                    _time_tokens(seq, now)
+                continue
             try:
                 # n > 1 siblings compute the same prompt: only the first sequence's are kept.
                 if update.prompt_logprobs is not None and seq.index == 0:
@@ -137,9 +150,7 @@ class OutputProcessor:
                 changed[state.request_id] = state
                 continue
             if update.new_token_ids:  # no output until it finishes: time its steps here
-                if seq.last_token_time is not None:
-                    seq.inter_token_latencies.append(now - seq.last_token_time)
-                seq.last_token_time = now
+                _time_tokens(seq, now)
             if state.finished:
                 changed[state.request_id] = state
         return stopped_seqs
@@ -348,3 +359,11 @@ def _metrics(state: RequestState) -> RequestMetrics:
         num_preemptions=sum(r.num_preemptions for r in reqs),
         inter_token_latencies=itls,
     )
+
+
+def _time_tokens(seq: SeqState, now: float) -> None:
+    """A final-only sequence got tokens at ``now``: the gap since its last ones (its outputs,
+    which would carry the timing, are not built until it finishes)."""
+    if seq.last_token_time is not None:
+        seq.inter_token_latencies.append(now - seq.last_token_time)
+    seq.last_token_time = now
