@@ -306,18 +306,11 @@ class Scheduler:
                     req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
                     self.spec.record(num_drafts, len(token_ids) - 1)
                 outputs = req.output_token_ids
-                for i, token_id in enumerate(token_ids):
-                    outputs.append(token_id)
-                    if len(outputs) < req.max_outputs and token_id not in req.stop_ids:
-                        continue  # nothing can end it here (_check_stop's quick test)
-                    reason = self._check_stop(req, token_id)
-                    if reason is not None:  # the tokens after a stop are dropped
-                        update.new_token_ids = token_ids[: i + 1]
-                        update.finish_reason = reason
-                        update.stop_reason = req.stop_reason
-                        self._dequeue(req)  # running, or preempted while its token was pending
-                        self._finish(req, reason)
-                        break
+                outputs += token_ids
+                # The quick test: most steps nothing can end the request.
+                if len(outputs) >= req.max_outputs or not req.stop_ids.isdisjoint(token_ids):
+                    del outputs[len(outputs) - len(token_ids) :]
+                    self._append_until_stop(req, update, token_ids)
             if req.status != RequestStatus.FINISHED:
                 drafts = new_drafts.get(req_id) if new_drafts else None
                 if drafts is not None or req.draft_token_ids:
@@ -326,6 +319,20 @@ class Scheduler:
                 _cut_logprobs(update)
             updates.append(update)
         return updates
+
+    def _append_until_stop(self, req: Request, update: RequestUpdate, token_ids: list[int]) -> None:
+        """Append a step's tokens one by one, up to the first that ends the request (the ones
+        after it are dropped); the update then says why it ended."""
+        for i, token_id in enumerate(token_ids):
+            req.output_token_ids.append(token_id)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                update.new_token_ids = token_ids[: i + 1]
+                update.finish_reason = reason
+                update.stop_reason = req.stop_reason
+                self._dequeue(req)  # running, or preempted while its token was pending
+                self._finish(req, reason)
+                return
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling_params
