@@ -623,8 +623,10 @@ class ModelRunner:
             token_ids = state.token_ids
             # A decode runs its last known token (so no prompt log-prob is owed: the token it
             # predicts is an output); else a prompt chunk, or a one-token prompt to embed.
-            if p + 1 != len(token_ids) or state.sampling_params.pooling is not None:
+            if p + 1 != len(token_ids):
                 return None
+            if p < state.num_prompt_tokens and state.sampling_params.pooling is not None:
+                return None  # an embedding's last prompt token (outputs never follow one)
             token = token_ids[p]
             if token < 0:  # a placeholder (pending_token): the launched step's pick
                 pending.append((len(ids), -1 - token))

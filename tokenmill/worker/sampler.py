@@ -42,14 +42,17 @@ class SamplingRow:
     draft_token_id: int = -1
     draft_probs: torch.Tensor | None = None
     # What its params ask of a pick, read once (a row is reused from step to step): whether
-    # it is greedy, and whether its logits are adjusted first (a bias, penalties, min_tokens).
+    # it is greedy, whether its logits are adjusted first (a bias, penalties, min_tokens),
+    # and whether it returns log-probs.
     greedy: bool = field(init=False)
     adjusted: bool = field(init=False)
+    wants_logprobs: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.greedy = p.is_greedy
         self.adjusted = bool(p.logit_bias) or p.has_penalties or p.min_tokens > 0
+        self.wants_logprobs = p.logprobs is not None
 
 
 class Sampler:
@@ -79,7 +82,7 @@ class Sampler:
         """``bitmask``: the allowed tokens of the constrained rows (a bitmask with a row per
         logits row, and which rows to apply it to), applied before anything else; logprobs
         stay those of the model's own distribution (vLLM's raw logprobs)."""
-        logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprob_idx = [i for i, r in enumerate(rows) if r.wants_logprobs]
         if not logprob_idx:
             return self.pick(logits, rows, bitmask).tolist(), [None] * len(rows)
         logits = logits.float()  # [num_rows, vocab]
