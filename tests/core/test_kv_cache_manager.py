@@ -369,8 +369,9 @@ def test_hybrid_hit_needs_its_window_still_cached():
     admit(kv, first)
     _decode(kv, first, 16)
     assert kv.num_free_blocks == 34 - 10 - 2 * 2
-    # The whole context so far: its windows are the live blocks the first request holds.
-    assert kv.find_cached_prefix(make_req(first.all_token_ids + [1])).num_blocks == 10
+    # The context so far: its windows are the live blocks the first request holds (its last
+    # block, filled by the last step, is hashed by the next: see the tests below).
+    assert kv.find_cached_prefix(make_req(first.all_token_ids + [1])).num_blocks == 9
     # The prompt again: its window (blocks 4 and 5) was released, but is still cached.
     assert kv.find_cached_prefix(make_req(prompt + [1])).num_blocks == 6
     # Once those blocks are handed out (never used ones first, then the oldest released), the
@@ -395,3 +396,33 @@ def test_hybrid_allocation_is_all_or_nothing_over_groups():
     assert kv.block_ids(b.req_id) == [[], [], []]
     kv.free(a)
     assert_all_free(kv)
+
+
+def test_a_block_filled_while_decoding_is_hashed_by_the_next_growth_or_as_freed():
+    kv = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
+    first = make_req(list(range(10, 16)))  # 6 tokens: block 0 full, hashed as it is scheduled
+    admit(kv, first)
+    _decode(kv, first, 2)  # block 1 fills: no call of its own hashes it
+    assert kv.find_cached_prefix(make_req(first.all_token_ids + [1])).num_blocks == 1
+    _decode(kv, first, 1)  # the tables grow past it: hashed then
+    assert kv.find_cached_prefix(make_req(first.all_token_ids[:8] + [1])).num_blocks == 2
+    # A request that ends right as a block fills leaves it findable all the same.
+    second = make_req(list(range(50, 56)))
+    admit(kv, second)
+    _decode(kv, second, 2)
+    kv.free(second)
+    assert kv.find_cached_prefix(make_req(second.all_token_ids + [1])).num_blocks == 2
+    kv.free(first)
+    assert_all_free(kv)
+
+
+def test_a_salted_request_freed_as_its_first_block_fills_hashes_it_with_its_salt():
+    kv = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
+    req = make_req([10, 11])  # a prompt shorter than a block: its first block fills decoding
+    admit(kv, req, salt="tenant-a")
+    _decode(kv, req, 2)
+    kv.free(req, "tenant-a")
+    probe = req.all_token_ids + [1]
+    assert kv.find_cached_prefix(make_req(probe), "tenant-a").num_blocks == 1
+    assert kv.find_cached_prefix(make_req(probe), "tenant-b").num_blocks == 0
+    assert kv.find_cached_prefix(make_req(probe)).num_blocks == 0

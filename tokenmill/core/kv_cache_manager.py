@@ -6,8 +6,10 @@ Block layout of one request's table (block_size = 4 here)::
     [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .. ..]
       full, hashed   full, hashed  partial: never hashed
 
-Full blocks are hashed (chained, see block_pool) as soon as their tokens are scheduled; the engine
-runs steps synchronously, so by the next lookup their KV is written.
+Full blocks are hashed (chained, see block_pool) as their tokens are scheduled: a prompt's at
+once, a block that fills while decoding by the step that grows the tables past it (the next one)
+or as the request's blocks are freed. Steps run in order, so by the next lookup their KV is
+written.
 
 A request has one table per group of layers (kv_layout.py): one for most models, and for Gemma
 2 and 3 one for the full-attention layers and one per group of sliding-window layers. Every
@@ -189,29 +191,25 @@ class KVCacheManager:
         else:
             new_ids = self._grow(req, tables, num_tokens, cache_salt)
         if new_ids is not None:
-            self._quiet[req.req_id] = self._quiet_bounds(len(tables[0]), num_computed, req.req_id)
+            self._quiet[req.req_id] = self._quiet_bounds(len(tables[0]), num_computed)
         return new_ids
 
-    def _quiet_bounds(
-        self, num_table_blocks: int, num_computed: int, req_id: str
-    ) -> tuple[int, int]:
+    def _quiet_bounds(self, num_table_blocks: int, num_computed: int) -> tuple[int, int]:
         """(c, e): a running request's next allocate_slots, from ``num_computed_tokens`` below c
         up to ``num_computed + num_new`` of at most e, would do nothing, so it may return at
-        once. Each of its three jobs waits for a block boundary:
+        once. Its two jobs wait for a block boundary:
         - no window moves past a block (its first needed block stays that of ``num_computed``);
-        - the tables hold the tokens (``num_table_blocks`` blocks each);
-        - no block fills (the hashing has reached the last full block; a conservative bound,
-          as the request's known tokens may lag its scheduled ones).
+        - the tables hold the tokens (``num_table_blocks`` blocks each).
+        A block that fills is hashed by the call that does either (the next table's growth, a
+        step later, at the latest) or as the request's blocks are freed: not by a call of its
+        own, which cost a third of these calls' time (one a block of every request).
         """
         bs = self.block_size
         first_unquiet = 1 << 62
         for window, _ in self._windows:
             first_needed = max(0, num_computed - window + 1) // bs
             first_unquiet = min(first_unquiet, (first_needed + 1) * bs + window - 1)
-        end = num_table_blocks * bs
-        if self.enable_caching:
-            end = min(end, (self._num_hashed.get(req_id, 0) + 1) * bs - 1)
-        return first_unquiet, end
+        return first_unquiet, num_table_blocks * bs
 
     def _allocate(
         self,
@@ -263,8 +261,12 @@ class KVCacheManager:
     def _no_hit(self) -> PrefixHit:
         return PrefixHit(0, [[] for _ in self.group_windows])
 
-    def free(self, req: Request) -> None:
-        """Release all the request's blocks (each table tail first: see block_pool)."""
+    def free(self, req: Request, cache_salt: str | None = None) -> None:
+        """Release all the request's blocks (each table tail first: see block_pool), its full
+        computed ones findable by their hashes (``cache_salt``: the request's, as it was
+        allocated with)."""
+        if req.req_id in self._req_blocks:
+            self._cache_full_blocks(req, req.num_computed_tokens, cache_salt)
         tables = self._req_blocks.pop(req.req_id, [])
         self._quiet.pop(req.req_id, None)
         self._req_hashes.pop(req.req_id, None)

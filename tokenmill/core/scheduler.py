@@ -258,7 +258,7 @@ class Scheduler:
         return computed < leader.num_prompt_tokens
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        self.kv.free(req, self.cache_salts.get(req.req_id))
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.draft_token_ids.clear()
@@ -356,7 +356,7 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.kv.free(req)
+        self.kv.free(req, self.cache_salts.get(req.req_id))
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finished_time = time.monotonic()
