@@ -117,19 +117,6 @@ class OutputProcessor:
             state, seq = owner
             if self._failed and state.request_id in self._failed:
                 continue
-            if (
-                seq.defer_text
-                and update.finish_reason is None
-                and update.logprobs is None
-                and update.prompt_logprobs is None
-                and seq.finish_reason is None
-            ):
-                # Most steps of a response sent whole: its tokens wait, undecoded, for its end
-                # (what _append would do, without its checks: no stop strings, no log-probs).
-                seq.detokenizer.defer(update.new_token_ids)
-                if update.new_token_ids:
-                    _time_tokens(seq, now)
-                continue
             try:
                 # n > 1 siblings compute the same prompt: only the first sequence's are kept.
                 if update.prompt_logprobs is not None and seq.index == 0:
@@ -184,6 +171,11 @@ class OutputProcessor:
 
     def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:
         if seq.finish_reason is not None:
+            return
+        if seq.defer_text and update.finish_reason is None and update.logprobs is None:
+            # Most steps of a response sent whole: its tokens wait, undecoded, for its end (no
+            # stop strings, no log-probs: nothing of _append_tokens' applies).
+            seq.detokenizer.defer(update.new_token_ids)
             return
         new_ids = update.new_token_ids
         logprobs = update.logprobs
