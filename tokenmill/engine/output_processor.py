@@ -137,7 +137,9 @@ class OutputProcessor:
                 changed[state.request_id] = state
                 continue
             if update.new_token_ids:  # no output until it finishes: time its steps here
-                _time_tokens(seq, now)
+                if seq.last_token_time is not None:
+                    seq.inter_token_latencies.append(now - seq.last_token_time)
+                seq.last_token_time = now
             if state.finished:
                 changed[state.request_id] = state
         return stopped_seqs
@@ -351,11 +353,3 @@ def _metrics(state: RequestState) -> RequestMetrics:
         num_preemptions=sum(r.num_preemptions for r in reqs),
         inter_token_latencies=itls,
     )
-
-
-def _time_tokens(seq: SeqState, now: float) -> None:
-    """A final-only sequence got tokens at ``now``: the gap since its last ones (its outputs,
-    which would carry the timing, are not built until it finishes)."""
-    if seq.last_token_time is not None:
-        seq.inter_token_latencies.append(now - seq.last_token_time)
-    seq.last_token_time = now
