@@ -60,6 +60,8 @@ class Scheduler:
         self.cache_salts: dict[str, str] = {}
         # Requests whose next step needs this one's tokens on the host (_can_run_ahead false).
         self._no_run_ahead: set[str] = set()
+        # Request.stop_ids of the requests with no stop_token_ids, by their end tokens.
+        self._eos_sets: dict[tuple[int, ...], frozenset[int]] = {}
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -68,7 +70,11 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in the engine")
         params = req.sampling_params
         eos = () if params.ignore_eos else req.eos_token_ids
-        req.stop_ids = frozenset(eos).union(params.stop_token_ids or ())
+        if params.stop_token_ids:
+            req.stop_ids = frozenset(eos).union(params.stop_token_ids)
+        else:  # most requests: the model's end tokens, one set they share (read warm each step)
+            key = tuple(eos)
+            req.stop_ids = self._eos_sets.setdefault(key, frozenset(key))
         req.max_outputs = min(req.max_tokens, self.config.max_model_len - req.num_prompt_tokens)
         self.requests[req.req_id] = req
         if cache_salt:
