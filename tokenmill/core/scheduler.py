@@ -311,11 +311,11 @@ class Scheduler:
                 if num_drafts:
                     req.num_computed_tokens -= num_drafts + 1 - len(token_ids)
                     self.spec.record(num_drafts, len(token_ids) - 1)
-                outputs = req.output_token_ids
-                outputs += token_ids
+                num_outputs = len(req.output_token_ids) + len(token_ids)
                 # The quick test: most steps nothing can end the request.
-                if len(outputs) >= req.max_outputs or not req.stop_ids.isdisjoint(token_ids):
-                    del outputs[len(outputs) - len(token_ids) :]
+                if num_outputs < req.max_outputs and req.stop_ids.isdisjoint(token_ids):
+                    req.output_token_ids += token_ids
+                else:
                     self._append_until_stop(req, update, token_ids)
             if req.status != RequestStatus.FINISHED:
                 drafts = new_drafts.get(req_id) if new_drafts else None

@@ -399,8 +399,7 @@ class ModelRunner:
                 rows.append(state.plain_row)  # what _sampling_rows would return
             else:
                 rows += self._sampling_rows(rid, drafts_of.get(rid, []))
-        reqs = [(rid, drafts_of.get(rid, [])) for rid in req_ids] if constrained else []
-        bitmask = self._token_bitmask(reqs, len(rows)) if constrained else None
+        bitmask = self._token_bitmask(req_ids, drafts_of, len(rows)) if constrained else None
         token_ids, logprobs = self.sampler(logits, rows, bitmask)
         sampled = out.sampled_token_ids
         if len(rows) == len(states) and not constrained and logprobs.count(None) == len(rows):
@@ -504,7 +503,7 @@ class ModelRunner:
         return rows
 
     def _token_bitmask(
-        self, reqs: list[tuple[str, list[int]]], num_rows: int
+        self, req_ids: list[str], drafts_of: dict[str, list[int]], num_rows: int
     ) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens of every row of the constrained requests (None if there are
         none): a structured-output grammar's, or the one token a spent thinking budget makes
@@ -515,7 +514,7 @@ class ModelRunner:
         there; the rows after it are dropped whatever they sample."""
         constrained = [
             (i, rid, drafts)
-            for i, (rid, drafts) in _row_starts(reqs)
+            for i, (rid, drafts) in _row_starts(req_ids, drafts_of)
             if self.requests[rid].grammar is not None or self.requests[rid].thinking is not None
         ]
         if not constrained:
@@ -707,10 +706,11 @@ def accept_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
     return sampled[: num_accepted + 1]
 
 
-def _row_starts(reqs: list[tuple[str, list[int]]]):
+def _row_starts(req_ids: list[str], drafts_of: dict[str, list[int]]):
     """(first logits row, (request, drafts)) of each request: 1 + K rows each, in order."""
     start = 0
-    for rid, drafts in reqs:
+    for rid in req_ids:
+        drafts = drafts_of.get(rid, [])
         yield start, (rid, drafts)
         start += 1 + len(drafts)
 
