@@ -9,7 +9,9 @@ Three parts, each timed per step over --steps steps (the median from the 100th o
 - a whole engine step (``LLMEngine.step``), on the CUDA-graph runner's path run eagerly on
   the CPU, with a tiny random gemma-3 (six layers: the same six KV groups, a 384-token
   vocabulary) so the model costs little; its forward (the graph's replay) is timed apart and
-  taken off. What is left is everything a GPU step's host does: scheduling, the graph's
+  taken off. Its tokenizer's 381 ordinary tokens are words, so that its random picks
+  detokenize as a real model's text does (``word_tokenizer``; bytes picked at random would
+  be invalid UTF-8 nearly half the time, a path real text rarely takes). What is left is everything a GPU step's host does: scheduling, the graph's
   inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
   outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
 
@@ -49,6 +51,34 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs
+
+
+def word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """Replace ``model_dir``'s tokenizer with a byte-level one whose ids past <pad> <s> </s>
+    are words with their leading space (" the", " hand", ...), as most of a model's output
+    tokens are."""
+    from tokenizers import Tokenizer, decoders, models
+
+    # fmt: off
+    stems = [
+        "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by",
+        "at", "from", "his", "her", "they", "this", "are", "be", "had", "not", "have", "one",
+        "all", "were", "but", "can", "time", "when", "would", "there", "so", "more", "than",
+        "some", "what", "about", "into", "only", "other", "new", "make", "over", "also", "back",
+        "after", "use", "two", "how", "work", "first", "well", "way", "even", "want", "because",
+        "any", "these", "give", "day", "most", "us", "hand", "eye",
+    ]
+    # fmt: on
+    words = [f"\u0120{s}{end}" for end in ("", "s", "ed", "ing", "er", "ly") for s in stems]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for word in words:
+        if len(vocab) < vocab_size:
+            vocab.setdefault(word, len(vocab))
+    assert len(vocab) == vocab_size, "more words are needed for this vocabulary"
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(str(model_dir / "tokenizer.json"))
 
 
 def scheduler_ms(layout: KVLayout, num_requests: int, steps: int) -> float:
@@ -111,21 +141,23 @@ def engine_host_ms(
 
     CudaDecodeGraphs.replay = timed_replay  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
+        # gemma-3 at toy size: six layers (five sliding-window, one global: six KV groups)
+        model = build_synthetic_gemma(
+            Path(tmp),
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=24,
+            query_pre_attn_scalar=16,
+            max_position_embeddings=4096,
+        )
+        word_tokenizer(Path(tmp), 384)
         engine = LLMEngine.from_args(
-            # gemma-3 at toy size: six layers (five sliding-window, one global: six KV groups)
-            model=build_synthetic_gemma(
-                Path(tmp),
-                vocab_size=384,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=6,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                sliding_window=24,
-                query_pre_attn_scalar=16,
-                max_position_embeddings=4096,
-            ),
+            model=model,
             dtype="float32",
             kernel_backend="torch",
             max_model_len=1024,

@@ -117,6 +117,25 @@ def test_random_token_ids_match_full_decode(gemma: Tokenizer, seed: int) -> None
         assert detok.token_ids == output
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_byte_table_streams_as_decode_stream_does(gemma: Tokenizer, seed: int) -> None:
+    """The stream that reads token bytes from a table (tokenizer/pieces.py) and tokenizers'
+    DecodeStream (decoders without a table) give the same pieces at the same steps, invalid
+    byte runs and special tokens included."""
+    rng = random.Random(seed)
+    prompt = gemma.encode(rng.choice(TEXTS))
+    # Mostly byte pieces (ids 3-258: <unk>, then the bytes) and specials, among words.
+    output = [rng.choice((rng.randrange(300), rng.randrange(gemma.vocab_size))) for _ in range(300)]
+    without_table = _DecodeSpy(gemma)
+    without_table.token_pieces = None
+    assert gemma.token_pieces is not None
+    for skip in (True, False):
+        sizes = [rng.randint(1, 4) for _ in range(7)]
+        table_pieces, _ = stream(gemma, prompt, output, skip, sizes)
+        stream_pieces, _ = stream(without_table, prompt, output, skip, sizes)  # type: ignore[arg-type]
+        assert table_pieces == stream_pieces
+
+
 def test_prompt_ending_in_a_byte_run(gemma: Tokenizer) -> None:
     # The context must not start inside the prompt's byte run, or its bytes decode as U+FFFD.
     prompt = gemma.encode("x" * 10) + gemma.encode("🧌🧌", add_special_tokens=False)
@@ -167,6 +186,7 @@ class _DecodeSpy:
         self.special_token_ids = tokenizer.special_token_ids
         self.vocab_size = tokenizer.vocab_size
         self.backend = tokenizer.backend
+        self.token_pieces = tokenizer.token_pieces
         self.max_decode_len = 0
         self.num_decodes = 0
 

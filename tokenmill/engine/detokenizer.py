@@ -1,8 +1,11 @@
 """Incremental detokenization: output token ids to text, one final piece at a time.
 
-Each token goes through tokenizers' ``DecodeStream`` (one Rust call: it decodes a short window
-with and without the new token and returns the difference, or nothing while the window ends in
-an incomplete character). Where its text holds invalid bytes (U+FFFD: it may split a run that a
+Each token goes through a stream: where decoding is a concatenation of the tokens' bytes
+(tokenizer/pieces.py: byte-level BPE and SentencePiece's byte fallback), ``_ByteStream`` adds
+the token's bytes from a table and emits them once they are whole UTF-8 (a list lookup); else
+tokenizers' ``DecodeStream`` (one Rust call: it decodes a short window with and without the new
+token and returns the difference). Both return nothing while the text ends in an incomplete
+character. Where a stream's text holds invalid bytes (U+FFFD: it may split a run that a
 whole decode renders as one), would wait forever (a run of bytes that can never become a
 character), or the output ends, the same scheme runs here in Python (vLLM's
 prefix_offset/read_offset) on the same window, which also cuts such a run in bounded pieces:
@@ -25,13 +28,15 @@ Without `flush()`, only a held-back incomplete UTF-8 tail (at most 3 tokens) is 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
+    from tokenmill.tokenizer.pieces import TokenPieces
 
 # Prompt tokens decoded as context before the first output token. One decodable token is enough
 # for the decoders we build (a byte run is extended separately); a few more, as in vLLM, guard
@@ -65,35 +70,41 @@ class IncrementalDetokenizer:
         # the decoder runs, so the text is the same, and the window keeps real text as context.
         self._skipped_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._vocab_size = tokenizer.vocab_size
+        self._pieces = tokenizer.token_pieces
         self._ids = self._context_ids(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None  # decode(ids[prefix_offset:read_offset]), lazily
-        self._output_ids: list[int] = []
+        # All output token ids so far (special ones included); read, do not mutate. An attribute,
+        # not a property: the output processor reads it for every stream every step.
+        self.token_ids: list[int] = []
         self._num_decoded = 0  # output ids decoded so far; the rest were deferred (``defer``)
         self._chunks: list[str] = []
-        self._stream = self._new_stream()
+        self._next_piece = self._new_stream()
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Appends output tokens; returns the text that became final with them (may be "")."""
-        self._output_ids.extend(new_token_ids)
-        return self._record(self._step(self._take_deferred(new_token_ids)))
+        self.token_ids.extend(new_token_ids)
+        text = self._step(self._take_deferred(new_token_ids))
+        if text:  # NOTE: not through _record, as this runs for every token of every stream
+            self._chunks.append(text)
+        return text
 
     def defer(self, new_token_ids: Sequence[int]) -> None:
         """Appends output tokens whose text no one reads yet (a response sent whole): they are
         decoded by the next call that returns text, at once by ``finish``."""
-        self._output_ids.extend(new_token_ids)
+        self.token_ids.extend(new_token_ids)
 
     def finish(self, new_token_ids: Sequence[int] = ()) -> str:
         """``update`` then ``flush``: the rest of the text, as the output ends. Deferred tokens
         are decoded in one call where that gives what token by token would (``_decode_rest``),
         else token by token."""
-        self._output_ids.extend(new_token_ids)
+        self.token_ids.extend(new_token_ids)
         ids = self._take_deferred(new_token_ids)
         text = self._decode_rest(ids) if len(ids) > 1 else None
         if text is None:
             text = self._step(ids) + self._emit(force=True)
-            self._stream = self._new_stream()
+            self._next_piece = self._new_stream()
         return self._record(text)
 
     def flush(self) -> str:
@@ -103,10 +114,10 @@ class IncrementalDetokenizer:
     def _take_deferred(self, new_token_ids: Sequence[int]) -> Sequence[int]:
         """The ids to decode now: the deferred ones, then ``new_token_ids`` (both already in
         the output ids)."""
-        start, self._num_decoded = self._num_decoded, len(self._output_ids)
+        start, self._num_decoded = self._num_decoded, len(self.token_ids)
         if start == self._num_decoded - len(new_token_ids):
             return new_token_ids  # nothing was deferred
-        return self._output_ids[start:]
+        return self.token_ids[start:]
 
     def _decode_rest(self, token_ids: Sequence[int]) -> str | None:
         """The text of the window's pending ids and ``token_ids`` through the end, from one
@@ -125,12 +136,13 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
         self._compact()
-        self._stream = self._new_stream()
+        self._next_piece = self._new_stream()
         return full[len(head) :]
 
     def _step(self, new_token_ids: Sequence[int]) -> str:
         """The token-by-token path: each token through the stream, or the window here."""
         pieces = []
+        next_piece = self._next_piece
         for token_id in new_token_ids:
             # NOTE: ids past the tokenizer's vocabulary (a model's padded embedding rows) decode
             # to nothing; in the window they would count as pending bytes.
@@ -138,7 +150,7 @@ class IncrementalDetokenizer:
                 continue
             self._ids.append(token_id)
             try:
-                piece = self._stream.step(self._tokenizer.backend, token_id)
+                piece = next_piece(token_id)
             except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
                 # Its window's text changed under it (invalid bytes now decode otherwise,
                 # "Invalid prefix encountered"): the Python window decides, as below.
@@ -154,18 +166,21 @@ class IncrementalDetokenizer:
                 # or more pending than one character holds: the window here decides what goes
                 # out, and a new stream goes on from it.
                 pieces.append(self._emit(force=False))
-                self._stream = self._new_stream()
+                next_piece = self._next_piece = self._new_stream()
         return pieces[0] if len(pieces) == 1 else "".join(pieces)
 
-    def _new_stream(self) -> DecodeStream:
-        """A DecodeStream whose context is the window's prefix, fed its pending ids."""
-        stream = DecodeStream(
-            ids=self._ids[self._prefix_offset : self._read_offset],
-            skip_special_tokens=self._skip_special_tokens,
-        )
-        for token_id in self._ids[self._read_offset :]:
-            stream.step(self._tokenizer.backend, token_id)  # None: they are still pending
-        return stream
+    def _new_stream(self) -> Callable[[int], str | None]:
+        """A stream's step (token id -> its text, or None while pending) whose context is the
+        window's prefix, fed its pending ids."""
+        prefix = self._ids[self._prefix_offset : self._read_offset]
+        pending = self._ids[self._read_offset :]
+        if self._pieces is not None:
+            return _ByteStream(self._pieces, prefix, pending).step
+        stream = DecodeStream(ids=prefix, skip_special_tokens=self._skip_special_tokens)
+        backend = self._tokenizer.backend
+        for token_id in pending:
+            stream.step(backend, token_id)  # None: they are still pending
+        return partial(stream.step, backend)
 
     @property
     def output_text(self) -> str:
@@ -173,11 +188,6 @@ class IncrementalDetokenizer:
         if len(self._chunks) > 1:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        """All output token ids so far (special ones included); do not mutate."""
-        return self._output_ids
 
     def _emit(self, force: bool) -> str:
         if self._read_offset == len(self._ids):
@@ -250,3 +260,42 @@ class IncrementalDetokenizer:
         except ValueError:
             return False
         return _BYTE_TOKEN.fullmatch(token) is not None
+
+
+class _ByteStream:
+    """DecodeStream's steps from a table of token bytes (where decoding is their concatenation):
+    a token's text once the bytes since the last text are whole UTF-8, None while they are not
+    or add nothing. Invalid bytes come out as U+FFFD, which sends the detokenizer to its window
+    (the tokenizer's decoder renders them its own way).
+
+    Args:
+        pieces: the tokenizer's token bytes.
+        prefix: the window's context ids (decoded before; a stripping decoder strips the first
+            space of the text when they add none).
+        pending: ids after them not yet emitted.
+    """
+
+    __slots__ = ("_pieces", "_pending", "_strip")
+
+    def __init__(self, pieces: TokenPieces, prefix: Sequence[int], pending: Sequence[int]):
+        self._pieces = pieces
+        self._strip = pieces.strips_first_space and not any(pieces[t] for t in prefix)
+        self._pending = b"".join(pieces[t] for t in pending)
+
+    def step(self, token_id: int) -> str | None:
+        data = self._pending + self._pieces[token_id] if self._pending else self._pieces[token_id]
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text = data.decode(errors="replace")
+            if text.endswith("\ufffd"):  # an incomplete character, or invalid bytes: wait
+                self._pending = data
+                return None
+        if self._strip and text.startswith(" "):
+            text = text[1:]
+        if not text:
+            self._pending = data
+            return None
+        self._pending = b""
+        self._strip = False
+        return text

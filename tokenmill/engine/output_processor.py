@@ -42,6 +42,9 @@ class SeqState:
     # Its text is decoded once, as it finishes: no one reads it before (a final-only output)
     # and no stop string needs it (one Rust call for the whole output, not one a token).
     defer_text: bool = False
+    # Its text is read as it comes and no stop string cuts it (most streamed requests): a
+    # step's tokens just go through the detokenizer.
+    plain_text: bool = False
     # Final-only requests: when the last step gave tokens, and the gaps between such steps
     # (RequestMetrics.inter_token_latencies; no one reads their outputs in between).
     last_token_time: float | None = None
@@ -62,6 +65,9 @@ class RequestState:
     stop_hold: int = 0
     num_sent_prompt_logprobs: int = 0  # entries of prompt_logprobs sent (delta outputs)
     embedding: list[float] | None = None  # an embedding request's vector, once its prompt ran
+    # params.output_kind, read by every output of every step: two flags, not an enum compare.
+    delta: bool = False
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -86,12 +92,15 @@ class OutputProcessor:
         prompt_ids = seqs[0].prompt_token_ids
         hold = max((len(s) for s in params.stop), default=1) - 1
         state = RequestState(request_id, prompt, prompt_ids, params, [], stop_hold=hold)
+        state.delta = params.output_kind == RequestOutputKind.DELTA
+        state.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         for i, req in enumerate(seqs):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
             seq = SeqState(i, req, detok)
-            seq.defer_text = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
+            seq.defer_text = state.final_only and not params.stop
+            seq.plain_text = not state.final_only and not params.stop
             state.seqs.append(seq)
             self._seq_owner[req.req_id] = (state, seq)
         self.states[request_id] = state
@@ -133,7 +142,7 @@ class OutputProcessor:
                 continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
-            if state.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            if not state.final_only:
                 changed[state.request_id] = state
                 continue
             if update.new_token_ids:  # no output until it finishes: time its steps here
@@ -174,11 +183,16 @@ class OutputProcessor:
     def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:
         if seq.finish_reason is not None:
             return
-        if seq.defer_text and update.finish_reason is None and update.logprobs is None:
-            # Most steps of a response sent whole: its tokens wait, undecoded, for its end (no
-            # stop strings, no log-probs: nothing of _append_tokens' applies).
-            seq.detokenizer.defer(update.new_token_ids)
-            return
+        if update.finish_reason is None and update.logprobs is None:
+            # Most steps, where nothing of _append_tokens' applies (no stop strings, no
+            # log-probs): a response sent whole keeps its tokens, undecoded, for its end; a
+            # streamed one's go through the detokenizer.
+            if seq.defer_text:
+                seq.detokenizer.defer(update.new_token_ids)
+                return
+            if seq.plain_text:
+                seq.text += seq.detokenizer.update(update.new_token_ids)
+                return
         new_ids = update.new_token_ids
         logprobs = update.logprobs
         pairs = list(zip(logprobs.sampled, logprobs.top)) if logprobs is not None else []
@@ -260,21 +274,24 @@ class OutputProcessor:
         return TokenLogprob(lp.token_id, lp.logprob, lp.rank, token)
 
     def _make_output(self, state: RequestState) -> RequestOutput:
-        params = state.params
-        delta = params.output_kind == RequestOutputKind.DELTA
+        delta = state.delta
         hold = state.stop_hold
+        wants_logprobs = state.params.logprobs is not None
         completions = []
         finished = True
+        num_generated = 0
         for seq in state.seqs:
             done = seq.finish_reason is not None
             finished = finished and done
             text = seq.text
-            sendable = len(text) if done else max(seq.num_sent_chars, len(text) - hold)
+            sendable = len(text)
+            if hold and not done:  # the held-back tail of a streamed text with stop strings
+                sendable = max(seq.num_sent_chars, sendable - hold)
             token_ids = seq.detokenizer.token_ids
             text_delta = text[seq.num_sent_chars : sendable]
             ids_delta = token_ids[seq.num_sent_tokens :]
             logprobs = None
-            if params.logprobs is not None:
+            if wants_logprobs:
                 # One entry a token: a delta's are those of its tokens.
                 logprobs = seq.logprobs[seq.num_sent_tokens :] if delta else list(seq.logprobs)
             completions.append(
@@ -291,6 +308,7 @@ class OutputProcessor:
             )
             seq.num_sent_chars = sendable
             seq.num_sent_tokens = len(token_ids)
+            num_generated += len(token_ids)
         if finished:
             self.states.pop(state.request_id, None)
             for seq in state.seqs:
@@ -301,18 +319,15 @@ class OutputProcessor:
             state.prompt_token_ids,
             completions,
             finished,
-            _metrics(state),
-            self._prompt_logprobs_out(state, delta),
+            _metrics(state, num_generated),
+            None if state.prompt_logprobs is None else self._prompt_logprobs_out(state, delta),
             state.embedding,
         )
 
     @staticmethod
-    def _prompt_logprobs_out(
-        state: RequestState, delta: bool
-    ) -> list[PositionLogprobs | None] | None:
+    def _prompt_logprobs_out(state: RequestState, delta: bool) -> list[PositionLogprobs | None]:
         entries = state.prompt_logprobs
-        if entries is None:
-            return None
+        assert entries is not None
         if not delta:
             return list(entries)
         new = entries[state.num_sent_prompt_logprobs :]
@@ -320,9 +335,10 @@ class OutputProcessor:
         return new
 
 
-def _metrics(state: RequestState) -> RequestMetrics:
+def _metrics(state: RequestState, num_generated: int) -> RequestMetrics:
+    """``num_generated``: the tokens of its sequences so far."""
     itls = None
-    if state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+    if state.final_only:
         itls = tuple(t for s in state.seqs for t in s.inter_token_latencies)
     if len(state.seqs) == 1:  # the common case, every step of every request: no lists
         seq = state.seqs[0]
@@ -333,7 +349,7 @@ def _metrics(state: RequestState) -> RequestMetrics:
             req.first_token_time,
             req.finished_time,
             len(state.prompt_token_ids),
-            len(seq.detokenizer.token_ids),
+            num_generated,
             req.num_cached_tokens,
             req.num_preemptions,
             itls,
@@ -348,7 +364,7 @@ def _metrics(state: RequestState) -> RequestMetrics:
         first_token_time=min(first_tokens) if first_tokens else None,
         finished_time=max(finished) if len(finished) == len(reqs) else None,
         num_prompt_tokens=len(state.prompt_token_ids),
-        num_generation_tokens=sum(len(s.detokenizer.token_ids) for s in state.seqs),
+        num_generation_tokens=num_generated,
         num_cached_tokens=max(r.num_cached_tokens for r in reqs),
         num_preemptions=sum(r.num_preemptions for r in reqs),
         inter_token_latencies=itls,

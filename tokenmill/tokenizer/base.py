@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from tokenmill.tokenizer.chat import ChatTemplate, default_chat_template, end_of_turn_tokens
 from tokenmill.tokenizer.gguf import load_gguf_tokenizer_spec
+from tokenmill.tokenizer.pieces import TokenPieces, token_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,12 @@ class Tokenizer:
             if self.add_eos:
                 ids.append(self.eos_token_id)
         return ids
+
+    @cached_property
+    def token_pieces(self) -> TokenPieces | None:
+        """Each token's bytes in decoded text, where decoding is their concatenation (pieces.py;
+        the incremental detokenizer's table), else None."""
+        return token_pieces(self._backend)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `token_ids`; ids outside the vocabulary are ignored."""
