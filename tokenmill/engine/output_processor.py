@@ -149,7 +149,7 @@ class OutputProcessor:
                 if seq.last_token_time is not None:
                     seq.inter_token_latencies.append(now - seq.last_token_time)
                 seq.last_token_time = now
-            if state.finished:
+            if seq.finish_reason is not None and state.finished:  # its last sequence ended
                 changed[state.request_id] = state
         return stopped_seqs
 
