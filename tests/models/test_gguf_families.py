@@ -187,9 +187,16 @@ def test_logprobs_match_transformers(family_gguf, engine_args) -> None:
     assert_logprobs_match(path, hf, engine_args, arch)
 
 
-def assert_logprobs_match(path: Path, hf: torch.nn.Module, engine_args: dict, label: str) -> None:
+def assert_logprobs_match(
+    path: Path,
+    hf: torch.nn.Module,
+    engine_args: dict,
+    label: str,
+    atol: tuple[float, float] = FLOAT_ATOL,
+) -> None:
     """A GGUF's prompt log-probs (top TOP) and 4 greedy tokens' log-probs equal transformers'
-    model holding the weights it stands for, within FLOAT_ATOL (test_gguf_gemma4.py too)."""
+    model holding the weights it stands for, within ``atol`` (max, mean; test_gguf_gemma4.py
+    too)."""
     rng = random.Random(3)
     prompt = [1] + [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN - 1)]
     with torch.no_grad():
@@ -211,12 +218,12 @@ def assert_logprobs_match(path: Path, hf: torch.nn.Module, engine_args: dict, la
         diffs.append(entry.sampled.logprob - row[prompt[pos]].item())
         diffs += [alt.logprob - row[alt.token_id].item() for alt in entry.top]
     err = torch.tensor(diffs).abs()
-    assert err.max() <= FLOAT_ATOL[0] and err.mean() <= FLOAT_ATOL[1], (label, err.max())
+    assert err.max() <= atol[0] and err.mean() <= atol[1], (label, err.max())
     # Decode steps too: the generated tokens' log-probs, against transformers on the whole.
     out = done[rid].outputs[0]
     with torch.no_grad():
         full = hf(torch.tensor([prompt + list(out.token_ids)])).logits[0].float()
     ref_out = torch.log_softmax(full[PROMPT_LEN - 1 : -1], dim=-1)
     for pos, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp.sampled.logprob == pytest.approx(ref_out[pos, tok].item(), abs=FLOAT_ATOL[0])
+        assert lp.sampled.logprob == pytest.approx(ref_out[pos, tok].item(), abs=atol[0])
     assert_all_blocks_free(engine)

@@ -27,6 +27,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from test_gguf_families import assert_logprobs_match
 from test_gguf_loading import (
+    FLOAT_ATOL,
     VOCAB,
     _add_tokenizer,
     _decode,
@@ -231,4 +232,11 @@ def test_config_matches_the_hf_config(gemma4_gguf, tmp_path) -> None:
 )  # fmt: skip
 def test_logprobs_match_transformers(gemma4_gguf, engine_args) -> None:
     variant, path, hf = gemma4_gguf
-    assert_logprobs_match(path, hf, engine_args, variant)
+    atol = FLOAT_ATOL
+    if variant == "ple" and "packed_activations" in engine_args:
+        # The packed kernels' float32 sums run in another order than torch's matmuls: on an
+        # Intel Sapphire Rapids (every kernel ISA alike) one of this variant's ~500 log-probs
+        # is 1.5e-4 off (the same entry 4e-5 dequantized), the mean 7e-6 (the same at
+        # 53d05d3, before any change of this stop's; AMD Zen 4 stayed under 1e-4).
+        atol = (2e-4, FLOAT_ATOL[1])
+    assert_logprobs_match(path, hf, engine_args, variant, atol)
