@@ -20,6 +20,8 @@ import re
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from tokenmill.tokenizer.gguf import byte_alphabet
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SENTENCEPIECE_STEPS = [
     {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
@@ -43,7 +45,7 @@ class TokenPieces:
         self._byte_level = byte_level
         self.strips_first_space = strips_first_space
         self._table: list[bytes | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
-        self._byte_of = {ch: b for b, ch in enumerate(_byte_level_chars())} if byte_level else {}
+        self._byte_of = {ch: b for b, ch in byte_alphabet().items()} if byte_level else {}
 
     def __getitem__(self, token_id: int) -> bytes:
         """The bytes of ``token_id``, an id within the vocabulary."""
@@ -87,17 +89,3 @@ def token_pieces(backend: BackendTokenizer) -> TokenPieces | None:
     if steps == [*_SENTENCEPIECE_STEPS, _STRIP_FIRST_SPACE]:
         return TokenPieces(backend, byte_level=False, strips_first_space=True)
     return None
-
-
-def _byte_level_chars() -> list[str]:
-    """GPT-2's byte-to-character map: character i stands for byte i (printable bytes for
-    themselves, the rest shifted past 255)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars, shift = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + shift))
-            shift += 1
-    return chars
