@@ -77,3 +77,34 @@ def test_a_final_only_text_is_decoded_when_read(gemma) -> None:
         )
         assert out.outputs[0].token_ids == ids
         assert out.outputs[0].finish_reason == ("abort" if abort else "length")
+
+
+@pytest.mark.parametrize("stop", [[], ["\n"], [" fox"], [" lazy dog", "jumps"], ["x y z"]])
+def test_streamed_deltas_join_up_to_the_cumulative_text(gemma, stop) -> None:
+    """A delta output keeps only its unsent text: the deltas, joined, are the cumulative text
+    step by step, stop strings (held back while they may still start one) and their end too."""
+    ids = gemma.encode(" the quick brown fox\njumps over the lazy dog", add_special_tokens=False)
+    steps = [ids[i : i + 2] for i in range(0, len(ids), 2)]  # two tokens a step
+    cumulative = OutputProcessor(gemma)
+    delta = OutputProcessor(gemma)
+    prompt = gemma.encode("Say:")
+    for processor, kind in ((cumulative, "cumulative"), (delta, "delta")):
+        params = SamplingParams(stop=stop, output_kind=kind)
+        processor.add_request("r", "Say:", [Request("r", prompt, params)], params)
+    joined = ""
+    for step in steps:
+        for processor in (cumulative, delta):
+            processor.process([RequestUpdate("r", step)])
+        (whole,), (part,) = cumulative.collect(), delta.collect()
+        joined += part.outputs[0].text
+        assert joined == whole.outputs[0].text and part.finished == whole.finished
+        if whole.finished:
+            break
+    text = " the quick brown fox\njumps over the lazy dog"
+    ends = [text.find(s) for s in stop if s in text]
+    if ends:  # it ended at the first stop string
+        assert whole.finished and joined == text[: min(ends)]
+    else:  # no stop string: all of it, less a tail held back while it may start one
+        assert (
+            not whole.finished and joined == text[: len(text) - max(map(len, stop), default=1) + 1]
+        )

@@ -79,16 +79,12 @@ class IncrementalDetokenizer:
         # not a property: the output processor reads it for every stream every step.
         self.token_ids: list[int] = []
         self._num_decoded = 0  # output ids decoded so far; the rest were deferred (``defer``)
-        self._chunks: list[str] = []
         self._next_piece = self._new_stream()
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Appends output tokens; returns the text that became final with them (may be "")."""
         self.token_ids.extend(new_token_ids)
-        text = self._step(self._take_deferred(new_token_ids))
-        if text:  # NOTE: not through _record, as this runs for every token of every stream
-            self._chunks.append(text)
-        return text
+        return self._step(self._take_deferred(new_token_ids))
 
     def defer(self, new_token_ids: Sequence[int]) -> None:
         """Appends output tokens whose text no one reads yet (a response sent whole): they are
@@ -105,7 +101,7 @@ class IncrementalDetokenizer:
         if text is None:
             text = self._step(ids) + self._emit(force=True)
             self._next_piece = self._new_stream()
-        return self._record(text)
+        return text
 
     def flush(self) -> str:
         """Emits text still held back (an incomplete UTF-8 tail, as U+FFFD); call at the end."""
@@ -182,13 +178,6 @@ class IncrementalDetokenizer:
             stream.step(backend, token_id)  # None: they are still pending
         return partial(stream.step, backend)
 
-    @property
-    def output_text(self) -> str:
-        """All text emitted so far."""
-        if len(self._chunks) > 1:
-            self._chunks = ["".join(self._chunks)]
-        return self._chunks[0] if self._chunks else ""
-
     def _emit(self, force: bool) -> str:
         if self._read_offset == len(self._ids):
             return ""
@@ -229,11 +218,6 @@ class IncrementalDetokenizer:
             if head + self._decode(self._ids[cut:]) == text:
                 return cut
         return len(self._ids)
-
-    def _record(self, text: str) -> str:
-        if text:
-            self._chunks.append(text)
-        return text
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -33,7 +33,8 @@ class SeqState:
     index: int
     request: Request
     detokenizer: IncrementalDetokenizer
-    text: str = ""  # text after stop-string handling
+    # Text after stop-string handling; of a delta output, only the part not yet sent.
+    text: str = ""
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     finish_reason: FinishReason | None = None
@@ -306,7 +307,10 @@ class OutputProcessor:
                     ids_delta,
                 )
             )
-            seq.num_sent_chars = sendable
+            if delta:  # the sent text is never read again: keep only the rest (no copies)
+                seq.text = text[sendable:]
+            else:
+                seq.num_sent_chars = sendable
             seq.num_sent_tokens = len(token_ids)
             num_generated += len(token_ids)
         if finished:
