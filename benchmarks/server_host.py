@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Container
 from pathlib import Path
 
 import httpx
@@ -77,9 +78,9 @@ def serve(model_dir: str, port: int, max_num_seqs: int, stats_path: str) -> None
     steps: list[tuple[float, float, int]] = []  # (start, seconds, running requests)
     step = LLMEngine.step
 
-    def timed_step(engine: LLMEngine) -> list:
+    def timed_step(engine: LLMEngine, unread: Container[str] = ()) -> list:
         start = time.perf_counter()
-        outputs = step(engine)
+        outputs = step(engine, unread)
         steps.append((start, time.perf_counter() - start, engine.stats().num_running))
         return outputs
 

@@ -28,9 +28,9 @@ def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_m
     steps_with_outputs = 0
     step = engine.step
 
-    def counted_step():
+    def counted_step(unread=()):
         nonlocal steps_with_outputs
-        outputs = step()
+        outputs = step(unread)
         steps_with_outputs += bool(outputs)
         return outputs
 
@@ -64,8 +64,9 @@ def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_m
 
 
 def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_model_dir):
-    """While the caller is busy, the steps' delta outputs queue up; the next read joins them:
-    fewer outputs than tokens, the same text, token ids and log-probs as the request alone."""
+    """While the caller is busy, the steps' delta outputs wait in the engine (none is built
+    while the last one is unread); the next read gets them as one: fewer outputs than tokens,
+    the same text, token ids and log-probs as the request alone."""
     engine = LLMEngine.from_args(
         model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
         num_threads=1,
@@ -74,6 +75,8 @@ def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_mode
     prompt = random_prompts(1, seed=4)[0]
     (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
     async_engine = AsyncEngine(engine)
+    built = []  # every output the engine built and handed over
+    async_engine.output_hooks.append(built.append)
 
     async def main() -> list:
         outs = []
@@ -86,6 +89,7 @@ def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_mode
     outs = asyncio.run(main())
     want = alone.outputs[0]
     assert 1 < len(outs) < 24 and outs[-1].finished
+    assert len(built) <= len(outs) + 1  # not one a step: they waited while unread
     parts = [out.outputs[0] for out in outs]
     assert "".join(p.text for p in parts) == "".join(p.text_delta for p in parts) == want.text
     assert [t for p in parts for t in p.token_ids_delta] == want.token_ids

@@ -324,12 +324,12 @@ def test_engine_failure_mid_stream_is_an_error_chunk_then_500(tiny_model_dir) ->
         real_step = llm.step
         num_steps = 0
 
-        def failing_step():
+        def failing_step(unread=()):
             nonlocal num_steps
             num_steps += 1
             if num_steps > 3:
                 raise RuntimeError("boom")
-            return real_step()
+            return real_step(unread)
 
         llm.step = failing_step  # an engine bug, three steps into the request
         body = _completion(max_tokens=20, ignore_eos=True, stream=True)
@@ -393,7 +393,7 @@ def test_a_dead_engine_answers_500_and_health_503_until_the_exit(tiny_model_dir)
         srv.state.on_failed = None  # no exit: the window stays open
         llm = srv.engine.engine
 
-        def failing_step():
+        def failing_step(unread=()):
             raise RuntimeError("boom")
 
         llm.step = failing_step

@@ -67,6 +67,12 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Requests whose stream holds an output its reader has not taken: their delta outputs
+        # wait in the engine (LLMEngine.step's ``unread``), so that a reader behind (the
+        # server's loop with hundreds of streams) costs no output a step that it would join
+        # anyway. The engine thread adds, readers discard: single set operations, atomic under
+        # the GIL; a race costs an output built, never one lost.
+        self._unread: set[str] = set()
         self._num_pending = 0  # accepted but not yet finished requests
         self._lock = threading.Lock()
         self._stopping = False
@@ -146,6 +152,8 @@ class AsyncEngine:
                             held = later
                             break
                         item.add(later)
+                if stream.queue.empty():
+                    self._unread.discard(request_id)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -210,6 +218,7 @@ class AsyncEngine:
 
     def _end(self, request_id: str) -> _Stream | None:
         stream = self._streams.pop(request_id, None)
+        self._unread.discard(request_id)
         if stream is not None:
             with self._lock:
                 self._num_pending -= 1
@@ -235,7 +244,7 @@ class AsyncEngine:
                 self._refresh_stats()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._unread)
             except Exception as e:  # an engine bug: fail every request, keep the thread alive
                 self._fail(e, "engine step failed")
                 continue
@@ -255,6 +264,8 @@ class AsyncEngine:
                 continue
             if out.finished:
                 self._end(out.request_id)
+            else:
+                self._unread.add(out.request_id)
             item = out if out.error is None else RequestFailedError(out.error)
             by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():

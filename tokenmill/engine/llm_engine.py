@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,35 +293,40 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, unread: Container[str] = ()) -> list[RequestOutput]:
         """One step: the outputs of the step it ran, or with async scheduling of the step
-        launched by the call before (its own step then runs on while this returns)."""
+        launched by the call before (its own step then runs on while this returns).
+
+        ``unread``: requests whose reader has not yet taken their last output. Their delta
+        outputs wait until it has (or they finish): the next one carries every step's
+        changes since, as the reader would have joined them, and none is built meanwhile.
+        """
         sched_out = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if self.async_scheduling and sched_out.can_run_ahead and not sched_out.is_empty:
             self.executor.launch(sched_out)
             if self._launched is not None:
-                outputs = self._finish_step(self._launched, self.executor.collect())
+                outputs = self._finish_step(self._launched, self.executor.collect(), unread)
             self._launched = sched_out
             return outputs
         if self._launched is not None:  # the step before first: its tokens come before ours
-            outputs = self._finish_step(self._launched, self.executor.collect())
+            outputs = self._finish_step(self._launched, self.executor.collect(), unread)
             self._launched = None
         if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
             runner_out = RunnerOutput(sampled_token_ids={})
         else:
             runner_out = self.executor.execute(sched_out)
-        return outputs + self._finish_step(sched_out, runner_out)
+        return outputs + self._finish_step(sched_out, runner_out, unread)
 
     def _finish_step(
-        self, sched_out: SchedulerOutput, runner_out: RunnerOutput
+        self, sched_out: SchedulerOutput, runner_out: RunnerOutput, unread: Container[str]
     ) -> list[RequestOutput]:
         """A step's tokens into the scheduler (stops, finished requests' blocks freed) and out
         as RequestOutputs."""
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         for seq_id in self.output_processor.process(updates):
             self.scheduler.finish_request(seq_id, FinishReason.STOP)
-        outputs = self.output_processor.collect()
+        outputs = self.output_processor.collect(unread)
         for request_id, error in self.output_processor.pop_failed().items():
             outputs.append(self._fail_request(request_id, error))
         return outputs

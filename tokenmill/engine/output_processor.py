@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
@@ -166,15 +167,29 @@ class OutputProcessor:
             out.error = error
         return out
 
-    def collect(self) -> list[RequestOutput]:
-        outputs = [self._make_output(s) for s in self._changed.values()]
-        self._changed = {}
+    def collect(self, unread: Container[str] = ()) -> list[RequestOutput]:
+        """The outputs of the requests that changed since the last call. A delta output of a
+        request in ``unread`` (whose reader has not yet taken its last output) waits, unless it
+        finished: a later call's carries its changes too, as the reader would have joined
+        them (RequestOutput.add), and none is built meanwhile."""
+        if not unread:
+            outputs = [self._make_output(s) for s in self._changed.values()]
+            self._changed = {}
+            return outputs
+        outputs, waiting = [], {}
+        for request_id, state in self._changed.items():
+            if state.delta and request_id in unread and not state.finished:
+                waiting[request_id] = state
+            else:
+                outputs.append(self._make_output(state))
+        self._changed = waiting
         return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.states.get(request_id)
         if state is None:
             return None
+        self._changed.pop(request_id, None)  # its output, waiting (collect), is this one
         for seq in state.seqs:
             if seq.finish_reason is None:
                 seq.text += seq.detokenizer.update([])  # any deferred tokens' text
