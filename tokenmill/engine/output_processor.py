@@ -168,10 +168,10 @@ class OutputProcessor:
         return out
 
     def collect(self, unread: Container[str] = ()) -> list[RequestOutput]:
-        """The outputs of the requests that changed since the last call. A delta output of a
-        request in ``unread`` (whose reader has not yet taken its last output) waits, unless it
-        finished: a later call's carries its changes too, as the reader would have joined
-        them (RequestOutput.add), and none is built meanwhile."""
+        """The outputs of the requests that changed since the last call. The delta output of a
+        request in ``unread`` (its reader has not yet taken the last one) waits unless it
+        finished: none is built meanwhile, and the output a later call builds carries these
+        changes too, as the reader would have joined them (RequestOutput.add)."""
         if not unread:
             outputs = [self._make_output(s) for s in self._changed.values()]
             self._changed = {}
