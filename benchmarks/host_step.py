@@ -20,20 +20,28 @@ whose logits stay in the buffer the sampler reads): the host's work in the cache
 have beside a GPU, where the forward runs on the device. On a CPU the eager forward over
 hundreds of rows evicts the host's data between steps, which the first figure includes.
 
+``--phases`` adds where an engine step's host share goes: each phase's method timed in every
+step (the runner's inputs less the forward inside them), median ms; "rest" is the host share
+less their sum (the engine's own calls, the timers themselves).
+
     .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400] [--kinds ...]
-        [--forward cpu|none]
+        [--forward cpu|none] [--phases]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import build_synthetic_gemma  # noqa: E402
@@ -51,6 +59,51 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs
+from tokenmill.worker.model_runner import ModelRunner
+
+# An engine step's phases (--phases): name, then the method whose calls are its time.
+PHASES = (
+    ("schedule", Scheduler, "schedule"),
+    ("runner inputs", ModelRunner, "_decode_graph_step"),  # less the forward it runs
+    ("sampling", ModelRunner, "_sample"),
+    ("update_from_output", Scheduler, "update_from_output"),
+    ("outputs: process", OutputProcessor, "process"),
+    ("outputs: collect", OutputProcessor, "collect"),
+)
+
+
+@dataclass
+class StepTimes:
+    """Median ms of an engine's timed steps: the host share, the whole step, and with phases
+    asked for, each phase's."""
+
+    host: float
+    whole: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def timed_phases(step_times: dict[str, float]) -> Iterator[None]:
+    """Every PHASES method adds its calls' seconds to ``step_times[name]`` while inside."""
+    originals = [(cls, attr, getattr(cls, attr)) for _, cls, attr in PHASES]
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                step_times[name] = step_times.get(name, 0.0) + time.perf_counter() - start
+
+        return call
+
+    for (name, _, _), (cls, attr, method) in zip(PHASES, originals, strict=True):
+        setattr(cls, attr, timed(name, method))
+    try:
+        yield
+    finally:
+        for cls, attr, method in originals:
+            setattr(cls, attr, method)
 
 
 def word_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -122,11 +175,15 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int, kind: str) ->
 
 
 def engine_host_ms(
-    num_requests: int, steps: int, kind: str = "cumulative", forward: str = "cpu"
-) -> tuple[float, float]:
-    """Median (host share, whole step) ms of an engine's decode steps at ``num_requests``
-    whose outputs are of ``kind`` (SamplingParams.output_kind); ``forward``: "cpu" (run and
-    timed apart) or "none" (left out once the prompts ran)."""
+    num_requests: int,
+    steps: int,
+    kind: str = "cumulative",
+    forward: str = "cpu",
+    phases: bool = False,
+) -> StepTimes:
+    """An engine's decode steps at ``num_requests`` whose outputs are of ``kind``
+    (SamplingParams.output_kind); ``forward``: "cpu" (run and timed apart) or "none" (left out
+    once the prompts ran); ``phases``: time each of PHASES too."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
     worker.cuda_graphs_supported = lambda device: True
     forward_s: list[float] = []
@@ -176,16 +233,27 @@ def engine_host_ms(
     engine.step()  # a decode step: the graph path's logits buffer is made
     run_forward[0] = forward == "cpu"
     host, whole = [], []
-    for _ in range(steps):
-        forward_s.clear()
-        start = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - start
-        whole.append(elapsed)
-        host.append(elapsed - sum(forward_s))
+    per_phase: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
+    step_times: dict[str, float] = {}
+    with timed_phases(step_times) if phases else contextlib.nullcontext():
+        for _ in range(steps):
+            forward_s.clear()
+            step_times.clear()
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            whole.append(elapsed)
+            host.append(elapsed - sum(forward_s))
+            if phases:
+                step_times["runner inputs"] = step_times.get("runner inputs", 0) - sum(forward_s)
+                for name, times in per_phase.items():
+                    times.append(step_times.get(name, 0.0))
     engine.shutdown()
     CudaDecodeGraphs.replay = replay  # type: ignore[method-assign]
-    return statistics.median(host[100:]) * 1e3, statistics.median(whole[100:]) * 1e3
+    result = StepTimes(statistics.median(host[100:]) * 1e3, statistics.median(whole[100:]) * 1e3)
+    if phases:
+        result.phases = {name: statistics.median(t[100:]) * 1e3 for name, t in per_phase.items()}
+    return result
 
 
 def main() -> None:
@@ -195,6 +263,7 @@ def main() -> None:
     p.add_argument("--kinds", default="cumulative,delta,final_only", help="output kinds")
     p.add_argument("--forward", default="cpu", choices=("cpu", "none"),
                    help="run the forward (timed apart), or leave it out of the timed steps")  # fmt: skip
+    p.add_argument("--phases", action="store_true", help="where an engine step's host share goes")
     ns = p.parse_args()
     if ns.steps <= 100:
         p.error("--steps must be over 100 (the first 100 are a warm-up)")
@@ -208,10 +277,14 @@ def main() -> None:
     for kind in ns.kinds.split(","):
         print(f"  [{kind}] output processing (process + collect): "
               f"{outputs_ms(config, ns.requests, ns.steps, kind):.2f}")  # fmt: skip
-        host, whole = engine_host_ms(ns.requests, ns.steps, kind, ns.forward)
+        times = engine_host_ms(ns.requests, ns.steps, kind, ns.forward, ns.phases)
         what = "host share" if ns.forward == "cpu" else "host alone, no forward"
         print(f"  [{kind}] engine step, {what} (tiny gemma-3, CUDA-graph path): "
-              f"{host:.2f} of {whole:.2f}")  # fmt: skip
+              f"{times.host:.2f} of {times.whole:.2f}")  # fmt: skip
+        if times.phases:
+            rest = times.host - sum(times.phases.values())
+            parts = [f"{name} {ms:.2f}" for name, ms in times.phases.items()]
+            print(f"    {' | '.join(parts)} | rest {rest:.2f}")
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def main() -> None:
         steps = json.loads(stats.read_text())
     full = [(start, dt) for start, dt, running in steps if running == ns.requests]
     intervals = [b[0] - a[0] for a, b in zip(full, full[1:], strict=False)]
-    alone, _ = engine_host_ms(ns.requests, 300, "delta", "none")
+    alone = engine_host_ms(ns.requests, 300, "delta", "none").host
     # A stream whose outputs queued up while the server's loop was busy gets them as one
     # chunk (AsyncEngine.generate): fewer chunks than tokens says the loop fell behind.
     print(f"{ns.requests} streaming requests of {ns.tokens} tokens ({tokens} tokens in "
