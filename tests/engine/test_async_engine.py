@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -59,7 +59,8 @@ def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_m
 
     texts, wakes = asyncio.run(main())
     assert texts == alone
-    assert steps_with_outputs >= 8 and wakes == steps_with_outputs
+    # (Fewer steps than tokens may have outputs: a stream's wait while it is behind.)
+    assert steps_with_outputs > 1 and wakes == steps_with_outputs
     assert_all_blocks_free(engine)
 
 
@@ -100,4 +101,45 @@ def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_mode
         (lp.sampled.token_id, lp.sampled.rank, lp.sampled.token) for lp in want.logprobs
     ]
     assert [t.logprob for t in got] == pytest.approx([lp.sampled.logprob for lp in want.logprobs])
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_failing_after_its_outputs_waited_still_streams_its_tokens(tiny_model_dir):
+    """A stream behind the engine, whose delta outputs wait unread, then fails in the output
+    processing of its fourth token: it still reads its first three tokens, then the error;
+    the engine goes on and frees every block."""
+    engine = LLMEngine.from_args(
+        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
+        num_threads=1,
+    )  # fmt: skip
+    params = dataclasses.replace(PARAMS, max_tokens=24)
+    prompt = random_prompts(1, seed=5)[0]
+    (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
+    append = engine.output_processor._append
+
+    def failing_append(seq, update, params):  # noqa: ANN001, ANN202 - the method's own
+        if len(seq.detokenizer.token_ids) >= 3:
+            raise RuntimeError("injected fault")
+        return append(seq, update, params)
+
+    engine.output_processor._append = failing_append  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine)
+
+    async def main() -> tuple[list, BaseException | None]:
+        outs, error = [], None
+        try:
+            async for out in async_engine.generate(prompt, params):
+                outs.append(out)
+                time.sleep(0.02)  # busy: the next steps' outputs wait in the engine
+        except RequestFailedError as e:
+            error = e
+        await async_engine.shutdown()
+        return outs, error
+
+    outs, error = asyncio.run(main())
+    assert error is not None and "injected fault" in str(error)
+    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == alone.outputs[
+        0
+    ].token_ids[:3]
+    assert not any(out.finished for out in outs)
     assert_all_blocks_free(engine)

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine, PreparedRequest
@@ -42,8 +43,9 @@ StreamItem = RequestOutput | BaseException
 
 
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
+        self.delta = delta  # it takes delta outputs (SamplingParams.output_kind)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
 
     def put(self, item: StreamItem) -> None:
@@ -51,6 +53,16 @@ class _Stream:
         # the stream); nobody listens then, and the engine thread must not die of it.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _before_failure(out: RequestOutput) -> RequestOutput | None:
+    """What a failed request's delta output carries (the steps whose outputs waited unread, and
+    the failing one's), as an unfinished output the reader takes before the error; None if
+    nothing."""
+    if not any(c.token_ids or c.text for c in out.outputs):
+        return None
+    outputs = [replace(c, finish_reason=None, stop_reason=None) for c in out.outputs]
+    return replace(out, outputs=outputs, finished=False, error=None)
 
 
 def _put_all(items: list[tuple[_Stream, StreamItem]]) -> None:
@@ -132,12 +144,12 @@ class AsyncEngine:
                 )
             self._num_pending += 1
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prepared)}"
-        stream = _Stream(asyncio.get_running_loop())
-        self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prepared, cache_salt, stream))
         # A consumer behind the engine (the server's loop with hundreds of streams) takes the
         # delta outputs queued meanwhile as one: fewer, larger chunks to write, so it catches up.
         join = prepared.params.output_kind == RequestOutputKind.DELTA
+        stream = _Stream(asyncio.get_running_loop(), delta=join)
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(request_id, prepared, cache_salt, stream))
         held: StreamItem | None = None  # an error queued after joined outputs: raised next
         finished = False
         try:
@@ -266,8 +278,13 @@ class AsyncEngine:
                 self._end(out.request_id)
             else:
                 self._unread.add(out.request_id)
-            item = out if out.error is None else RequestFailedError(out.error)
-            by_loop.setdefault(stream.loop, []).append((stream, item))
+            items = by_loop.setdefault(stream.loop, [])
+            if out.error is None:
+                items.append((stream, out))
+                continue
+            if stream.delta and (partial := _before_failure(out)) is not None:
+                items.append((stream, partial))
+            items.append((stream, RequestFailedError(out.error)))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens (_Stream.put)
                 loop.call_soon_threadsafe(_put_all, items)
