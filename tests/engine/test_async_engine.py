@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
-from tokenmill.engine.async_engine import AsyncEngine, RequestFailedError
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -143,3 +143,45 @@ def test_a_request_failing_after_its_outputs_waited_still_streams_its_tokens(tin
     ].token_ids[:3]
     assert not any(out.finished for out in outs)
     assert_all_blocks_free(engine)
+
+
+def test_a_stream_behind_a_dying_engine_reads_its_tokens_then_the_error(tiny_model_dir):
+    """The engine's fourth step fails while a stream's delta outputs wait unread: the stream
+    reads the three tokens of the steps before, then EngineDeadError."""
+    engine = LLMEngine.from_args(
+        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
+        num_threads=1,
+    )  # fmt: skip
+    params = dataclasses.replace(PARAMS, max_tokens=24)
+    prompt = random_prompts(1, seed=6)[0]
+    (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
+    step, num_steps = engine.step, 0
+
+    def failing_step(unread=()):  # noqa: ANN001, ANN202 - the method's own
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps > 3:
+            raise RuntimeError("boom")
+        return step(unread)
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine)
+
+    async def main() -> tuple[list, BaseException | None]:
+        outs, error = [], None
+        try:
+            async for out in async_engine.generate(prompt, params):
+                outs.append(out)
+                time.sleep(0.02)  # busy: the next steps' outputs wait in the engine
+        except EngineDeadError as e:
+            error = e
+        time.sleep(0.1)  # a dead engine steps no more
+        await async_engine.shutdown(timeout=1)
+        return outs, error
+
+    outs, error = asyncio.run(main())
+    assert error is not None and "boom" in str(error) and async_engine.is_dead
+    assert num_steps == 4
+    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == alone.outputs[
+        0
+    ].token_ids[:3]

@@ -56,9 +56,9 @@ class _Stream:
 
 
 def _before_failure(out: RequestOutput) -> RequestOutput | None:
-    """What a failed request's delta output carries (the steps whose outputs waited unread, and
-    the failing one's), as an unfinished output the reader takes before the error; None if
-    nothing."""
+    """What the last delta output of a request that fails carries (the tokens of the steps
+    whose outputs waited unread), as an unfinished output its reader takes before the error;
+    None if nothing."""
     if not any(c.token_ids or c.text for c in out.outputs):
         return None
     outputs = [replace(c, finish_reason=None, stop_reason=None) for c in out.outputs]
@@ -238,7 +238,10 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            if not self.engine.has_unfinished_requests():
+            # NOTE: a failed engine steps no more (it would fail again, each time, at full
+            # speed: the requests it ended still wait for a step to tell the worker); it
+            # answers commands until shutdown.
+            if self._dead is not None or not self.engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
             while True:
@@ -252,6 +255,8 @@ class AsyncEngine:
                     command()
                 except Exception:  # a failed add/abort must not take the step loop down
                     logger.exception("engine command failed")
+            if self._dead is not None:
+                continue
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats()
                 continue
@@ -303,9 +308,13 @@ class AsyncEngine:
         logger.exception(what, exc_info=error)
         self._dead = error
         for request_id in list(self._streams):
-            self.engine.abort_request(request_id)
+            out = self.engine.abort_request(request_id)
             stream = self._end(request_id)
-            if stream is not None:
-                stream.put(EngineDeadError(f"{what}: {error}"))
+            if stream is None:
+                continue
+            partial = _before_failure(out) if stream.delta and out is not None else None
+            if partial is not None:
+                stream.put(partial)
+            stream.put(EngineDeadError(f"{what}: {error}"))
         if self.on_dead is not None:
             self.on_dead(error)
