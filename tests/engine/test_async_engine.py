@@ -12,16 +12,42 @@ from conftest import assert_all_blocks_free, random_prompts, run_to_end
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind="delta")
 
 
-def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_model_dir):
-    engine = LLMEngine.from_args(
+def tiny_engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine.from_args(
         model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
         num_threads=1,
     )  # fmt: skip
+
+
+def read_behind(
+    async_engine: AsyncEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[RequestOutput], EngineDeadError | None]:
+    """A stream read by a busy caller (each read blocks the loop 20 ms, as a server writing
+    hundreds of chunks does): its outputs, and the error that ended it (a request failing or
+    the engine dying), if one did; the engine is shut down after."""
+
+    async def main() -> tuple[list[RequestOutput], EngineDeadError | None]:
+        outs, error = [], None
+        try:
+            async for out in async_engine.generate(prompt, params):
+                outs.append(out)
+                time.sleep(0.02)  # busy: the next steps' outputs wait in the engine
+        except EngineDeadError as e:  # RequestFailedError is one too
+            error = e
+        await async_engine.shutdown(timeout=1)
+        return outs, error
+
+    return asyncio.run(main())
+
+
+def test_concurrent_streams_get_their_text_and_a_step_wakes_the_loop_once(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
     prompts = random_prompts(12, seed=3)
     final = dataclasses.replace(PARAMS, output_kind="final_only")
     alone = [out.outputs[0].text for out in run_to_end(engine, [(p, final) for p in prompts])]
@@ -68,10 +94,7 @@ def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_mode
     """While the caller is busy, the steps' delta outputs wait in the engine (none is built
     while the last one is unread); the next read gets them as one: fewer outputs than tokens,
     the same text, token ids and log-probs as the request alone."""
-    engine = LLMEngine.from_args(
-        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
-        num_threads=1,
-    )  # fmt: skip
+    engine = tiny_engine(tiny_model_dir)
     params = dataclasses.replace(PARAMS, max_tokens=24, logprobs=1)
     prompt = random_prompts(1, seed=4)[0]
     (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
@@ -79,16 +102,9 @@ def test_a_consumer_behind_the_engine_gets_what_queued_up_as_one_delta(tiny_mode
     built = []  # every output the engine built and handed over
     async_engine.output_hooks.append(built.append)
 
-    async def main() -> list:
-        outs = []
-        async for out in async_engine.generate(prompt, params):
-            outs.append(out)
-            time.sleep(0.02)  # busy (the loop blocked), as a server writing hundreds of chunks
-        await async_engine.shutdown()
-        return outs
-
-    outs = asyncio.run(main())
+    outs, error = read_behind(async_engine, prompt, params)
     want = alone.outputs[0]
+    assert error is None
     assert 1 < len(outs) < 24 and outs[-1].finished
     assert len(built) <= len(outs) + 1  # not one a step: they waited while unread
     parts = [out.outputs[0] for out in outs]
@@ -108,16 +124,13 @@ def test_a_request_failing_after_its_outputs_waited_still_streams_its_tokens(tin
     """A stream behind the engine, whose delta outputs wait unread, then fails in the output
     processing of its fourth token: it still reads its first three tokens, then the error;
     the engine goes on and frees every block."""
-    engine = LLMEngine.from_args(
-        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
-        num_threads=1,
-    )  # fmt: skip
+    engine = tiny_engine(tiny_model_dir)
     params = dataclasses.replace(PARAMS, max_tokens=24)
     prompt = random_prompts(1, seed=5)[0]
     (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
     append = engine.output_processor._append
 
-    def failing_append(seq, update, params):  # noqa: ANN001, ANN202 - the method's own
+    def failing_append(seq, update, params):
         if len(seq.detokenizer.token_ids) >= 3:
             raise RuntimeError("injected fault")
         return append(seq, update, params)
@@ -125,22 +138,10 @@ def test_a_request_failing_after_its_outputs_waited_still_streams_its_tokens(tin
     engine.output_processor._append = failing_append  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine)
 
-    async def main() -> tuple[list, BaseException | None]:
-        outs, error = [], None
-        try:
-            async for out in async_engine.generate(prompt, params):
-                outs.append(out)
-                time.sleep(0.02)  # busy: the next steps' outputs wait in the engine
-        except RequestFailedError as e:
-            error = e
-        await async_engine.shutdown()
-        return outs, error
-
-    outs, error = asyncio.run(main())
-    assert error is not None and "injected fault" in str(error)
-    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == alone.outputs[
-        0
-    ].token_ids[:3]
+    outs, error = read_behind(async_engine, prompt, params)
+    assert isinstance(error, RequestFailedError) and "injected fault" in str(error)
+    first_three = alone.outputs[0].token_ids[:3]
+    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == first_three
     assert not any(out.finished for out in outs)
     assert_all_blocks_free(engine)
 
@@ -148,16 +149,13 @@ def test_a_request_failing_after_its_outputs_waited_still_streams_its_tokens(tin
 def test_a_stream_behind_a_dying_engine_reads_its_tokens_then_the_error(tiny_model_dir):
     """The engine's fourth step fails while a stream's delta outputs wait unread: the stream
     reads the three tokens of the steps before, then EngineDeadError."""
-    engine = LLMEngine.from_args(
-        model=str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory="8MiB",
-        num_threads=1,
-    )  # fmt: skip
+    engine = tiny_engine(tiny_model_dir)
     params = dataclasses.replace(PARAMS, max_tokens=24)
     prompt = random_prompts(1, seed=6)[0]
     (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
     step, num_steps = engine.step, 0
 
-    def failing_step(unread=()):  # noqa: ANN001, ANN202 - the method's own
+    def failing_step(unread=()):
         nonlocal num_steps
         num_steps += 1
         if num_steps > 3:
@@ -167,21 +165,8 @@ def test_a_stream_behind_a_dying_engine_reads_its_tokens_then_the_error(tiny_mod
     engine.step = failing_step  # type: ignore[method-assign]
     async_engine = AsyncEngine(engine)
 
-    async def main() -> tuple[list, BaseException | None]:
-        outs, error = [], None
-        try:
-            async for out in async_engine.generate(prompt, params):
-                outs.append(out)
-                time.sleep(0.02)  # busy: the next steps' outputs wait in the engine
-        except EngineDeadError as e:
-            error = e
-        time.sleep(0.1)  # a dead engine steps no more
-        await async_engine.shutdown(timeout=1)
-        return outs, error
-
-    outs, error = asyncio.run(main())
+    outs, error = read_behind(async_engine, prompt, params)
     assert error is not None and "boom" in str(error) and async_engine.is_dead
-    assert num_steps == 4
-    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == alone.outputs[
-        0
-    ].token_ids[:3]
+    assert num_steps == 4  # a dead engine steps no more
+    first_three = alone.outputs[0].token_ids[:3]
+    assert [t for out in outs for t in out.outputs[0].token_ids_delta] == first_three

@@ -27,16 +27,16 @@ Without `flush()`, only a held-back incomplete UTF-8 tail (at most 3 tokens) is 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
+from tokenmill.tokenizer.pieces import TokenPieces, byte_token_value
+
 if TYPE_CHECKING:
     from tokenmill.tokenizer import Tokenizer
-    from tokenmill.tokenizer.pieces import TokenPieces
 
 # Prompt tokens decoded as context before the first output token. One decodable token is enough
 # for the decoders we build (a byte run is extended separately); a few more, as in vLLM, guard
@@ -46,7 +46,6 @@ _NUM_CONTEXT_TOKENS = 5
 _MAX_PENDING_BYTES = 4
 # Drop decoded ids from the window's head past this many, so memory stays bounded.
 _COMPACT_AT = 1024
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class IncrementalDetokenizer:
@@ -243,7 +242,7 @@ class IncrementalDetokenizer:
             (token,) = self._tokenizer.convert_ids_to_tokens([token_id])
         except ValueError:
             return False
-        return _BYTE_TOKEN.fullmatch(token) is not None
+        return byte_token_value(token) is not None
 
 
 class _ByteStream:

@@ -65,10 +65,16 @@ class TokenPieces:
             if all(ch in byte_of for ch in token):
                 return bytes(byte_of[ch] for ch in token)
             return token.encode()
-        match = _BYTE_TOKEN.fullmatch(token)
-        if match is not None:
-            return bytes([int(match.group(1), 16)])
+        byte = byte_token_value(token)
+        if byte is not None:
+            return bytes([byte])
         return token.replace("▁", " ").encode()
+
+
+def byte_token_value(token: str) -> int | None:
+    """The byte a SentencePiece byte-fallback token (``<0xAB>``) stands for; None for others."""
+    match = _BYTE_TOKEN.fullmatch(token)
+    return None if match is None else int(match.group(1), 16)
 
 
 def token_pieces(backend: BackendTokenizer) -> TokenPieces | None:
