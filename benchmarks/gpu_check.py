@@ -537,7 +537,7 @@ def run(ns: argparse.Namespace) -> dict:
 
         return check
 
-    result["engine"]["async_scheduling"] = engine.async_scheduling
+    result["engine"]["async_scheduling"] = engine.core.async_scheduling
     part("sampling", lambda: sampling_tokens(engine))
     # The 8B shape's CPU reference would be 32 GB of float32 and minutes a token: not run.
     big = bool(ns.synthetic) and ns.shape == "llama-8b"

@@ -20,6 +20,10 @@ whose logits stay in the buffer the sampler reads): the host's work in the cache
 have beside a GPU, where the forward runs on the device. On a CPU the eager forward over
 hundreds of rows evicts the host's data between steps, which the first figure includes.
 
+The core's share is the part of it in ``EngineCore.step`` (schedule, the runner, the
+scheduler's update): the engine step less its output side, what the core would take a step
+were that side elsewhere (its own process, as vLLM's engine core).
+
 ``--phases`` adds where an engine step's host share goes: each phase's method timed in every
 step (the runner's inputs less the forward inside them), median ms; "rest" is the host share
 less their sum (the engine's own calls, the timers themselves).
@@ -74,11 +78,12 @@ PHASES = (
 
 @dataclass
 class StepTimes:
-    """Median ms of an engine's timed steps: the host share, the whole step, and with phases
-    asked for, each phase's."""
+    """Median ms of an engine's timed steps: the host share, the whole step, the core's host
+    share, and with phases asked for, each phase's."""
 
     host: float
     whole: float
+    core: float
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -235,6 +240,16 @@ def engine_host_ms(
     host, whole = [], []
     per_phase: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
     step_times: dict[str, float] = {}
+    core_step = engine.core.step
+    core_s: list[float] = []
+
+    def timed_core_step() -> list[RequestUpdate]:
+        start = time.perf_counter()
+        updates = core_step()
+        core_s.append(time.perf_counter() - start - sum(forward_s))
+        return updates
+
+    engine.core.step = timed_core_step  # type: ignore[method-assign]
     with timed_phases(step_times) if phases else contextlib.nullcontext():
         for _ in range(steps):
             forward_s.clear()
@@ -250,7 +265,7 @@ def engine_host_ms(
                     times.append(step_times.get(name, 0.0))
     engine.shutdown()
     CudaDecodeGraphs.replay = replay  # type: ignore[method-assign]
-    result = StepTimes(statistics.median(host[100:]) * 1e3, statistics.median(whole[100:]) * 1e3)
+    result = StepTimes(*(statistics.median(t[100:]) * 1e3 for t in (host, whole, core_s)))
     if phases:
         result.phases = {name: statistics.median(t[100:]) * 1e3 for name, t in per_phase.items()}
     return result
@@ -280,7 +295,7 @@ def main() -> None:
         times = engine_host_ms(ns.requests, ns.steps, kind, ns.forward, ns.phases)
         what = "host share" if ns.forward == "cpu" else "host alone, no forward"
         print(f"  [{kind}] engine step, {what} (tiny gemma-3, CUDA-graph path): "
-              f"{times.host:.2f} of {times.whole:.2f}")  # fmt: skip
+              f"{times.host:.2f} of {times.whole:.2f}; the core's step: {times.core:.2f}")  # fmt: skip
         if times.phases:
             rest = times.host - sum(times.phases.values())
             parts = [f"{name} {ms:.2f}" for name, ms in times.phases.items()]

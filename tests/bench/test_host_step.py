@@ -16,8 +16,10 @@ def test_four_requests_report_each_part_and_the_phases_of_a_step() -> None:
            "--phases"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     assert float(re.search(r"schedule \+ update_from_output: (\d+\.\d+)", out).group(1)) > 0
-    host, whole = map(float, re.search(r"host share .*: (\d+\.\d+) of (\d+\.\d+)", out).groups())
+    found = re.search(r"host share .*: (\d+\.\d+) of (\d+\.\d+); the core's step: (\d+\.\d+)", out)
+    host, whole, core = map(float, found.groups())
     assert 0 < host < whole  # the forward is timed apart
+    assert 0 < core < host  # the output side is not the core's
     phases = dict(re.findall(r"([a-z_:]+(?: [a-z]+)?) (-?\d+\.\d+)", out.splitlines()[-1]))
     assert list(phases) == [
         "schedule", "runner inputs", "sampling", "update_from_output", "outputs: process",

@@ -78,7 +78,7 @@ def test_async_steps_give_the_tokens_of_steps_one_at_a_time(
     ref = tokens(run_to_end(make_engine(tiny_model_dir, False, **kwargs), items))
     assert not launches
     engine = make_engine(tiny_model_dir, True, **kwargs)
-    assert engine.async_scheduling
+    assert engine.core.async_scheduling
     assert tokens(run_to_end(engine, items)) == ref
     assert max(launches) > 1 and len(launches) > 20
     # A lone request runs ahead every step, its decodes each with the pick of the step before.
@@ -137,7 +137,7 @@ def test_abort_while_a_step_is_launched(tiny_model_dir, launches):
     ids = [engine.add_request(p, params) for p in ps]
     for _ in range(5):
         engine.step()
-    assert engine._launched is not None  # a step is on its way
+    assert engine.core._launched is not None  # a step is on its way
     aborted = engine.abort_request(ids[0])
     assert aborted is not None and aborted.finished
     done = {}
@@ -149,7 +149,7 @@ def test_abort_while_a_step_is_launched(tiny_model_dir, launches):
     assert set(done) == set(ids[1:])
     assert done[ids[1]].outputs[0].token_ids == ref.outputs[0].token_ids
     assert_all_blocks_free(engine)
-    assert engine._launched is None
+    assert engine.core._launched is None
 
 
 def test_async_scheduling_refuses_what_it_cannot_run_with(tiny_model_dir):
@@ -159,4 +159,4 @@ def test_async_scheduling_refuses_what_it_cannot_run_with(tiny_model_dir):
         make_engine(tiny_model_dir, True, tensor_parallel_size=2)
     # Unset, it is on with CUDA and off on a CPU (nothing runs beside the engine's thread).
     engine = make_engine(tiny_model_dir, None)
-    assert engine.async_scheduling == engine.config.device.startswith("cuda")
+    assert engine.core.async_scheduling == engine.config.device.startswith("cuda")

@@ -1,20 +1,14 @@
-"""LLMEngine: the synchronous engine. A step is schedule -> execute -> update -> outputs.
+"""LLMEngine: the synchronous engine. Requests in as text or ids, RequestOutputs out.
 
-add_request -> Scheduler.add_request                          (validated, tokenized here)
-step():  Scheduler.schedule() -> Executor.execute() -> Scheduler.update_from_output()
-         -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
-
-With async scheduling (EngineArgs.async_scheduling, on with CUDA) a step that may run ahead
-is launched instead, and its output taken in by the next call, after that call has scheduled
-and launched the step after it: the host's scheduling and output work for one step overlaps
-the device's run of the other.
-
-    call k:    schedule N+1 | launch N+1 | collect N -> update N -> outputs N
-    device:    ... step N runs ...    | step N+1 runs ...
+add_request:  validated, tokenized here -> EngineCore.add_requests (its sequences)
+step():       EngineCore.step() (schedule -> execute -> update: RequestUpdates)
+              -> OutputProcessor (detokenize, stop strings) -> list[RequestOutput]
+              (a stop string's sequences -> EngineCore.finish_requests)
 
 The engine holds no tensors and imports no torch: the model side (device, weights, KV cache,
-decode graphs) sits behind the executor (tokenmill/executor), which it reaches only through
-SchedulerOutput / RunnerOutput, plain data.
+decode graphs) sits behind the core's executor (tokenmill/executor), which it reaches only
+through SchedulerOutput / RunnerOutput, plain data. With async scheduling the core returns a
+launched step's updates a call later (engine_core.py).
 """
 
 from __future__ import annotations
@@ -36,7 +30,8 @@ from tokenmill.config import (
     WorkerInfo,
     parse_memory,
 )
-from tokenmill.core import RunnerOutput, Scheduler, SchedulerOutput
+from tokenmill.core import Scheduler
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor, create_executor
 from tokenmill.memory import human_bytes, resident_bytes
@@ -72,8 +67,8 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.monotonic()
-        self.executor: Executor = create_executor(args)
-        worker = self.executor.info
+        executor: Executor = create_executor(args)
+        worker = executor.info
         model_config = worker.model_config
         assert model_config.source is not None
         before_tokenizer = resident_bytes()
@@ -90,11 +85,11 @@ class LLMEngine:
             else None
         )
         self.config = _engine_config(args, worker)
-        self.executor.initialize(self.config.cache_config)
+        executor.initialize(self.config.cache_config)
         self.eos_token_ids = tuple(
             dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
         )
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.core = EngineCore(self.config, executor, worker.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, self.eos_token_ids, args.json_number_digits
@@ -106,8 +101,6 @@ class LLMEngine:
             start, end = REASONING_TAGS[self.reasoning]
             self._think_ids = (self._tag_ids(start), self._tag_ids(end))
         self._ids = itertools.count()
-        self.async_scheduling = worker.async_scheduling
-        self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
         # How it pools embeddings when it serves them (pooling.py), or None: it generates.
         pooling = serving_pooling(args.task, model_config.source.path)
         self.info = _engine_info(args, worker, self.config, self.reasoning, pooling)
@@ -138,6 +131,14 @@ class LLMEngine:
         if unknown:
             raise ValueError(f"unknown engine arguments: {', '.join(unknown)}")
         return cls(EngineArgs(**kwargs))  # type: ignore[arg-type]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
 
     @property
     def max_model_len(self) -> int:
@@ -234,13 +235,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        # Checked before any state changes: "a#1" is also the second sequence of request "a".
-        taken = [req.req_id for req in seqs if req.req_id in self.scheduler.requests]
-        if taken:
-            raise ValueError(f"request id {taken[0]!r} is already in use")
+        # The core first, as it checks its ids: "a#1" is also the second sequence of request "a".
+        self.core.add_requests(seqs, cache_salt)
         self.output_processor.add_request(request_id, prepared.prompt, seqs, params)
-        for req in seqs:
-            self.scheduler.add_request(req, cache_salt)
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -277,55 +274,29 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is; its blocks are free on return."""
-        for seq_id in self.output_processor.seq_ids(request_id):
-            self.scheduler.finish_request(seq_id, FinishReason.ABORT)
+        self.core.finish_requests(self.output_processor.seq_ids(request_id), FinishReason.ABORT)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests waiting or running, or finished ones the worker has not heard of: one more
-        (empty) step tells it, so what it keeps per request (a draft model's KV blocks among
-        it) leaves with the request."""
-        return (
-            self.scheduler.has_unfinished_requests()
-            or self.scheduler.has_finished_to_send
-            or self._launched is not None
-        )
+        """Whether a step has anything to do (EngineCore.has_unfinished_requests)."""
+        return self.core.has_unfinished_requests()
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self, unread: Container[str] = ()) -> list[RequestOutput]:
-        """One step: the outputs of the step it ran, or with async scheduling of the step
-        launched by the call before (its own step then runs on while this returns).
+        """One step: the outputs of the core's step (with async scheduling, of the step it
+        launched the call before), a request's changes in one output.
 
         ``unread``: requests whose reader has not yet taken their last output. Their delta
         outputs wait until it has (or they finish): the next one carries every step's
         changes since, as the reader would have joined them, and none is built meanwhile.
         """
-        sched_out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        if self.async_scheduling and sched_out.can_run_ahead and not sched_out.is_empty:
-            self.executor.launch(sched_out)
-            if self._launched is not None:
-                outputs = self._finish_step(self._launched, self.executor.collect(), unread)
-            self._launched = sched_out
-            return outputs
-        if self._launched is not None:  # the step before first: its tokens come before ours
-            outputs = self._finish_step(self._launched, self.executor.collect(), unread)
-            self._launched = None
-        if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
-            runner_out = RunnerOutput(sampled_token_ids={})
-        else:
-            runner_out = self.executor.execute(sched_out)
-        return outputs + self._finish_step(sched_out, runner_out, unread)
-
-    def _finish_step(
-        self, sched_out: SchedulerOutput, runner_out: RunnerOutput, unread: Container[str]
-    ) -> list[RequestOutput]:
-        """A step's tokens into the scheduler (stops, finished requests' blocks freed) and out
-        as RequestOutputs."""
-        updates = self.scheduler.update_from_output(sched_out, runner_out)
-        for seq_id in self.output_processor.process(updates):
-            self.scheduler.finish_request(seq_id, FinishReason.STOP)
+        updates = self.core.step()
+        # Sequences a stop string ended: the core ends them (a token it ran past the stop in a
+        # step it had launched is dropped by the output side, whose sequence has finished).
+        stopped = self.output_processor.process(updates)
+        if stopped:
+            self.core.finish_requests(stopped, FinishReason.STOP)
         outputs = self.output_processor.collect(unread)
         for request_id, error in self.output_processor.pop_failed().items():
             outputs.append(self._fail_request(request_id, error))
@@ -334,15 +305,13 @@ class LLMEngine:
     def _fail_request(self, request_id: str, error: str) -> RequestOutput:
         """One request failed outside the model (its output processing): free its blocks and
         end it with the error; the step and every other request go on."""
-        seq_ids = self.output_processor.seq_ids(request_id)
-        for seq_id in seq_ids:
-            self.scheduler.finish_request(seq_id, FinishReason.ABORT)
+        self.core.finish_requests(self.output_processor.seq_ids(request_id), FinishReason.ABORT)
         out = self.output_processor.fail(request_id, error)
         assert out is not None
         return out
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        return self.core.reset_prefix_cache()
 
     @property
     def num_free_blocks(self) -> int:
@@ -354,25 +323,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The engine's load now (call from the thread that steps it)."""
-        sched, kv = self.scheduler, self.scheduler.kv
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_cache_usage=kv.usage,
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=kv.num_queried_tokens,
-            prefix_cache_hits=kv.num_hit_tokens,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=self.num_total_blocks,
-            spec_decode=dataclasses.replace(
-                sched.spec, accepted_per_pos=list(sched.spec.accepted_per_pos)
-            ),
-            expert_tokens=self.executor.collective_rpc("router_stats"),
-        )
+        return self.core.stats()
 
     def shutdown(self) -> None:
         """Release the model and the KV cache; the engine takes no more steps."""
-        self.executor.shutdown()
+        self.core.shutdown()
 
 
 def template_text(value: str) -> str:
