@@ -68,6 +68,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Its next update with a token carries its timing (its first, or its first after a
+    # preemption): RequestUpdate.timing.
+    timing_due: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -301,6 +301,31 @@ def test_preempts_newest_running_request_and_resumes_it():
     assert_all_blocks_free(sched)
 
 
+def test_updates_carry_a_sequences_timing_when_it_changed():
+    """The output side sees only updates: a sequence's first update with a token, its first
+    after each preemption and its last carry its SeqTiming, the others none."""
+    sched = make_scheduler(num_blocks=7, block_size=4, max_num_seqs=2, enable_prefix_caching=False)
+    d = Driver(sched)
+    old, new = make_request(8, max_tokens=12), make_request(8, max_tokens=12)
+    d.add(old, new)
+    timings: dict[str, list[tuple[int, object]]] = {old.req_id: [], new.req_id: []}
+    while sched.has_unfinished_requests():
+        for update in d.step():
+            if update.new_token_ids:
+                timings[update.req_id].append((len(d.tokens[update.req_id]), update.timing))
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    for req in (old, new):
+        sent = [(n, t) for n, t in timings[req.req_id] if t is not None]
+        first, last = sent[0][1], sent[-1][1]
+        assert sent[0][0] == 1 and first.first_token_time == req.first_token_time
+        assert first.first_scheduled_time == req.first_scheduled_time
+        assert sent[-1][0] == 12 and last.finished_time == req.finished_time is not None
+        assert last.num_preemptions == req.num_preemptions
+        # Between: one a preemption (the first token after it), no more.
+        assert len(sent) == 2 + req.num_preemptions
+        assert [t.num_preemptions for _, t in sent[1:-1]] == list(range(1, req.num_preemptions + 1))
+
+
 def test_preemption_with_prefix_caching_resumes_from_cache():
     sched = make_scheduler(num_blocks=7, block_size=4)
     d = Driver(sched)

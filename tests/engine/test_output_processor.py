@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.core.sched_output import RequestUpdate, SampledLogprobs
+from tokenmill.core.sched_output import RequestUpdate, SampledLogprobs, SeqTiming
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import TokenLogprob
 from tokenmill.request import FinishReason, Request
@@ -108,3 +108,28 @@ def test_streamed_deltas_join_up_to_the_cumulative_text(gemma, stop) -> None:
         assert (
             not whole.finished and joined == text[: len(text) - max(map(len, stop), default=1) + 1]
         )
+
+
+def test_metrics_are_the_timings_the_updates_carried(gemma) -> None:
+    """The output side keeps nothing of the core's Request (the core may run elsewhere): an
+    output's metrics are what its updates' SeqTimings said, and where this side ends the
+    sequence itself (a stop string, an abort) it times the end."""
+    processor = OutputProcessor(gemma)
+    params = SamplingParams(stop=[" three"])
+    req = Request("r", gemma.encode("Count:"), params, arrival_time=10.0)
+    processor.add_request("r", "Count:", [req], params)
+    req.num_preemptions = 7  # the core's object changing is not seen here
+    one, two, three = gemma.encode(" one two three", add_special_tokens=False)
+    first = SeqTiming(first_scheduled_time=11.0, first_token_time=12.0, num_cached_tokens=4)
+    processor.process([RequestUpdate("r", [one], timing=first)])
+    (out,) = processor.collect()
+    m = out.metrics
+    assert (m.arrival_time, m.first_scheduled_time, m.first_token_time) == (10.0, 11.0, 12.0)
+    assert (m.num_cached_tokens, m.num_preemptions, m.finished_time) == (4, 0, None)
+    resumed = SeqTiming(11.0, 12.0, None, 4, num_preemptions=1)  # after a preemption
+    processor.process([RequestUpdate("r", [two], timing=resumed)])
+    assert processor.collect()[0].metrics.num_preemptions == 1
+    assert processor.process([RequestUpdate("r", [three])]) == ["r"]  # the stop string
+    (out,) = processor.collect()
+    assert out.finished and out.metrics.finished_time is not None
+    assert out.metrics.first_token_time == 12.0 and out.metrics.num_preemptions == 1

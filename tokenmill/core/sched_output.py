@@ -109,6 +109,20 @@ class RunnerOutput:
     embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class SeqTiming:
+    """What the core saw of a sequence that its output side cannot (RequestMetrics' fields):
+    when it was first scheduled, got its first token and ended, its prompt's prefix-cache hit
+    and its preemptions. Sent with a sequence's first update with a token, its first after
+    each preemption, and its last (RequestUpdate.timing); the output side keeps the latest."""
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
 @dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request, from the scheduler to the engine's output side."""
@@ -120,3 +134,4 @@ class RequestUpdate:
     logprobs: SampledLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None  # may come with no new token (mid-prompt)
     embedding: list[float] | None = None  # an embedding request's vector: it finished
+    timing: SeqTiming | None = None  # when it changed (SeqTiming), else None

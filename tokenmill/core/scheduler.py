@@ -36,6 +36,7 @@ from tokenmill.core.sched_output import (
     RunnerOutput,
     SampledLogprobs,
     SchedulerOutput,
+    SeqTiming,
 )
 from tokenmill.outputs import SpecDecodeStats
 from tokenmill.request import FinishReason, Request, RequestStatus
@@ -269,6 +270,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.draft_token_ids.clear()
         req.num_preemptions += 1
+        req.timing_due = True
         self.num_preemptions += 1
         self._preempted_req_ids.add(req.req_id)  # the worker drops its state; resent whole later
         self.waiting.appendleft(req)
@@ -294,7 +296,11 @@ class Scheduler:
                 req.first_token_time = now
                 self._dequeue(req)
                 self._finish(req, FinishReason.STOP)
-                updates.append(RequestUpdate(req_id, [], FinishReason.STOP, embedding=embedding))
+                updates.append(
+                    RequestUpdate(
+                        req_id, [], FinishReason.STOP, embedding=embedding, timing=_timing(req)
+                    )
+                )
                 continue
             token_ids = sampled.get(req_id)
             prompt_logprobs = prompt_logprobs_of.get(req_id) if prompt_logprobs_of else None
@@ -304,8 +310,11 @@ class Scheduler:
                                    prompt_logprobs)  # fmt: skip
             if token_ids:
                 req.num_pending_tokens -= 1
-                if req.first_token_time is None:
-                    req.first_token_time = now
+                if req.timing_due:  # its first token, or its first since a preemption
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    update.timing = _timing(req)
+                    req.timing_due = False
                 # Rejected drafts: K drafts give 1 + (accepted) tokens; the rest is not computed.
                 num_drafts = len(drafts_in.get(req_id, ())) if drafts_in else 0
                 if num_drafts:
@@ -321,6 +330,8 @@ class Scheduler:
                 drafts = new_drafts.get(req_id) if new_drafts else None
                 if drafts is not None or req.draft_token_ids:
                     req.draft_token_ids = drafts or []
+            else:
+                update.timing = _timing(req)
             if update.logprobs is not None:
                 _cut_logprobs(update)
             updates.append(update)
@@ -385,6 +396,16 @@ def _can_run_ahead(req: Request) -> bool:
         and params.logprobs is None
         and params.prompt_logprobs is None
         and params.pooling is None
+    )
+
+
+def _timing(req: Request) -> SeqTiming:
+    return SeqTiming(
+        req.first_scheduled_time,
+        req.first_token_time,
+        req.finished_time,
+        req.num_cached_tokens,
+        req.num_preemptions,
     )
 
 

@@ -2,16 +2,20 @@
 
 A request with ``n > 1`` runs as ``n`` sequences in the scheduler (ids ``<id>`` and
 ``<id>#1``…); this side joins them back into one RequestOutput with ``n`` completions.
+
+It keeps nothing of the core's (engine_core.py): what it knows of a sequence came in its
+RequestUpdates, its timings too (SeqTiming), so the core may run elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate
+from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate, SeqTiming
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import (
     CompletionOutput,
@@ -32,8 +36,11 @@ class SeqState:
     """Output-side state of one sequence (one of the n completions)."""
 
     index: int
-    request: Request
+    seq_id: str
     detokenizer: IncrementalDetokenizer
+    # The core's latest timing of it (RequestUpdate.timing); the finish time set here where
+    # this side ended it (a stop string, an abort).
+    timing: SeqTiming = SeqTiming()
     # Text after stop-string handling; of a delta output, only the part not yet sent.
     text: str = ""
     num_sent_chars: int = 0
@@ -59,6 +66,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float
     seqs: list[SeqState]
     # With params.prompt_logprobs: [None, then one entry per prompt position computed so far].
     prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -91,16 +99,19 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, seqs: list[Request], params: SamplingParams
     ) -> None:
+        """``seqs``: the request's sequences, as the core was given them (read here, not kept)."""
         prompt_ids = seqs[0].prompt_token_ids
         hold = max((len(s) for s in params.stop), default=1) - 1
-        state = RequestState(request_id, prompt, prompt_ids, params, [], stop_hold=hold)
+        state = RequestState(
+            request_id, prompt, prompt_ids, params, seqs[0].arrival_time, [], stop_hold=hold
+        )
         state.delta = params.output_kind == RequestOutputKind.DELTA
         state.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         for i, req in enumerate(seqs):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            seq = SeqState(i, req, detok)
+            seq = SeqState(i, req.req_id, detok)
             seq.defer_text = state.final_only and not params.stop
             seq.plain_text = not state.final_only and not params.stop
             state.seqs.append(seq)
@@ -109,7 +120,7 @@ class OutputProcessor:
 
     def seq_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)
-        return [s.request.req_id for s in state.seqs] if state else []
+        return [s.seq_id for s in state.seqs] if state else []
 
     def process(self, updates: list[RequestUpdate]) -> list[str]:
         """Apply one step's updates; returns the sequences a stop string ended (the scheduler
@@ -144,6 +155,7 @@ class OutputProcessor:
                 continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
+                seq.timing = dataclasses.replace(seq.timing, finished_time=now)
             if not state.final_only:
                 changed[state.request_id] = state
                 continue
@@ -194,11 +206,14 @@ class OutputProcessor:
             if seq.finish_reason is None:
                 seq.text += seq.detokenizer.update([])  # any deferred tokens' text
                 seq.finish_reason = FinishReason.ABORT
+                seq.timing = dataclasses.replace(seq.timing, finished_time=time.monotonic())
         return self._make_output(state)
 
     def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:
         if seq.finish_reason is not None:
             return
+        if update.timing is not None:
+            seq.timing = update.timing
         if update.finish_reason is None and update.logprobs is None:
             # Most steps, where nothing of _append_tokens' applies (no stop strings, no
             # log-probs): a response sent whole keeps its tokens, undecoded, for its end; a
@@ -331,7 +346,7 @@ class OutputProcessor:
         if finished:
             self.states.pop(state.request_id, None)
             for seq in state.seqs:
-                self._seq_owner.pop(seq.request.req_id, None)
+                self._seq_owner.pop(seq.seq_id, None)
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -360,31 +375,30 @@ def _metrics(state: RequestState, num_generated: int) -> RequestMetrics:
     if state.final_only:
         itls = tuple(t for s in state.seqs for t in s.inter_token_latencies)
     if len(state.seqs) == 1:  # the common case, every step of every request: no lists
-        seq = state.seqs[0]
-        req = seq.request
+        timing = state.seqs[0].timing
         return RequestMetrics(
-            req.arrival_time,
-            req.first_scheduled_time,
-            req.first_token_time,
-            req.finished_time,
+            state.arrival_time,
+            timing.first_scheduled_time,
+            timing.first_token_time,
+            timing.finished_time,
             len(state.prompt_token_ids),
             num_generated,
-            req.num_cached_tokens,
-            req.num_preemptions,
+            timing.num_cached_tokens,
+            timing.num_preemptions,
             itls,
         )
-    reqs = [s.request for s in state.seqs]
-    first_tokens = [r.first_token_time for r in reqs if r.first_token_time is not None]
-    scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
-    finished = [r.finished_time for r in reqs if r.finished_time is not None]
+    timings = [s.timing for s in state.seqs]
+    first_tokens = [t.first_token_time for t in timings if t.first_token_time is not None]
+    scheduled = [t.first_scheduled_time for t in timings if t.first_scheduled_time is not None]
+    finished = [t.finished_time for t in timings if t.finished_time is not None]
     return RequestMetrics(
-        arrival_time=reqs[0].arrival_time,
+        arrival_time=state.arrival_time,
         first_scheduled_time=min(scheduled) if scheduled else None,
         first_token_time=min(first_tokens) if first_tokens else None,
-        finished_time=max(finished) if len(finished) == len(reqs) else None,
+        finished_time=max(finished) if len(finished) == len(timings) else None,
         num_prompt_tokens=len(state.prompt_token_ids),
         num_generation_tokens=num_generated,
-        num_cached_tokens=max(r.num_cached_tokens for r in reqs),
-        num_preemptions=sum(r.num_preemptions for r in reqs),
+        num_cached_tokens=max(t.num_cached_tokens for t in timings),
+        num_preemptions=sum(t.num_preemptions for t in timings),
         inter_token_latencies=itls,
     )
