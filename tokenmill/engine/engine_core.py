@@ -19,21 +19,33 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    SchedulerConfig,
+    WorkerInfo,
+    parse_memory,
+)
 from tokenmill.core import RunnerOutput, Scheduler, SchedulerOutput
 from tokenmill.core.sched_output import RequestUpdate
-from tokenmill.executor import Executor
+from tokenmill.executor import Executor, create_executor
 from tokenmill.outputs import EngineStats
 from tokenmill.request import FinishReason, Request
 
 
 class EngineCore:
-    """``executor``: initialized with ``config``'s cache (its blocks are the scheduler's)."""
+    """Loads the model (the executor's workers), sizes the KV cache and allocates it: ``worker``
+    says what was loaded, ``config`` how the core runs it. ValueError where the arguments
+    cannot run (a KV cache too small for one request of max_model_len, ...)."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, async_scheduling: bool) -> None:
-        self.executor = executor
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
-        self.async_scheduling = async_scheduling
+    def __init__(self, args: EngineArgs) -> None:
+        self.executor: Executor = create_executor(args)
+        self.worker: WorkerInfo = self.executor.info
+        self.config = engine_config(args, self.worker)
+        self.executor.initialize(self.config.cache_config)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.async_scheduling = self.worker.async_scheduling
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
 
     def add_requests(self, seqs: list[Request], cache_salt: str | None = None) -> None:
@@ -105,3 +117,56 @@ class EngineCore:
     def shutdown(self) -> None:
         """Release the model and the KV cache; the core takes no more steps."""
         self.executor.shutdown()
+
+
+def engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
+    """The engine's frozen config from the arguments and what the worker loaded; refuses a KV
+    cache too small for one request of max_model_len."""
+    layout = worker.kv_layout
+    needed = layout.blocks_held(worker.max_model_len, args.block_size, args.max_num_batched_tokens)
+    if needed > worker.num_kv_blocks - 1:
+        tokens_that_fit = layout.max_request_tokens(
+            worker.num_kv_blocks - 1, args.block_size, args.max_num_batched_tokens
+        )
+        raise ValueError(
+            f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
+            f"({worker.max_model_len}); raise kv_cache_memory or lower max_model_len"
+        )
+    return EngineConfig(
+        model_config=worker.model_config,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=parse_memory(args.kv_cache_memory),
+            # A hybrid model's recurrent state cannot be rebuilt from cached blocks
+            # (attention/recurrent.py): every request computes from its first token.
+            enable_prefix_caching=(
+                args.enable_prefix_caching and worker.model_config.linear_attention is None
+            ),
+            num_blocks=worker.num_kv_blocks,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_layout=layout,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=worker.max_model_len,
+        ),
+        device=worker.device,
+        dtype=worker.dtype,
+        seed=args.seed,
+        quantization=worker.quantization,
+    )
+
+
+def window_capacity(config: EngineConfig) -> str:
+    """The memory plan's line for a layout with sliding windows: what a request holds."""
+    cache, sched = config.cache_config, config.scheduler_config
+    layout = cache.layout(config.model_config.num_kv_layers)
+    held = layout.blocks_held(sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
+    whole = layout.num_groups * -(-sched.max_model_len // cache.block_size)
+    usable = cache.num_blocks - 1
+    return (
+        f"KV layout: {layout.describe()}. A request of max_model_len ({sched.max_model_len}) "
+        f"holds at most {held} blocks (not {whole}), so {usable // held} of them fit at once, "
+        f"not {usable // whole}"
+    )

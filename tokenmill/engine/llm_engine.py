@@ -22,18 +22,11 @@ from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.config import (
-    CacheConfig,
-    EngineArgs,
-    EngineConfig,
-    SchedulerConfig,
-    WorkerInfo,
-    parse_memory,
-)
+from tokenmill.config import EngineArgs, EngineConfig, WorkerInfo
 from tokenmill.core import Scheduler
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.engine_core import EngineCore, window_capacity
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.executor import Executor, create_executor
+from tokenmill.executor import Executor
 from tokenmill.memory import human_bytes, resident_bytes
 from tokenmill.outputs import EngineInfo, EngineStats, RequestOutput
 from tokenmill.pooling import Pooling, serving_pooling
@@ -67,8 +60,8 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.monotonic()
-        executor: Executor = create_executor(args)
-        worker = executor.info
+        self.core = EngineCore(args)
+        worker = self.core.worker
         model_config = worker.model_config
         assert model_config.source is not None
         before_tokenizer = resident_bytes()
@@ -84,12 +77,10 @@ class LLMEngine:
             if after_tokenizer is not None and before_tokenizer is not None
             else None
         )
-        self.config = _engine_config(args, worker)
-        executor.initialize(self.config.cache_config)
+        self.config = self.core.config
         self.eos_token_ids = tuple(
             dict.fromkeys(model_config.eos_token_ids + self.tokenizer.stop_token_ids)
         )
-        self.core = EngineCore(self.config, executor, worker.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, model_config.vocab_size, self.eos_token_ids, args.json_number_digits
@@ -123,7 +114,7 @@ class LLMEngine:
             "?" if resident is None else human_bytes(resident),
         )
         if any(w is not None for w in self.config.cache_config.group_windows):
-            logger.info("%s", _window_capacity(self.config))
+            logger.info("%s", window_capacity(self.config))
 
     @classmethod
     def from_args(cls, **kwargs: object) -> LLMEngine:
@@ -343,59 +334,6 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Siblings of an n > 1 request sample independently; seeded ones get distinct seeds."""
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _engine_config(args: EngineArgs, worker: WorkerInfo) -> EngineConfig:
-    """The engine's frozen config from the arguments and what the worker loaded; refuses a KV
-    cache too small for one request of max_model_len."""
-    layout = worker.kv_layout
-    needed = layout.blocks_held(worker.max_model_len, args.block_size, args.max_num_batched_tokens)
-    if needed > worker.num_kv_blocks - 1:
-        tokens_that_fit = layout.max_request_tokens(
-            worker.num_kv_blocks - 1, args.block_size, args.max_num_batched_tokens
-        )
-        raise ValueError(
-            f"the KV cache holds {tokens_that_fit} tokens, fewer than max_model_len "
-            f"({worker.max_model_len}); raise kv_cache_memory or lower max_model_len"
-        )
-    return EngineConfig(
-        model_config=worker.model_config,
-        cache_config=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=parse_memory(args.kv_cache_memory),
-            # A hybrid model's recurrent state cannot be rebuilt from cached blocks
-            # (attention/recurrent.py): every request computes from its first token.
-            enable_prefix_caching=(
-                args.enable_prefix_caching and worker.model_config.linear_attention is None
-            ),
-            num_blocks=worker.num_kv_blocks,
-            kv_cache_dtype=args.kv_cache_dtype,
-            kv_layout=layout,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=worker.max_model_len,
-        ),
-        device=worker.device,
-        dtype=worker.dtype,
-        seed=args.seed,
-        quantization=worker.quantization,
-    )
-
-
-def _window_capacity(config: EngineConfig) -> str:
-    """The memory plan's line for a layout with sliding windows: what a request holds."""
-    cache, sched = config.cache_config, config.scheduler_config
-    layout = cache.layout(config.model_config.num_kv_layers)
-    held = layout.blocks_held(sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
-    whole = layout.num_groups * -(-sched.max_model_len // cache.block_size)
-    usable = cache.num_blocks - 1
-    return (
-        f"KV layout: {layout.describe()}. A request of max_model_len ({sched.max_model_len}) "
-        f"holds at most {held} blocks (not {whole}), so {usable // held} of them fit at once, "
-        f"not {usable // whole}"
-    )
 
 
 def _engine_info(

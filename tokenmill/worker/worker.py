@@ -186,7 +186,7 @@ class Worker:
         )
         if args.max_model_len is None and 0 < fits < max_model_len:
             # A default must not fail after the load: a context the KV cache holds, said once.
-            # (A max_model_len asked for is the engine's error: engine._engine_config.)
+            # (A max_model_len asked for is the engine's error: engine_core.engine_config.)
             if tp_rank == 0:
                 logger.warning(
                     "the KV cache holds %d tokens, fewer than the model's context (%d): "
