@@ -6,17 +6,20 @@ the engine thread needs meanwhile, so on a GPU it is part of what must hide behi
 The server runs in a child process on host_step.py's toy gemma-3 (six KV groups, CUDA-graph
 runner path on the CPU) with the forward left out once the first decode steps ran (as
 ``host_step.py --forward none``). The clients (httpx, this process) stream --requests
-completions of --tokens tokens through /v1/completions. Reported: the engine's median step
-interval (start to start) while every request streams, and its median step time, beside the
-engine alone at the same number of requests (host_step's delta kind, forward left out).
+completions of --tokens tokens through /v1/completions. Reported: the core's median step
+interval (start to start: EngineCore.step, timed in whichever process runs it) while every
+request streams, and its median step time, beside the engine alone at the same number of
+requests (host_step's delta kind, forward left out). ``--core-process`` runs the server with
+the engine core in a process of its own (EngineArgs.core_process).
 
-    .venv/bin/python benchmarks/server_host.py [--requests 256] [--tokens 300]
+    .venv/bin/python benchmarks/server_host.py [--requests 256] [--tokens 300] [--core-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -26,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Container
 from pathlib import Path
 
 import httpx
@@ -43,21 +45,22 @@ TOY_GEMMA = dict(
 )  # fmt: skip
 PROMPT_LEN = 100
 NUM_FORWARD_REPLAYS = 3  # decode graph replays run before the forward is left out
+# The server's child process tells the process that runs the core (itself, or the core's own)
+# the model and where the core's step times go.
+MODEL_ENV, STATS_ENV = "SERVER_HOST_MODEL", "SERVER_HOST_STATS"
 
 
-def serve(model_dir: str, port: int, max_num_seqs: int, stats_path: str) -> None:
-    """The child: ``tokenmill serve``'s app under uvicorn, the engine's steps timed."""
+def in_core() -> None:
+    """Patches for the process that runs the engine core: the toy's CUDA-graph runner path on
+    the CPU, its forward left out after the first replays, and EngineCore.step timed (start,
+    seconds, running requests), written out as the process exits."""
     from tokenizers import Tokenizer
 
-    from tokenmill.config import EngineArgs
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.api import create_app
-    from tokenmill.server.config import ServerConfig
-    from tokenmill.server.launcher import TokenmillServer
+    from tokenmill.engine.engine_core import EngineCore
     from tokenmill.worker import worker
     from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 
+    model_dir, stats_path = os.environ[MODEL_ENV], os.environ[STATS_ENV]
     worker.cuda_graphs_supported = lambda device: True
     token_a = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).token_to_id("a")
     replay = CudaDecodeGraphs.replay
@@ -76,26 +79,52 @@ def serve(model_dir: str, port: int, max_num_seqs: int, stats_path: str) -> None
 
     CudaDecodeGraphs.replay = replay_first_few  # type: ignore[method-assign]
     steps: list[tuple[float, float, int]] = []  # (start, seconds, running requests)
-    step = LLMEngine.step
+    step = EngineCore.step
 
-    def timed_step(engine: LLMEngine, unread: Container[str] = ()) -> list:
+    def timed_step(core: EngineCore) -> list:
         start = time.perf_counter()
-        outputs = step(engine, unread)
-        steps.append((start, time.perf_counter() - start, engine.stats().num_running))
-        return outputs
+        updates = step(core)
+        steps.append((start, time.perf_counter() - start, core.scheduler.num_running))
+        return updates
 
-    LLMEngine.step = timed_step  # type: ignore[method-assign]
+    EngineCore.step = timed_step  # type: ignore[method-assign]
+    atexit.register(lambda: Path(stats_path).write_text(json.dumps(steps)))
+
+
+def serve(
+    model_dir: str, port: int, max_num_seqs: int, stats_path: str, core_process: bool
+) -> None:
+    """The child: ``tokenmill serve``'s app under uvicorn, the core's steps timed."""
+    from tokenmill.config import EngineArgs
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.core_process import CoreProcess
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api import create_app
+    from tokenmill.server.config import ServerConfig
+    from tokenmill.server.launcher import TokenmillServer
+
+    os.environ[MODEL_ENV], os.environ[STATS_ENV] = model_dir, stats_path
     args = EngineArgs(
         model=model_dir, dtype="float32", kernel_backend="torch", max_model_len=1024,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, core_process=core_process,
+        # One torch thread, as for a GPU's host: its torch ops there are small, and more
+        # threads spin against the server's (the core's step took 5-7 ms with torch's default
+        # 2 here, 1.4 ms with 1, in its own process).
+        num_threads=1,
     )  # fmt: skip
+    if not core_process:
+        in_core()  # the core runs here
+
+    def load() -> AsyncEngine:
+        core = CoreProcess(args, setup="server_host:in_core") if core_process else None
+        return AsyncEngine(LLMEngine(args, core))
+
     config = ServerConfig(
         host="127.0.0.1", port=port, served_model_name="toy", log_stats_interval=0,
         max_queue=None,
     )  # fmt: skip
-    app = create_app(config, lambda: AsyncEngine.from_args(args))
+    app = create_app(config, load)
     TokenmillServer(app, config, log_level="warning").run()
-    Path(stats_path).write_text(json.dumps(steps))
 
 
 async def stream_all(url: str, num_requests: int, num_tokens: int) -> tuple[float, int, int]:
@@ -143,10 +172,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--tokens", type=int, default=300, help="output tokens a request")
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--core-process", action="store_true", help="the engine core apart")
     p.add_argument("--serve", nargs=2, metavar=("MODEL_DIR", "STATS"), help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.serve:
-        serve(ns.serve[0], ns.port, ns.requests, ns.serve[1])
+        serve(ns.serve[0], ns.port, ns.requests, ns.serve[1], ns.core_process)
         return
     if ns.tokens < 50:
         p.error("--tokens must be at least 50 (the steps while all stream are measured)")
@@ -156,6 +186,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{ns.port}"
         cmd = [sys.executable, __file__, "--requests", str(ns.requests), "--port", str(ns.port),
                "--serve", model_dir, str(stats)]  # fmt: skip
+        if ns.core_process:
+            cmd.append("--core-process")
         child = subprocess.Popen(cmd, env=os.environ | {"PYTHONUNBUFFERED": "1"})
         try:
             wait_ready(url, child)
@@ -173,10 +205,9 @@ def main() -> None:
     print(f"{ns.requests} streaming requests of {ns.tokens} tokens ({tokens} tokens in "
           f"{chunks} chunks, {seconds:.1f} s), median ms a step while all {ns.requests} "
           "stream:")  # fmt: skip
-    print(f"  in the server, step start to start: {statistics.median(intervals) * 1e3:.2f}")
-    print(
-        f"  in the server, the step itself:     {statistics.median(d for _, d in full) * 1e3:.2f}"
-    )
+    where = "in its own process" if ns.core_process else "in the server's process"
+    print(f"  the core {where}, step start to start: {statistics.median(intervals) * 1e3:.2f}")
+    print(f"  the core's step itself: {statistics.median(d for _, d in full) * 1e3:.2f}")
     print(f"  the engine alone (host_step.py --forward none, delta): {alone:.2f}")
 
 

@@ -256,6 +256,11 @@ class EngineArgs:
         "schedule each step while the device runs the one before it (default: on with CUDA); "
         "--no-async-scheduling runs steps one at a time",
     )
+    core_process: bool = option(
+        False,
+        "run the engine core (scheduler, model) in a process of its own, so that turning "
+        "tokens into text and streams never holds up its steps; no structured outputs yet",
+    )
 
     def __post_init__(self) -> None:
         check_number_types(self)

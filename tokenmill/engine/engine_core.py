@@ -96,6 +96,10 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.num_free_blocks
+
     def stats(self) -> EngineStats:
         """The load now (call from the thread that steps it)."""
         sched, kv = self.scheduler, self.scheduler.kv

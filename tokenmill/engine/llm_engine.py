@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tokenmill.config import EngineArgs, EngineConfig, WorkerInfo
 from tokenmill.core import Scheduler
+from tokenmill.engine.core_process import CoreProcess
 from tokenmill.engine.engine_core import EngineCore, window_capacity
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.executor import Executor
@@ -58,9 +59,14 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    """``core``: the engine core to front, started from ``args`` (EngineCore here, or with
+    ``args.core_process`` in a process of its own) when not given."""
+
+    def __init__(self, args: EngineArgs, core: EngineCore | CoreProcess | None = None) -> None:
         started = time.monotonic()
-        self.core = EngineCore(args)
+        if core is None:
+            core = CoreProcess(args) if args.core_process else EngineCore(args)
+        self.core = core
         worker = self.core.worker
         model_config = worker.model_config
         assert model_config.source is not None
@@ -125,11 +131,18 @@ class LLMEngine:
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.core.scheduler
+        """The in-process core's scheduler (tests and benchmarks look into it)."""
+        return self._local_core().scheduler
 
     @property
     def executor(self) -> Executor:
-        return self.core.executor
+        """The in-process core's executor."""
+        return self._local_core().executor
+
+    def _local_core(self) -> EngineCore:
+        if not isinstance(self.core, EngineCore):
+            raise AttributeError("the engine core runs in a process of its own (core_process)")
+        return self.core
 
     @property
     def max_model_len(self) -> int:
@@ -170,6 +183,11 @@ class LLMEngine:
         prompt_ids = self.tokenize_prompt(prompt)
         params = self._resolve_max_tokens(params, len(prompt_ids))
         grammar = None
+        if params.structured_outputs is not None and isinstance(self.core, CoreProcess):
+            raise ValueError(
+                "structured_outputs do not run with core_process yet (a compiled grammar cannot "
+                "leave this process); drop one of them"
+            )
         if params.structured_outputs is not None:  # here, off the step loop (and cached)
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         text = prompt if isinstance(prompt, str) else None
@@ -228,7 +246,11 @@ class LLMEngine:
         ]
         # The core first, as it checks its ids: "a#1" is also the second sequence of request "a".
         self.core.add_requests(seqs, cache_salt)
-        self.output_processor.add_request(request_id, prepared.prompt, seqs, params)
+        try:
+            self.output_processor.add_request(request_id, prepared.prompt, seqs, params)
+        except BaseException:
+            self.core.finish_requests([req.req_id for req in seqs], FinishReason.ABORT)
+            raise
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -306,11 +328,11 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.scheduler.kv.num_free_blocks
+        return self.core.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
-        return self.scheduler.kv.pool.num_usable_blocks
+        return self.info.num_kv_blocks
 
     def stats(self) -> EngineStats:
         """The engine's load now (call from the thread that steps it)."""
