@@ -21,8 +21,8 @@ have beside a GPU, where the forward runs on the device. On a CPU the eager forw
 hundreds of rows evicts the host's data between steps, which the first figure includes.
 
 The core's share is the part of it in ``EngineCore.step`` (schedule, the runner, the
-scheduler's update): the engine step less its output side, what the core would take a step
-were that side elsewhere (its own process, as vLLM's engine core).
+scheduler's update): the engine step less its output side, what the core takes a step where
+that side is elsewhere (EngineArgs.core_process; server_host.py --core-process times it there).
 
 ``--phases`` adds where an engine step's host share goes: each phase's method timed in every
 step (the runner's inputs less the forward inside them), median ms; "rest" is the host share

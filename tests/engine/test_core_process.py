@@ -180,3 +180,13 @@ def test_structured_outputs_are_refused_with_a_reason(remote) -> None:
     with pytest.raises(ValueError, match="structured_outputs do not run with core_process"):
         remote.add_request("Hello", params)
     assert not remote.has_unfinished_requests()
+
+
+def test_a_prefix_cache_reset_is_answered_between_steps(remote) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    remote.add_request("Hello there", params)
+    remote.step()
+    assert remote.reset_prefix_cache() is False  # a request holds blocks still
+    while remote.has_unfinished_requests():
+        remote.step()
+    assert remote.reset_prefix_cache() is True

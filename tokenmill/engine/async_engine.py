@@ -182,7 +182,12 @@ class AsyncEngine:
         done: asyncio.Future[bool] = loop.create_future()
 
         def reset() -> None:
-            ok = self.engine.reset_prefix_cache()
+            try:
+                ok = self.engine.reset_prefix_cache()
+            except Exception as e:  # a core gone with its process: the caller hears of it
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(done.set_exception, e)
+                return
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(done.set_result, ok)
 

@@ -26,9 +26,11 @@ import contextlib
 import importlib
 import logging
 import os
+import queue
 import secrets
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
@@ -45,10 +47,12 @@ logger = logging.getLogger(__name__)
 # How long ``step`` waits for the core's next updates before it returns none, so that its
 # caller takes in new requests and aborts meanwhile.
 _WAIT_S = 0.005
-# The core sends its stats at most this often while busy, and whenever it runs out of work.
+# The core sends its stats after a step that ended a request or left it no work, else at most
+# this often.
 _STATS_EVERY_S = 0.05
 # How long shutdown waits for the core's process to release the model before killing it.
 _SHUTDOWN_S = 30.0
+# How often a start, waiting for the child to connect, checks that it is still alive.
 _POLL_S = 0.05
 _ADDRESS_ENV, _AUTHKEY_ENV = "TOKENMILL_CORE_ADDRESS", "TOKENMILL_CORE_AUTHKEY"
 # The child's program. NOTE: not ``-m`` this module: the package imports it first (runpy warns).
@@ -107,6 +111,7 @@ class CoreProcess:
             ) from None
         if started[0] == "start_failed":
             self._proc.wait()
+            self._conn.close()
             _, is_value_error, message = started
             raise ValueError(message) if is_value_error else RuntimeError(message)
         # Stopped by ``shutdown``, else as this object goes or the interpreter exits.
@@ -171,7 +176,8 @@ class CoreProcess:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.stats().num_free_blocks
+        """As the core last said (readable from any thread: it takes nothing in)."""
+        return self._stats.num_free_blocks
 
     def shutdown(self) -> None:
         """Stop the core; its process releases the model and the KV cache as it exits."""
@@ -276,6 +282,10 @@ def _run_core(conn: Connection, args: EngineArgs) -> None:
         conn.send(("start_failed", isinstance(e, ValueError), str(e)))
         return
     conn.send(("started", core.worker, core.config))
+    # A thread takes the commands in as they come, so that the front never waits on a send
+    # while this thread waits on one of its own (a large prompt against a step's updates).
+    commands: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+    threading.Thread(target=_take_commands, args=(conn, commands), daemon=True).start()
     failed = False
     last_stats = 0.0
     num_taken = 0  # commands taken: each message says how many, so the front knows
@@ -283,16 +293,12 @@ def _run_core(conn: Connection, args: EngineArgs) -> None:
     while True:
         # Commands: all that came; while there is nothing to step (or it failed), wait, once
         # the front knows the commands taken left nothing to do.
-        while failed or not core.has_unfinished_requests() or conn.poll():
-            if not (told_idle or failed or core.has_unfinished_requests() or conn.poll()):
+        while failed or not core.has_unfinished_requests() or not commands.empty():
+            if commands.empty() and not (told_idle or failed or core.has_unfinished_requests()):
                 conn.send(("updates", pack([]), core.stats(), num_taken, True))
                 told_idle = True
-            try:
-                message = conn.recv()
-            except EOFError:  # the front is gone
-                core.shutdown()
-                return
-            if message[0] == "shutdown":
+            message = commands.get()
+            if message is None or message[0] == "shutdown":  # the front is gone, or asks
                 core.shutdown()
                 return
             num_taken += 1
@@ -322,6 +328,14 @@ def _run_core(conn: Connection, args: EngineArgs) -> None:
         if packed[0] or stats is not None:
             conn.send(("updates", packed, stats, num_taken, idle))
             told_idle = idle
+
+
+def _take_commands(conn: Connection, commands: queue.SimpleQueue[tuple | None]) -> None:
+    try:
+        while True:
+            commands.put(conn.recv())
+    except (EOFError, OSError):
+        commands.put(None)
 
 
 def _command(core: EngineCore, conn: Connection, message: tuple) -> None:

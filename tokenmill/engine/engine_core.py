@@ -3,8 +3,8 @@
 It knows token ids only: no tokenizer, no text, no RequestOutputs. LLMEngine (llm_engine.py)
 sits in front of it: it validates and tokenizes requests, and turns the updates into outputs
 (detokenizing, stop strings), telling the core which sequences a stop string ended. All that
-passes between the two is plain data (Request, RequestUpdate), so the core can run where the
-output side does not hold it up (vLLM's engine-core process; issue 48).
+passes between the two is plain data (Request, RequestUpdate), so the core can run in a
+process of its own, where the output side does not hold it up (core_process.py).
 
 A step is schedule -> execute -> update_from_output. With async scheduling (on with CUDA) a
 step that may run ahead is launched instead, and its updates returned by the next call, after

@@ -8,7 +8,8 @@ step():       EngineCore.step() (schedule -> execute -> update: RequestUpdates)
 The engine holds no tensors and imports no torch: the model side (device, weights, KV cache,
 decode graphs) sits behind the core's executor (tokenmill/executor), which it reaches only
 through SchedulerOutput / RunnerOutput, plain data. With async scheduling the core returns a
-launched step's updates a call later (engine_core.py).
+launched step's updates a call later (engine_core.py); with ``core_process`` the core runs in
+a process of its own, and a step returns what it sent meanwhile (core_process.py).
 """
 
 from __future__ import annotations
