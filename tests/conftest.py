@@ -362,6 +362,21 @@ def assert_all_blocks_free(engine) -> None:
         assert runner.recurrent.num_free == engine.config.scheduler_config.max_num_seqs
 
 
+def fail_steps_after(engine, num_ok: int) -> list[int]:
+    """Make ``engine.step`` raise RuntimeError("boom") from its call ``num_ok + 1`` on (an
+    engine bug); the returned one-item list counts its calls."""
+    step, calls = engine.step, [0]
+
+    def failing_step(unread=()):
+        calls[0] += 1
+        if calls[0] > num_ok:
+            raise RuntimeError("boom")
+        return step(unread)
+
+    engine.step = failing_step
+    return calls
+
+
 def run_to_end(engine, items: list) -> list:
     """Adds every (prompt, SamplingParams) of ``items``, steps until none is left; the final
     RequestOutputs in input order. Each request finishes once, and no block stays held."""

@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 import pytest
-from conftest import assert_all_blocks_free, random_prompts, run_to_end
+from conftest import assert_all_blocks_free, fail_steps_after, random_prompts, run_to_end
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tokenmill.engine.llm_engine import LLMEngine
@@ -153,20 +153,11 @@ def test_a_stream_behind_a_dying_engine_reads_its_tokens_then_the_error(tiny_mod
     params = dataclasses.replace(PARAMS, max_tokens=24)
     prompt = random_prompts(1, seed=6)[0]
     (alone,) = run_to_end(engine, [(prompt, dataclasses.replace(params, output_kind="final_only"))])
-    step, num_steps = engine.step, 0
-
-    def failing_step(unread=()):
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps > 3:
-            raise RuntimeError("boom")
-        return step(unread)
-
-    engine.step = failing_step  # type: ignore[method-assign]
+    num_steps = fail_steps_after(engine, 3)
     async_engine = AsyncEngine(engine)
 
     outs, error = read_behind(async_engine, prompt, params)
     assert error is not None and "boom" in str(error) and async_engine.is_dead
-    assert num_steps == 4  # a dead engine steps no more
+    assert num_steps == [4]  # a dead engine steps no more
     first_three = alone.outputs[0].token_ids[:3]
     assert [t for out in outs for t in out.outputs[0].token_ids_delta] == first_three

@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+from conftest import fail_steps_after
 from live_server import MODEL_NAME, LiveServer, running_server, tiny_engine_args
 
 from tokenmill.engine.async_engine import AsyncEngine
@@ -321,17 +322,7 @@ def test_engine_failure_mid_stream_is_an_error_chunk_then_500(tiny_model_dir) ->
     srv = LiveServer(lambda: AsyncEngine.from_args(args)).start()
     try:
         llm = srv.engine.engine
-        real_step = llm.step
-        num_steps = 0
-
-        def failing_step(unread=()):
-            nonlocal num_steps
-            num_steps += 1
-            if num_steps > 3:
-                raise RuntimeError("boom")
-            return real_step(unread)
-
-        llm.step = failing_step  # an engine bug, three steps into the request
+        fail_steps_after(llm, 3)  # an engine bug, three steps into the request
         body = _completion(max_tokens=20, ignore_eos=True, stream=True)
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200

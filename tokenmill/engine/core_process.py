@@ -39,6 +39,7 @@ from typing import Any
 from tokenmill.config import EngineArgs, EngineConfig, WorkerInfo
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.executor.base import accept_child
 from tokenmill.outputs import EngineStats
 from tokenmill.request import FinishReason, Request
 
@@ -52,8 +53,6 @@ _WAIT_S = 0.005
 _STATS_EVERY_S = 0.05
 # How long shutdown waits for the core's process to release the model before killing it.
 _SHUTDOWN_S = 30.0
-# How often a start, waiting for the child to connect, checks that it is still alive.
-_POLL_S = 0.05
 _ADDRESS_ENV, _AUTHKEY_ENV = "TOKENMILL_CORE_ADDRESS", "TOKENMILL_CORE_AUTHKEY"
 # The child's program. NOTE: not ``-m`` this module: the package imports it first (runpy warns).
 _MAIN = "import sys; from tokenmill.engine.core_process import main; sys.exit(main())"
@@ -100,7 +99,13 @@ class CoreProcess:
         with Listener(family="AF_UNIX", authkey=authkey) as listener:
             env = {**os.environ, _ADDRESS_ENV: listener.address, _AUTHKEY_ENV: authkey.hex()}
             self._proc = subprocess.Popen([sys.executable, "-c", _MAIN], env=env)
-            self._conn = _accept(listener, self._proc)
+            conn = accept_child(listener, self._proc)
+        if conn is None:
+            self._proc.kill()
+            raise RuntimeError(
+                f"the engine core's process did not start (exit code {self._proc.wait()})"
+            )
+        self._conn = conn
         log_level = logging.getLogger("tokenmill").getEffectiveLevel()
         self._conn.send((args, setup, sys.path, log_level))
         try:
@@ -116,9 +121,9 @@ class CoreProcess:
             raise ValueError(message) if is_value_error else RuntimeError(message)
         # Stopped by ``shutdown``, else as this object goes or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
-        _, self.worker, self.config = started
-        self.worker: WorkerInfo
-        self.config: EngineConfig
+        _, worker, config = started
+        self.worker: WorkerInfo = worker
+        self.config: EngineConfig = config
         self._live: set[str] = set()  # sequences added and not yet seen to finish
         self._pending: list[RequestUpdate] = []  # received, not yet taken by ``step``
         self._stats = EngineStats(num_total_blocks=self.config.cache_config.num_blocks - 1)
@@ -241,19 +246,6 @@ def _stop(proc: subprocess.Popen[bytes], conn: Connection) -> None:
             proc.kill()
             proc.wait()
     conn.close()
-
-
-def _accept(listener: Listener, proc: subprocess.Popen[bytes]) -> Connection:
-    """The connection of the core's process just started (a failed start if it exits)."""
-    listener._listener._socket.settimeout(_POLL_S)  # type: ignore[attr-defined]
-    while True:
-        try:
-            return listener.accept()
-        except TimeoutError:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the engine core's process exited while starting (code {proc.poll()})"
-                ) from None
 
 
 def main() -> int:

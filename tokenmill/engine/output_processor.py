@@ -9,11 +9,10 @@ RequestUpdates, its timings too (SeqTiming), so the core may run elsewhere.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.core.sched_output import PromptLogprobs, RequestUpdate, SeqTiming
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -155,7 +154,7 @@ class OutputProcessor:
                 continue
             if update.finish_reason is None and seq.finish_reason is not None:
                 stopped_seqs.append(update.req_id)  # stop string: the scheduler must end it
-                seq.timing = dataclasses.replace(seq.timing, finished_time=now)
+                seq.timing = replace(seq.timing, finished_time=now)
             if not state.final_only:
                 changed[state.request_id] = state
                 continue
@@ -206,7 +205,7 @@ class OutputProcessor:
             if seq.finish_reason is None:
                 seq.text += seq.detokenizer.update([])  # any deferred tokens' text
                 seq.finish_reason = FinishReason.ABORT
-                seq.timing = dataclasses.replace(seq.timing, finished_time=time.monotonic())
+                seq.timing = replace(seq.timing, finished_time=time.monotonic())
         return self._make_output(state)
 
     def _append(self, seq: SeqState, update: RequestUpdate, params: SamplingParams) -> None:

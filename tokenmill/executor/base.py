@@ -23,8 +23,11 @@ a connection to each rank process, over torchrun's control group, or as a Ray ac
 
 from __future__ import annotations
 
+import subprocess
+import time
 from abc import ABC, abstractmethod
 from collections import deque
+from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from tokenmill.config import CacheConfig, WorkerInfo
@@ -34,6 +37,21 @@ from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 # and to answer one step.
 START_TIMEOUT_S = 300.0
 STEP_TIMEOUT_S = 60.0
+# How often a start, waiting for a child process to connect, checks that it is still alive.
+_ACCEPT_POLL_S = 0.05
+
+
+def accept_child(listener: Listener, proc: subprocess.Popen[bytes]) -> Connection | None:
+    """The connection of a child process just started on ``listener`` (a rank, the engine
+    core); None if it exits first or is silent past START_TIMEOUT_S (the caller says which)."""
+    listener._listener._socket.settimeout(_ACCEPT_POLL_S)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            return listener.accept()
+        except TimeoutError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return None
 
 
 class Executor(ABC):

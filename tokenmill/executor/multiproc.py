@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from tokenmill.config import EngineArgs, WorkerInfo
-from tokenmill.executor.base import START_TIMEOUT_S, STEP_TIMEOUT_S, Executor
+from tokenmill.executor.base import START_TIMEOUT_S, STEP_TIMEOUT_S, Executor, accept_child
 from tokenmill.worker.distributed import (
     ADDRESS_ENV,
     AUTHKEY_ENV,
@@ -176,14 +176,10 @@ class MultiProcExecutor(Executor):
 
 def _accept(listener: Listener, proc: subprocess.Popen[bytes], rank: int) -> Connection:
     """The connection of the rank process just started (it fails the start if it exits)."""
-    listener._listener._socket.settimeout(_POLL_S)  # type: ignore[attr-defined]
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            return listener.accept()
-        except TimeoutError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise TensorParallelWorkerError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) did not start "
-                    f"(exit code {proc.poll()})"
-                ) from None
+    conn = accept_child(listener, proc)
+    if conn is None:
+        raise TensorParallelWorkerError(
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) did not start "
+            f"(exit code {proc.poll()})"
+        )
+    return conn
