@@ -1,10 +1,11 @@
 """The engine core in a process of its own (EngineArgs.core_process): the same outputs as the
 core in the engine's process, stop strings that the core runs past, aborts, a core that fails
-or dies, and what it refuses."""
+or dies, and structured outputs compiled again in the core's process."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from conftest import assert_all_blocks_free, run_to_end
@@ -178,11 +179,33 @@ def test_arguments_the_core_cannot_run_fail_the_start_with_its_error(model) -> N
     assert "raise kv_cache_memory or lower max_model_len" in str(in_process.value)
 
 
-def test_structured_outputs_are_refused_with_a_reason(remote) -> None:
-    params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputs(json_object=True))
-    with pytest.raises(ValueError, match="structured_outputs do not run with core_process"):
-        remote.add_request("Hello", params)
-    assert not remote.has_unfinished_requests()
+def test_structured_outputs_are_the_in_process_cores(local, remote) -> None:
+    """A compiled format reaches the core's process as its source, compiled again there with
+    the model's tokenizer: the same constrained outputs, sampled or greedy."""
+    formats = [
+        StructuredOutputs(json_object=True),
+        StructuredOutputs(regex="[ab]{3}-[0-9]+"),
+        StructuredOutputs(choice=["yes", "no", "maybe"]),
+    ]
+    items = [
+        ("Hello", SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=formats[0])),
+        (
+            "1 2",
+            SamplingParams(max_tokens=12, temperature=0.9, seed=5, structured_outputs=formats[1]),
+        ),
+        (
+            "abc",
+            SamplingParams(
+                max_tokens=8, temperature=0.8, seed=2, n=2, structured_outputs=formats[2]
+            ),
+        ),
+    ]
+    want, got = run_to_end(local, items), run_to_end(remote, items)
+    assert completions(got) == completions(want)
+    assert [c.text for c in got[2].outputs] == [c.text for c in want[2].outputs]
+    assert re.fullmatch("[ab]{3}-[0-9]+", got[1].outputs[0].text)
+    assert all(c.text in ("yes", "no", "maybe") for c in got[2].outputs)
+    assert_all_blocks_free(remote)
 
 
 def test_a_prefix_cache_reset_is_answered_between_steps(remote) -> None:

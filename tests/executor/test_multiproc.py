@@ -3,6 +3,7 @@ TP=1 on the tiny random models, a rank killed mid-run, and arguments that cannot
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from tokenmill import LLM
 from tokenmill.config import EngineArgs
 from tokenmill.executor.multiproc import MultiProcExecutor, TensorParallelWorkerError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a"]
 # fp32 on both sides; the ranks' partial sums are added in another order than one matmul's.
@@ -82,6 +83,33 @@ def one_kv_head_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_tp2_replicates_a_single_kv_head(one_kv_head_gemma: Path) -> None:
     _assert_same(_generate(one_kv_head_gemma, 1), _generate(one_kv_head_gemma, 2))
+
+
+def test_tp2_structured_outputs_match_tp1(tiny_model_dir) -> None:
+    """A compiled format reaches each rank as its source (llguidance's matcher does not
+    pickle) and is compiled there again: every rank samples under the same grammar."""
+    prompts = ["hello world", "the quick"]
+    formats = [StructuredOutputs(regex="[ab]{3}-[0-9]+"), StructuredOutputs(json_object=True)]
+
+    def generate(tp: int) -> list[str]:
+        llm = LLM(
+            str(tiny_model_dir("llama")),
+            tensor_parallel_size=tp,
+            kv_cache_memory="8MiB",
+            max_model_len=256,
+        )
+        try:
+            params = [
+                SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=f)
+                for f in formats
+            ]
+            return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+
+    tp1, tp2 = generate(1), generate(2)
+    assert tp2 == tp1
+    assert re.fullmatch("[ab]{3}-[0-9]+", tp2[0]) and tp2[1].startswith("{")
 
 
 def _write_tiny_gguf(path: Path, arch: str) -> Path:

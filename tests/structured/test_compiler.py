@@ -111,3 +111,35 @@ def test_llama3_json_tool_grammars(compiler) -> None:
     assert n == total and done
     n, total, _ = taken(required, "No call.")
     assert n < total
+
+
+def test_a_compiled_format_leaves_its_process_as_its_source(tmp_path) -> None:
+    """llguidance's matcher does not pickle: a compiled format pickles as its GrammarSource,
+    which another compiler with the same tokenizer and settings compiles to the same
+    matcher (a tensor-parallel rank's, the engine core's process)."""
+    import pickle
+
+    from tokenmill.structured import CompiledGrammar, GrammarSource
+    from tokenmill.tokenizer.byte_level import write_byte_tokenizer
+
+    vocab = 300
+    write_byte_tokenizer(tmp_path, vocab)
+    here = GrammarCompiler(load_tokenizer(tmp_path, "llama"), vocab, (2,))
+    there = GrammarCompiler(load_tokenizer(tmp_path, "llama"), vocab, (2,))
+    compiled = here.compile(StructuredOutputs(json={"type": "array", "items": {"type": "number"}}))
+    landed = pickle.loads(pickle.dumps(compiled))
+    assert isinstance(landed, GrammarSource) and landed == compiled.source
+    assert landed.bounds_numbers
+    again = there.compile_source(landed)
+    assert isinstance(again, CompiledGrammar) and again.key == compiled.key
+    assert there.compile_source(landed) is again  # cached there too
+
+    text = here.tokenizer.encode("[1.5, 2" + "3" * 20, add_special_tokens=False)
+    first, second = compiled.matcher(), again.matcher()
+    # The same tokens taken, the number bound included (17 significant digits).
+    assert first.accept(text) == second.accept(text) == len(text)
+    assert first.refused_tokens() == second.refused_tokens() != []
+    masks = allocate_bitmask(2, vocab)
+    fill_row(masks, 0, first)
+    fill_row(masks, 1, second)
+    assert masks[0].tolist() == masks[1].tolist()

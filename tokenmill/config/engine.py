@@ -259,7 +259,7 @@ class EngineArgs:
     core_process: bool = option(
         False,
         "run the engine core (scheduler, model) in a process of its own, so that turning "
-        "tokens into text and streams never holds up its steps; no structured outputs yet",
+        "tokens into text and streams never holds up its steps",
     )
 
     def __post_init__(self) -> None:

@@ -16,8 +16,8 @@ sequence has finished there). A step's updates travel as columns (ids, token lis
 updates with more in them), as pickling hundreds of RequestUpdate objects would cost the core
 more than the step's scheduling does.
 
-Not yet here: structured outputs (a compiled grammar holds a matcher that cannot leave the
-process that built it; LLMEngine refuses them with this option).
+A structured output's compiled grammar crosses as its source and is compiled again in the
+core's process (structured/compiler.py: llguidance's matcher does not pickle).
 """
 
 from __future__ import annotations

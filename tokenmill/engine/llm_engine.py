@@ -184,11 +184,6 @@ class LLMEngine:
         prompt_ids = self.tokenize_prompt(prompt)
         params = self._resolve_max_tokens(params, len(prompt_ids))
         grammar = None
-        if params.structured_outputs is not None and isinstance(self.core, CoreProcess):
-            raise ValueError(
-                "structured_outputs do not run with core_process yet (a compiled grammar cannot "
-                "leave this process); drop one of them"
-            )
         if params.structured_outputs is not None:  # here, off the step loop (and cached)
             grammar = self.grammar_compiler.compile(params.structured_outputs)
         text = prompt if isinstance(prompt, str) else None

@@ -7,6 +7,11 @@ advances the copy with every token it keeps (``GrammarMatcher``). Compiling happ
 request is prepared (a server thread, or the caller of LLMEngine.add_request), never in the
 step loop; templates are cached by the format's hash (one compiler per engine, one tokenizer).
 
+A compiled format that leaves its process (to a tensor-parallel rank, or the engine core's own
+process) travels as its ``GrammarSource``: llguidance's matcher does not pickle. Where it lands,
+the model runner compiles the source again with the model's tokenizer (``compile_source``,
+cached there too).
+
 Fail closed: a format llguidance cannot compile or does not support raises ValueError naming
 the problem (the server answers 400); a request is never served unconstrained.
 
@@ -33,17 +38,46 @@ CACHE_SIZE = 256
 
 
 @dataclass(frozen=True, slots=True)
-class CompiledGrammar:
-    """A compiled format: ``matcher()`` gives a fresh matcher for one request."""
+class GrammarSource:
+    """What compiles a format again in another process: its llguidance grammar and the
+    compiler's settings (the model's tokenizer is the one thing it leaves out)."""
 
-    key: str  # the format's hash
-    template: object  # llguidance.LLMatcher in its start state (copied, never advanced)
+    key: str  # the grammar's hash
+    grammar: str  # llguidance's grammar (JSON), from to_llguidance_grammar
+    bounds_numbers: bool  # a JSON format, whose numbers the compiler's digits bound
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    json_number_digits: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    """A compiled format: ``matcher()`` gives a fresh matcher for one request. It pickles as
+    its ``source`` (the matcher cannot leave its process)."""
+
+    source: GrammarSource
+    template: object  # llguidance.LLMatcher in its start state (copied, never advanced)
     numbers: NumberBound | None = None  # a JSON format's bound on numbers (json_numbers.py)
+
+    @property
+    def key(self) -> str:
+        return self.source.key
 
     def matcher(self) -> GrammarMatcher:
         numbers = self.numbers.state() if self.numbers is not None else None
-        return GrammarMatcher(self.template.deep_copy(), self.vocab_size, numbers)  # type: ignore[attr-defined]
+        template = self.template.deep_copy()  # type: ignore[attr-defined]
+        return GrammarMatcher(template, self.source.vocab_size, numbers)
+
+    def __reduce__(self) -> tuple[type[GrammarSource], tuple]:
+        s = self.source
+        return GrammarSource, (
+            s.key,
+            s.grammar,
+            s.bounds_numbers,
+            s.vocab_size,
+            s.eos_token_ids,
+            s.json_number_digits,
+        )
 
 
 class GrammarMatcher:
@@ -114,34 +148,54 @@ class GrammarCompiler:
         self.json_number_digits = json_number_digits  # 0: numbers unbounded
         self._number_bound: NumberBound | None = None  # built on first JSON format
         self._lock = threading.Lock()
-        self._ll_tokenizer: object | None = None  # built on first use (~1 s for 262k tokens)
+        self._ll_tokenizer: object | None = None  # built on first use (~4 s at 262k tokens)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
+        """The format compiled (or its cached template); ValueError naming what is wrong."""
+        grammar = to_llguidance_grammar(spec)
+        source = GrammarSource(
+            key=hashlib.sha256(grammar.encode()).hexdigest(),
+            grammar=grammar,
+            bounds_numbers=kind(spec) in ("json_schema", "json_object"),
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            json_number_digits=self.json_number_digits,
+        )
+        return self.compile_source(source, kind(spec))
+
+    def compile_source(self, source: GrammarSource, what: str = "grammar") -> CompiledGrammar:
+        """A source compiled here (cached by its key): this compiler's own, or one that came
+        from another process with this compiler's settings."""
         import llguidance
 
-        grammar = to_llguidance_grammar(spec)
-        key = hashlib.sha256(grammar.encode()).hexdigest()
+        # One engine's formats all come with its settings (the runner builds its compiler from
+        # the first one's).
+        assert (source.vocab_size, source.eos_token_ids, source.json_number_digits) == (
+            self.vocab_size,
+            self.eos_token_ids,
+            self.json_number_digits,
+        ), "a grammar compiled under another engine's settings"
         with self._lock:
-            hit = self._cache.get(key)
+            hit = self._cache.get(source.key)
             if hit is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(source.key)
                 return hit
             ll_tokenizer = self._tokenizer()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, ll_tokenizer
+            source.grammar, ll_tokenizer
         )
         if is_error:
-            raise ValueError(f"structured output ({kind(spec)}) is invalid: {messages[0]}")
-        template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+            raise ValueError(f"structured output ({what}) is invalid: {messages[0]}")
+        template = llguidance.LLMatcher(ll_tokenizer, source.grammar, log_level=0)
         if template.is_error():
-            raise ValueError(f"structured output ({kind(spec)}) is invalid: {template.get_error()}")
+            raise ValueError(f"structured output ({what}) is invalid: {template.get_error()}")
         numbers = None
-        if self.json_number_digits and kind(spec) in ("json_schema", "json_object"):
+        if self.json_number_digits and source.bounds_numbers:
             numbers = self._numbers()
-        compiled = CompiledGrammar(key, template, self.vocab_size, numbers)
+        compiled = CompiledGrammar(source, template, numbers)
         with self._lock:
-            self._cache[key] = compiled
+            self._cache[source.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled

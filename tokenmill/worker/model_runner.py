@@ -45,8 +45,9 @@ from tokenmill.kv_layout import KVLayout, kv_tensors, uniform_layout
 from tokenmill.models.base import CausalLM
 from tokenmill.reasoning import BudgetState, ThinkingBudget
 from tokenmill.spec import Draft, DraftRequest, Proposer
-from tokenmill.structured import CompiledGrammar, GrammarMatcher
+from tokenmill.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher, GrammarSource
 from tokenmill.structured.bitmask import allocate_bitmask, allow_only, fill_row
+from tokenmill.tokenizer import load_tokenizer
 from tokenmill.worker.cuda_graph import CUDA_GRAPH_MAX_BATCH, CudaDecodeGraphs
 from tokenmill.worker.decode_graph import DecodeGraphs
 from tokenmill.worker.input_batch import (
@@ -174,6 +175,9 @@ class ModelRunner:
         # Proposals with a draft distribution, kept until the step that verifies them.
         self._drafts: dict[str, Draft] = {}
         self._bitmask_buffer: torch.Tensor | None = None  # grown to the most rows seen
+        # Compiles the structured-output formats that came from another process as their
+        # sources (structured/compiler.py); built with the first, from the model's tokenizer.
+        self._grammar_compiler: GrammarCompiler | None = None
         # What preempted requests keep for when they resume: their generator (a seeded request
         # samples the same after it), and the prompt log-probs already sent (no repeats).
         self._parked: dict[str, tuple[torch.Generator | None, int]] = {}
@@ -365,7 +369,7 @@ class ModelRunner:
                 generator=generator,
                 eos_token_ids=new.eos_token_ids,
                 next_prompt_logprob_idx=next_prompt_logprob_idx,
-                grammar=_matcher(new.grammar, new.token_ids[new.num_prompt_tokens :]),
+                grammar=self._matcher(new.grammar, new.token_ids[new.num_prompt_tokens :]),
                 thinking=_budget_state(new.thinking, new.token_ids[new.num_prompt_tokens :]),
             )
         for cached in sched.cached_reqs:
@@ -375,6 +379,32 @@ class ModelRunner:
             for g, new_ids in enumerate(cached.new_block_ids):
                 if new_ids:
                     tables.extend(g, new_ids)
+
+    def _matcher(self, grammar: object | None, outputs: list[int]) -> GrammarMatcher | None:
+        """A request's matcher, advanced over the outputs it already has (a resumed request)."""
+        if grammar is None:
+            return None
+        if isinstance(grammar, GrammarSource):  # compiled in another process
+            grammar = self._compile_here(grammar)
+        assert isinstance(grammar, CompiledGrammar)
+        matcher = grammar.matcher()
+        matcher.accept(outputs)
+        return matcher
+
+    def _compile_here(self, source: GrammarSource) -> CompiledGrammar:
+        """A format from another process (the engine's, for a tensor-parallel rank or the core's
+        own process) compiled again here, once per format. The first also loads the tokenizer
+        for llguidance, in this step: about a second at 262k tokens."""
+        if self._grammar_compiler is None:
+            config = self.model.config
+            assert config.source is not None
+            self._grammar_compiler = GrammarCompiler(
+                load_tokenizer(config.source.path, config.architecture),
+                source.vocab_size,
+                source.eos_token_ids,
+                source.json_number_digits,
+            )
+        return self._grammar_compiler.compile_source(source)
 
     # ---- sampling -----------------------------------------------------------------------
 
@@ -713,16 +743,6 @@ def _row_starts(req_ids: list[str], drafts_of: dict[str, list[int]]):
         drafts = drafts_of.get(rid, [])
         yield start, (rid, drafts)
         start += 1 + len(drafts)
-
-
-def _matcher(grammar: object | None, outputs: list[int]) -> GrammarMatcher | None:
-    """A request's matcher, advanced over the outputs it already has (a resumed request)."""
-    if grammar is None:
-        return None
-    assert isinstance(grammar, CompiledGrammar)
-    matcher = grammar.matcher()
-    matcher.accept(outputs)
-    return matcher
 
 
 def _budget_state(budget: ThinkingBudget | None, outputs: list[int]) -> BudgetState | None:
