@@ -280,6 +280,10 @@ VARIANTS = {
     # dequant-matmul kernels against bf16's cuBLAS.
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
+    # The engine core (scheduler, model) in a process of its own (issue 48): this process's
+    # output side then runs beside its steps instead of between them. One torch thread for
+    # the core: its host ops spun against this process's threads with torch's default.
+    "core_process": {"core_process": True, "num_threads": 1},
 }
 
 # Sampling settings run on the device (the main engine and the "sync" variant): seeded random
@@ -618,6 +622,9 @@ def run(ns: argparse.Namespace) -> dict:
             part("sync_decode_step_batch1", step_at(1))
             part("sync_decode_step_at_batch", step_at(sizes.step_batch))
             part("sync_throughput_256", concurrent(sizes.concurrencies[-1]))
+        elif variant == "core_process":  # its steps are out of reach here: throughput only
+            for c in sizes.concurrencies:
+                part(f"core_process_throughput_{c}", concurrent(c))
         else:
             part(f"{variant}_decode_step_batch1", step_at(1))
             part(f"{variant}_decode_step_at_batch", step_at(sizes.step_batch))
@@ -661,7 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dir", help="write torch.profiler tables of decode steps here")
     p.add_argument(
         "--variants", default="", type=lambda v: [x for x in v.split(",") if x],
-        help="then these engines too (comma-separated; VARIANTS): eager, torch, float32",
+        help="then these engines too (comma-separated; VARIANTS): eager, torch, float32, sync, "
+        "int8, int4, core_process",
     )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes: the code path on a CPU")
     p.add_argument("--out", help="where to write the JSON of results")

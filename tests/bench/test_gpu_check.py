@@ -26,10 +26,11 @@ def test_smoke_run_reports_every_part(tiny_model_dir, tmp_path) -> None:
     out = tmp_path / "gpu_check.json"
     model = str(tiny_model_dir("llama"))
     argv = ["--smoke", "--device", "cpu", "--model", model, "--kernel-backend", "torch"]
-    assert gpu_check.main([*argv, "--out", str(out)]) == 0
+    assert gpu_check.main([*argv, "--variants", "core_process", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     for name in ("greedy", "decode_batch1", "prefill", "decode_step_at_batch", "throughput_4"):
         assert "error" not in result[name], result[name]
+    assert result["core_process_throughput_4"]["output_tokens_per_s"] > 0
     assert result["greedy"]["passed"] and result["greedy"]["min_top1_agreement"] == 1.0
     assert result["bandwidth_bytes_per_s"] > 0 and result["matmul_flops_per_s"] > 0
     assert result["decode_batch1"]["tokens_per_s"] > 0
