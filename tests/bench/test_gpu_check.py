@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
 
 
@@ -79,3 +81,13 @@ def test_roofline_is_the_binding_resource(tiny_model_dir) -> None:
     assert one >= weights / bw
     many = gpu_check.decode_roofline_s(facts, bw, 1e9, 256, 64)  # a slow peak: FLOPs bind
     assert many > 256 * 2 * (facts.dense_params + facts.head_params) / 1e9 * 0.99
+
+
+def test_device_idle_fraction_is_the_gaps_between_kernels() -> None:
+    """Overlapping kernels (streams) count once; the gaps between busy runs are idle."""
+    gpu_check = _load_script()
+    assert gpu_check.device_idle_fraction([]) is None
+    assert gpu_check.device_idle_fraction([(0, 10), (10, 20)]) == 0.0
+    # Busy 0-10 (two overlapping kernels) and 15-20: idle 5 of 20.
+    assert gpu_check.device_idle_fraction([(15, 20), (0, 6), (4, 10)]) == 0.25
+    assert gpu_check.device_idle_fraction([(0, 4), (1, 2), (6, 10)]) == pytest.approx(0.2)
