@@ -423,3 +423,13 @@ def test_a_default_context_the_kv_cache_cannot_hold_is_lowered_not_refused(tiny_
     (out,) = run_to_end(engine, [(prompt, SamplingParams(max_tokens=4, ignore_eos=True))])
     assert len(out.outputs[0].token_ids) == 4
     assert_all_blocks_free(engine)
+
+
+def test_stats_ask_no_worker_without_router_stats(engine, monkeypatch):
+    """The stats are read after every step: only moe_router_stats sends them to the workers
+    (a round trip to every tensor-parallel rank)."""
+    calls = []
+    executor = engine.executor
+    monkeypatch.setattr(executor, "collective_rpc", lambda *a, **k: calls.append(a))
+    stats = engine.stats()
+    assert calls == [] and stats.expert_tokens is None

@@ -46,6 +46,9 @@ class EngineCore:
         self.executor.initialize(self.config.cache_config)
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
         self.async_scheduling = self.worker.async_scheduling
+        # Only then do the stats ask the workers (a round trip to every tensor-parallel rank,
+        # and the stats are read after every step).
+        self._router_stats = args.moe_router_stats
         self._launched: SchedulerOutput | None = None  # the step whose output is not in yet
 
     def add_requests(self, seqs: list[Request], cache_salt: str | None = None) -> None:
@@ -115,7 +118,9 @@ class EngineCore:
             spec_decode=dataclasses.replace(
                 sched.spec, accepted_per_pos=list(sched.spec.accepted_per_pos)
             ),
-            expert_tokens=self.executor.collective_rpc("router_stats"),
+            expert_tokens=(
+                self.executor.collective_rpc("router_stats") if self._router_stats else None
+            ),
         )
 
     def shutdown(self) -> None:
