@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, Listener
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from tokenmill.config import EngineArgs, WorkerInfo
@@ -120,9 +121,10 @@ class MultiProcExecutor(Executor):
         return self.worker
 
     def _broadcast(self, method: str, args: tuple[Any, ...]) -> None:
+        message = ForkingPickler.dumps((method, args))  # once for every rank (each recv()s it)
         for rank, conn in enumerate(self.conns, start=1):
             try:
-                conn.send((method, args))
+                conn.send_bytes(message)
             except OSError as e:
                 raise self._rank_error(rank, "its connection broke") from e
 
