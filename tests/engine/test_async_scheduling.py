@@ -152,11 +152,31 @@ def test_abort_while_a_step_is_launched(tiny_model_dir, launches):
     assert engine.core._launched is None
 
 
+def test_tensor_parallel_ranks_launch_and_collect_in_step(tiny_model_dir, launches):
+    """TP=2 over the multiprocess executor (gloo on the CPU): every rank queues each step and
+    the engine schedules the next one meanwhile; the same tokens as one worker stepping one
+    at a time, host-side requests (run whole) among them."""
+    host_side = [
+        SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=8, presence_penalty=1.5),
+    ]
+    items = list(zip(random_prompts(10, seed=2), mixed_params(8) + host_side))
+    ref = tokens(run_to_end(make_engine(tiny_model_dir, False), items))
+    engine = make_engine(tiny_model_dir, True, tensor_parallel_size=2)
+    try:
+        assert engine.core.async_scheduling
+        assert tokens(run_to_end(engine, items)) == ref
+        assert max(launches) > 1 and len(launches) > 10
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_async_scheduling_refuses_what_it_cannot_run_with(tiny_model_dir):
     with pytest.raises(ValueError, match="speculative"):
         make_engine(tiny_model_dir, True, speculative_method="ngram")
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        make_engine(tiny_model_dir, True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="runs with the 'mp' executor"):
+        make_engine(tiny_model_dir, True, distributed_executor="ray")
     # Unset, it is on with CUDA and off on a CPU (nothing runs beside the engine's thread).
     engine = make_engine(tiny_model_dir, None)
     assert engine.core.async_scheduling == engine.config.device.startswith("cuda")

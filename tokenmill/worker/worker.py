@@ -541,12 +541,11 @@ def _max_model_len(args: EngineArgs, config: ModelConfig) -> int:
 
 def _async_scheduling(args: EngineArgs, device: torch.device) -> bool:
     """EngineArgs.async_scheduling resolved (its checks refuse the combinations it cannot run
-    with when it is set): unset, on with CUDA and one in-process worker, without drafts."""
+    with when it is set): unset, on with CUDA and the 'mp' executor, without drafts."""
     if args.async_scheduling is not None:
         return args.async_scheduling
     return (
         device.type == "cuda"
         and args.speculative_method is None
-        and args.tensor_parallel_size == 1
         and args.distributed_executor == "mp"
     )
