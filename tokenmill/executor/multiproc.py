@@ -3,10 +3,10 @@
 Rank 0 is a Worker in the engine's process; ranks 1..N-1 are ``python -m
 tokenmill.worker.distributed`` subprocesses (a fresh interpreter each: no fork of a process
 holding threads, and no re-import of the user's script as spawn does). The scheduler runs once,
-in the engine; each step's SchedulerOutput is pickled to every rank over its own connection
-(multiprocessing.connection on loopback, authenticated by a per-executor key), every rank runs
-its shard of the model (the layers' all-reduces and the logits' all-gather pair the ranks up
-through torch.distributed), and rank 0's RunnerOutput is the step's.
+in the engine; each step's SchedulerOutput is pickled once and sent to every rank over its own
+connection (multiprocessing.connection on loopback, authenticated by a per-executor key),
+every rank runs its shard of the model (the layers' all-reduces and the logits' all-gather
+pair the ranks up through torch.distributed), and rank 0's RunnerOutput is the step's.
 
     engine --(method, args)--> rank 1..N-1 (conn)   rank 0 (in process)
                                  \\______ torch.distributed collectives ______/
