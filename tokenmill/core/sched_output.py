@@ -73,7 +73,7 @@ class SchedulerOutput:
 
     def __reduce__(self) -> tuple:
         """Pickled (to every other tensor-parallel rank, each step) with the running requests
-        as three columns: at 256 decodes 0.03 ms, where an object each took 0.27."""
+        as three columns: at 256 decodes 0.04 ms, where an object each took 0.27."""
         cached = self.cached_reqs
         return _scheduler_output, (
             self.new_reqs,

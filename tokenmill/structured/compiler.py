@@ -26,7 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.structured.json_numbers import NumberBound, NumberState
@@ -69,15 +69,7 @@ class CompiledGrammar:
         return GrammarMatcher(template, self.source.vocab_size, numbers)
 
     def __reduce__(self) -> tuple[type[GrammarSource], tuple]:
-        s = self.source
-        return GrammarSource, (
-            s.key,
-            s.grammar,
-            s.bounds_numbers,
-            s.vocab_size,
-            s.eos_token_ids,
-            s.json_number_digits,
-        )
+        return GrammarSource, astuple(self.source)
 
 
 class GrammarMatcher:
