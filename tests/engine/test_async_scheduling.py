@@ -107,7 +107,9 @@ def test_requests_that_need_their_tokens_on_the_host_run_whole_beside_async_ones
     assert launches  # the steps after the host-side requests left ran ahead again
 
 
-def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches, tp):
+    """With tp 2, every rank drops a preempted request's launched picks alike."""
     items = list(zip(random_prompts(6, seed=5), [
         SamplingParams(temperature=1.0, seed=100 + i, max_tokens=16, ignore_eos=True)
         for i in range(6)
@@ -115,18 +117,24 @@ def test_preemption_and_chunking_under_async_scheduling(tiny_model_dir, launches
     plain = make_engine(tiny_model_dir, False)
     ref = run_to_end(plain, items)
     config = plain.config.model_config
-    # 16 usable blocks of 8 = 128 tokens for 6 requests of up to ~56 tokens: forces preemption.
+    # 16 usable blocks of 8 = 128 tokens for 6 requests of up to ~56 tokens: forces preemption
+    # (a rank holds 1/tp of the KV heads, so 1/tp of the memory holds as many blocks).
     tight = make_engine(
         tiny_model_dir,
         True,
         block_size=8,
-        kv_cache_memory=kv_bytes_per_block(config, 8, torch.float32) * 17,
+        kv_cache_memory=kv_bytes_per_block(config, 8, torch.float32) * 17 // tp,
         max_num_batched_tokens=20,
+        tensor_parallel_size=tp,
     )
-    outs = run_to_end(tight, items)
-    assert tight.scheduler.num_preemptions > 0
-    assert launches
-    assert tokens(outs) == tokens(ref)
+    try:
+        outs = run_to_end(tight, items)
+        assert tight.scheduler.num_preemptions > 0
+        assert launches
+        assert tokens(outs) == tokens(ref)
+        assert_all_blocks_free(tight)
+    finally:
+        tight.shutdown()
 
 
 def test_abort_while_a_step_is_launched(tiny_model_dir, launches):
