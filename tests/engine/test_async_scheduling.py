@@ -183,8 +183,6 @@ def test_tensor_parallel_ranks_launch_and_collect_in_step(tiny_model_dir, launch
 def test_async_scheduling_refuses_what_it_cannot_run_with(tiny_model_dir):
     with pytest.raises(ValueError, match="speculative"):
         make_engine(tiny_model_dir, True, speculative_method="ngram")
-    with pytest.raises(ValueError, match="runs with the 'mp' executor"):
-        make_engine(tiny_model_dir, True, distributed_executor="ray")
     # Unset, it is on with CUDA and off on a CPU (nothing runs beside the engine's thread).
     engine = make_engine(tiny_model_dir, None)
     assert engine.core.async_scheduling == engine.config.device.startswith("cuda")

@@ -1,6 +1,6 @@
-"""Executor's default launch / collect: an executor without async scheduling (its ranks run
-elsewhere) runs each launched step whole, and collect hands the outputs back in launch order;
-initialize and execute are calls of the workers' methods (collective_rpc)."""
+"""Executor's calls: initialize, execute, launch and collect are calls of the workers' methods
+(collective_rpc) on every rank, which queue launched steps (or run them whole, without async
+scheduling) and hand their outputs back in launch order."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from tokenmill.executor.base import Executor
 
 
 class CountingExecutor(Executor):
-    """Answers each step with its number as the one request's token."""
+    """A rank that answers each step with its number as the one request's token; launched
+    steps wait in a queue until collected, as a worker's do."""
 
     def __init__(self) -> None:
-        self.executed: list[int] = []
+        self.num_steps = 0
+        self.launched: list[int] = []
+        self.calls: list[str] = []
         self.cache_config: CacheConfig | None = None
         self.closed = False
 
@@ -24,12 +27,18 @@ class CountingExecutor(Executor):
         raise AssertionError("launch / collect must not need the worker's info")
 
     def collective_rpc(self, method: str, *args: object, timeout: float = 1.0) -> object:
+        self.calls.append(method)
         if method == "initialize":
             (self.cache_config,) = args
             return None
+        if method == "collect":
+            return RunnerOutput(sampled_token_ids={"r": [self.launched.pop(0)]})
+        number, self.num_steps = self.num_steps, self.num_steps + 1
+        if method == "launch":
+            self.launched.append(number)
+            return None
         assert method == "execute"
-        self.executed.append(len(self.executed))
-        return RunnerOutput(sampled_token_ids={"r": [self.executed[-1]]})
+        return RunnerOutput(sampled_token_ids={"r": [number]})
 
     def shutdown(self) -> None:
         self.closed = True
@@ -39,15 +48,15 @@ def step(n: int) -> SchedulerOutput:
     return SchedulerOutput(new_reqs=[], cached_reqs=[], num_scheduled_tokens={"r": n})
 
 
-def test_default_launch_runs_the_step_and_collect_returns_outputs_in_order():
+def test_launch_and_collect_are_worker_calls_in_launch_order():
     executor = CountingExecutor()
     executor.launch(step(1))
-    assert executor.executed == [0]  # run at launch, whole
     executor.launch(step(1))
     assert executor.collect().sampled_token_ids == {"r": [0]}
     assert executor.collect().sampled_token_ids == {"r": [1]}
     executor.launch(step(1))
     assert executor.collect().sampled_token_ids == {"r": [2]}
+    assert executor.calls == ["launch", "launch", "collect", "collect", "launch", "collect"]
     executor.shutdown()
     assert executor.closed
 

@@ -90,6 +90,34 @@ def test_ray_matches_in_process_tp1(tiny_model_dir, arch: str, tp: int) -> None:
     assert _wait_cpus_free() == NUM_CPUS
 
 
+def test_async_scheduling_launches_on_every_actor(tiny_model_dir, monkeypatch) -> None:
+    """Every actor is sent "launch" and later "collect": the tokens of TP=1 in process,
+    stepping one at a time."""
+    launched = []
+    monkeypatch.setattr(
+        RayExecutor,
+        "launch",
+        lambda self, s: launched.append(s) or self.collective_rpc("launch", s),
+    )
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True),
+    ]
+    want = _llm(tiny_model_dir("llama"), 1)
+    try:
+        expected = [o.outputs[0].token_ids for o in want.generate(PROMPTS[:2], params)]
+    finally:
+        want.engine.shutdown()
+    llm = _llm(tiny_model_dir("llama"), 2, distributed_executor="ray", async_scheduling=True)
+    try:
+        assert llm.engine.core.async_scheduling
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+        assert got == expected and len(launched) > 5
+        assert_all_blocks_free(llm.engine)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_killed_actor_raises_within_seconds(tiny_model_dir) -> None:
     llm = _llm(tiny_model_dir("llama"), 2, distributed_executor="ray")
     try:

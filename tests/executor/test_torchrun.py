@@ -100,7 +100,8 @@ def test_serve_under_torchrun_matches_tp1(tiny_model_dir, tmp_path) -> None:
 
 def test_generate_under_torchrun_exits_cleanly(tiny_model_dir) -> None:
     """generate leaves its engine to the interpreter's exit: rank 0 still tells rank 1 to
-    stop, so torchrun sees both exit 0."""
+    stop, so torchrun sees both exit 0. With async scheduling: each step is a "launch" and a
+    "collect" on both ranks, and the text is the one of TP=1 stepping one at a time."""
     model = str(tiny_model_dir("llama"))
     llm = LLM(model, kv_cache_memory="8MiB", max_model_len=256)
     try:
@@ -109,7 +110,16 @@ def test_generate_under_torchrun_exits_cleanly(tiny_model_dir) -> None:
     finally:
         llm.engine.shutdown()
     proc = subprocess.run(
-        _torchrun("generate", model, "--max-tokens", "8", "--prompt", PROMPTS[1], *ENGINE_FLAGS),
+        _torchrun(
+            "generate",
+            model,
+            "--max-tokens",
+            "8",
+            "--prompt",
+            PROMPTS[1],
+            "--async-scheduling",
+            *ENGINE_FLAGS,
+        ),  # fmt: skip
         capture_output=True,
         text=True,
         timeout=120,

@@ -310,11 +310,6 @@ class EngineArgs:
                 "async_scheduling does not combine with speculative decoding (the proposer "
                 "reads each step's tokens on the host); drop one of them"
             )
-        if self.async_scheduling and self.distributed_executor != "mp":
-            raise ValueError(
-                "async_scheduling runs with the 'mp' executor (in-process, or a process a "
-                "tensor-parallel rank); use distributed_executor 'mp', or drop async_scheduling"
-            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -16,8 +16,8 @@ gathering rank 0's output) or one that also drives a draft model fit beside it u
     collective_rpc(m, ...) --->  every rank's Worker.m    --->  rank 0's result
     shutdown()             --->  release
 
-``initialize`` and ``execute`` are calls of the workers' methods of those names on every rank
-(``collective_rpc``), the one thing each executor implements: in the engine's process, over
+``initialize``, ``execute``, ``launch`` and ``collect`` are calls of the workers' methods of
+those names on every rank (``collective_rpc``), the one thing each executor implements: in the engine's process, over
 a connection to each rank process, over torchrun's control group, or as a Ray actor's call.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import subprocess
 import time
 from abc import ABC, abstractmethod
-from collections import deque
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
@@ -78,22 +77,15 @@ class Executor(ABC):
         return self.collective_rpc("execute", sched_out)
 
     def launch(self, sched_out: SchedulerOutput) -> None:
-        """Start a step; ``collect`` returns its output, steps in launch order. With
-        ``info.async_scheduling`` the call returns before the step is done and the engine
-        schedules the next one meanwhile. This default (executors whose ranks run elsewhere)
-        runs the step whole, here."""
-        self._outputs().append(self.execute(sched_out))
+        """Start a step on every rank; ``collect`` returns its output, steps in launch order.
+        With ``info.async_scheduling`` each rank queues the step on its device and returns
+        before it is done, and the engine schedules the next one meanwhile; else the ranks run
+        it whole here."""
+        self.collective_rpc("launch", sched_out)
 
     def collect(self) -> RunnerOutput:
-        """The output of the oldest launched step (waits for it)."""
-        return self._outputs().popleft()
-
-    def _outputs(self) -> deque[RunnerOutput]:
-        """The default launch's finished outputs, oldest first (made on first use: executors
-        need not call this base class's constructor)."""
-        if not hasattr(self, "_launched_outputs"):
-            self._launched_outputs: deque[RunnerOutput] = deque()
-        return self._launched_outputs
+        """The output of the oldest launched step (every rank waits for its own)."""
+        return self.collective_rpc("collect")
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -14,9 +14,9 @@ pair the ranks up through torch.distributed), and rank 0's RunnerOutput is the s
 
 (``collective_rpc``: every step is ("execute", (SchedulerOutput,)); worker/distributed.py runs
 the ranks' side.) With async scheduling (on with CUDA) a step is ("launch", ...) and later
-("collect", ()) instead: every rank queues the step on its device and answers at once, and
-the engine schedules the next step while they run (engine_core.py); the collectives pair up
-on the devices' streams in the order the ranks queued them, which is the same on every rank.
+("collect", ()) instead (executor/base.py): every rank queues the step on its device and
+answers at once, and the engine schedules the next step while they run; the collectives pair
+up on the devices' streams in the order the ranks queued them, the same on every rank.
 
 A rank that dies or fails makes ``execute`` raise TensorParallelWorkerError within a few
 seconds: every wait polls the rank processes' liveness, and a dead peer's closed socket fails
@@ -36,7 +36,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from tokenmill.config import EngineArgs, WorkerInfo
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.executor.base import START_TIMEOUT_S, STEP_TIMEOUT_S, Executor, accept_child
 from tokenmill.worker.distributed import (
     ADDRESS_ENV,
@@ -102,12 +101,6 @@ class MultiProcExecutor(Executor):
         out = self._run(worker, method, args)
         self._wait_all(timeout)
         return out
-
-    def launch(self, sched_out: SchedulerOutput) -> None:
-        self.collective_rpc("launch", sched_out)
-
-    def collect(self) -> RunnerOutput:
-        return self.collective_rpc("collect")
 
     def shutdown(self) -> None:
         for conn in self.conns:

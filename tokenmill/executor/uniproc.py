@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.config import EngineArgs, WorkerInfo
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.executor.base import STEP_TIMEOUT_S, Executor
 from tokenmill.worker.worker import Worker, call_worker, resolve_worker_config
 
@@ -20,12 +19,6 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any, timeout: float = STEP_TIMEOUT_S) -> Any:
         return call_worker(self._worker, method, args)
-
-    def launch(self, sched_out: SchedulerOutput) -> None:
-        self._worker.launch(sched_out)
-
-    def collect(self) -> RunnerOutput:
-        return self._worker.collect()
 
     def shutdown(self) -> None:
         self.worker = None

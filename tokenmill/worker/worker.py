@@ -541,11 +541,7 @@ def _max_model_len(args: EngineArgs, config: ModelConfig) -> int:
 
 def _async_scheduling(args: EngineArgs, device: torch.device) -> bool:
     """EngineArgs.async_scheduling resolved (its checks refuse the combinations it cannot run
-    with when it is set): unset, on with CUDA and the 'mp' executor, without drafts."""
+    with when it is set): unset, on with CUDA, without drafts."""
     if args.async_scheduling is not None:
         return args.async_scheduling
-    return (
-        device.type == "cuda"
-        and args.speculative_method is None
-        and args.distributed_executor == "mp"
-    )
+    return device.type == "cuda" and args.speculative_method is None
