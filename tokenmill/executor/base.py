@@ -17,8 +17,9 @@ gathering rank 0's output) or one that also drives a draft model fit beside it u
     shutdown()             --->  release
 
 ``initialize``, ``execute``, ``launch`` and ``collect`` are calls of the workers' methods of
-those names on every rank (``collective_rpc``), the one thing each executor implements: in the engine's process, over
-a connection to each rank process, over torchrun's control group, or as a Ray actor's call.
+those names on every rank (``collective_rpc``), the one thing each executor implements: in the
+engine's process, over a connection to each rank process, over torchrun's control group, or as
+a Ray actor's call.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Executor(ABC):
     def launch(self, sched_out: SchedulerOutput) -> None:
         """Start a step on every rank; ``collect`` returns its output, steps in launch order.
         With ``info.async_scheduling`` each rank queues the step on its device and returns
-        before it is done, and the engine schedules the next one meanwhile; else the ranks run
-        it whole here."""
+        before it is done, and the engine schedules the next one meanwhile; else each rank
+        runs it whole before it answers."""
         self.collective_rpc("launch", sched_out)
 
     def collect(self) -> RunnerOutput:
