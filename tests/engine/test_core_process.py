@@ -169,6 +169,16 @@ def test_a_core_that_fails_or_dies_fails_the_step_and_still_takes_aborts(
         engine.shutdown()
 
 
+def test_a_started_core_says_every_block_is_free(model) -> None:
+    """Its stats come with its start: no request yet, all of its KV blocks free."""
+    engine = LLMEngine(engine_args(model, core_process=True))
+    try:
+        assert engine.num_free_blocks == engine.num_total_blocks > 0
+        assert engine.stats().num_total_blocks == engine.num_total_blocks
+    finally:
+        engine.shutdown()
+
+
 def test_arguments_the_core_cannot_run_fail_the_start_with_its_error(model) -> None:
     too_long = dict(max_model_len=512, kv_cache_memory="64KiB")
     with pytest.raises(ValueError) as in_process:

@@ -121,12 +121,12 @@ class CoreProcess:
             raise ValueError(message) if is_value_error else RuntimeError(message)
         # Stopped by ``shutdown``, else as this object goes or the interpreter exits.
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
-        _, worker, config = started
+        _, worker, config, stats = started
         self.worker: WorkerInfo = worker
         self.config: EngineConfig = config
         self._live: set[str] = set()  # sequences added and not yet seen to finish
         self._pending: list[RequestUpdate] = []  # received, not yet taken by ``step``
-        self._stats = EngineStats(num_total_blocks=self.config.cache_config.num_blocks - 1)
+        self._stats: EngineStats = stats  # as the core last said: here, as it started
         self._replies: list[Any] = []
         self._dead: str | None = None  # why the core is gone
         # Commands sent, and whether the core, having taken them all, said it had no work
@@ -273,7 +273,7 @@ def _run_core(conn: Connection, args: EngineArgs) -> None:
             logger.exception("the engine core failed to start")
         conn.send(("start_failed", isinstance(e, ValueError), str(e)))
         return
-    conn.send(("started", core.worker, core.config))
+    conn.send(("started", core.worker, core.config, core.stats()))
     # A thread takes the commands in as they come, so that the front never waits on a send
     # while this thread waits on one of its own (a large prompt against a step's updates).
     commands: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
