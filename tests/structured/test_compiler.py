@@ -3,6 +3,7 @@ cached compiles, acceptance and rollback of speculative tokens, the end of a com
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,76 @@ def test_a_compiled_format_leaves_its_process_as_its_source(tmp_path) -> None:
     fill_row(masks, 0, first)
     fill_row(masks, 1, second)
     assert masks[0].tolist() == masks[1].tolist()
+
+
+def test_forced_text_comes_as_the_tokenizer_writes_it(tmp_path) -> None:
+    """A grammar's literal text takes the tokens the tokenizer gives it: an added tag that is
+    not special (Qwen's </think>) as its one token, not its bytes one by one; ids past the
+    tokenizer's vocabulary (a model's padding) are never allowed."""
+    from tokenmill.tokenizer.byte_level import write_byte_tokenizer
+
+    vocab = 300  # the tokenizer has 261 ids
+    write_byte_tokenizer(tmp_path, vocab, added_tokens=["<think>", "</think>"])
+    tokenizer = load_tokenizer(tmp_path, "qwen3")
+    compiler = GrammarCompiler(tokenizer, vocab, (2,))
+    matcher = compiler.compile(StructuredOutputs(regex="a</think>b")).matcher()
+    a, close, b = tokenizer.encode("a</think>b", add_special_tokens=False)
+    assert close == 260
+    assert matcher.accept([a]) == 1
+    masks = allocate_bitmask(1, vocab)
+    fill_row(masks, 0, matcher)
+    assert [t for t in range(vocab) if is_allowed(masks, 0, t)] == [close]
+    assert matcher.accept([close, b]) == 2 and matcher.is_finished
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_token_bytes_give_the_masks_the_tokenizer_file_gives(model, compiler) -> None:
+    """llguidance's tokenizer built from each token's bytes (a byte-level BPE, SentencePiece)
+    allows what the one llguidance builds from the tokenizer's JSON allows, at each token of
+    a JSON reply; but for added tokens that are not special (gemma-3's <table>, <tr>, ...),
+    which the JSON path takes for special ones and never allows: text in a string."""
+    import llguidance
+    import numpy as np
+
+    from tokenmill.embedded import DEFAULT_MODEL
+    from tokenmill.models.loader import load_model_config
+    from tokenmill.resolve import resolve_model
+    from tokenmill.structured.compiler import ll_tokenizer
+
+    if model == "gemma3":
+        tokenizer, vocab, ends = compiler.tokenizer, VOCAB, EOS
+    else:
+        config = load_model_config(resolve_model(DEFAULT_MODEL))
+        assert config.source is not None
+        tokenizer = load_tokenizer(config.source.path, config.architecture)
+        vocab, ends = config.vocab_size, (2,)
+    added = tokenizer.backend.get_added_tokens_decoder()
+    plain = {i for i, t in added.items() if not t.special}
+    from_file = llguidance.LLTokenizer(
+        tokenizer.backend.to_str(), n_vocab=vocab, eos_token=list(ends)
+    )
+    from_bytes = ll_tokenizer(tokenizer, vocab, ends)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    reply = tokenizer.encode('{"name": "Zoë Ås", "age": 42}', add_special_tokens=False)
+    allowed: list[list[set[int]]] = []
+    for ll in (from_file, from_bytes):
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        steps = []
+        for token in reply:
+            bits = np.unpackbits(
+                np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little"
+            )
+            steps.append(set(bits.nonzero()[0].tolist()))
+            assert matcher.consume_token(token), matcher.get_error()
+        allowed.append(steps)
+    assert [s - plain for s in allowed[0]] == [s - plain for s in allowed[1]]
+    if model == "gemma3":  # <table> in a JSON string: the bytes path allows it, the file's not
+        table = tokenizer.encode("<table>", add_special_tokens=False)
+        assert len(table) == 1 and table[0] in plain
+        name = reply.index(tokenizer.encode("Zo", add_special_tokens=False)[0])
+        assert table[0] in allowed[1][name] and table[0] not in allowed[0][name]

@@ -32,6 +32,7 @@ from tokenmill.sampling_params import StructuredOutputs
 from tokenmill.structured.json_numbers import NumberBound, NumberState
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.tokenizer.gguf import byte_alphabet
+from tokenmill.tokenizer.pieces import TokenPieces
 
 # Compiled templates kept per engine (least recently used dropped first).
 CACHE_SIZE = 256
@@ -140,7 +141,7 @@ class GrammarCompiler:
         self.json_number_digits = json_number_digits  # 0: numbers unbounded
         self._number_bound: NumberBound | None = None  # built on first JSON format
         self._lock = threading.Lock()
-        self._ll_tokenizer: object | None = None  # built on first use (~4 s at 262k tokens)
+        self._ll_tokenizer: object | None = None  # built on first use (ll_tokenizer)
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
@@ -204,14 +205,55 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> object:
         if self._ll_tokenizer is None:
-            import llguidance
-
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                plain_added_tokens(self.tokenizer.backend.to_str()),
-                n_vocab=self.vocab_size,
-                eos_token=list(self.eos_token_ids) or None,
-            )
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._ll_tokenizer
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> object:
+    """llguidance's tokenizer for the model's ``vocab_size`` ids (any past the tokenizer's are
+    special: no grammar takes them).
+
+    From each token's bytes where the tokenizer has them (its pieces, tokenizer/pieces.py):
+    1.4 s at gemma-3's 262k tokens, of which llguidance holds the GIL 1.05 s. Else from the
+    tokenizer's JSON, which llguidance parses again: 4.1 s, 2.7 s of it in one call holding
+    the GIL. Held by a server thread, the GIL stops the step loop, and every stream with it."""
+    import llguidance
+
+    eos = list(eos_token_ids) or None
+    pieces = tokenizer.token_pieces
+    if pieces is None:
+        return llguidance.LLTokenizer(
+            plain_added_tokens(tokenizer.backend.to_str()), n_vocab=vocab_size, eos_token=eos
+        )
+    vocabulary = _Vocabulary(tokenizer, pieces, vocab_size)
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(vocabulary), n_vocab=vocab_size, eos_token=eos
+    )
+
+
+class _Vocabulary:
+    """A tokenizer as ``llguidance.TokenizerWrapper`` reads it: each id's bytes, the special
+    ids, and a call that encodes text. An added token that is not special (Qwen's <think>) is
+    its text, as plain_added_tokens makes it for llguidance's JSON path; ids past the
+    tokenizer's are special, named as llguidance names them (``<[id]>``)."""
+
+    def __init__(self, tokenizer: Tokenizer, pieces: TokenPieces, vocab_size: int) -> None:
+        backend = tokenizer.backend
+        known = min(backend.get_vocab_size(with_added_tokens=True), vocab_size)
+        beyond = range(known, vocab_size)
+        self.tokens = [pieces[i] for i in range(known)] + [f"<[{i}]>".encode() for i in beyond]
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids = [i for i, t in added.items() if t.special and i < known]
+        self.special_token_ids += beyond
+        self.eos_token_id = tokenizer.eos_token_id  # the compiler passes its own ends
+        self.bos_token_id = tokenizer.bos_token_id
+        self._encode = backend.encode
+
+    def __call__(self, text: str) -> list[int]:
+        # TokenizerWrapper first tries bytes; refused, it passes text from then on.
+        if not isinstance(text, str):
+            raise TypeError("text only")
+        return self._encode(text, add_special_tokens=False).ids
 
 
 def plain_added_tokens(tokenizer_json: str) -> str:

@@ -394,7 +394,7 @@ class ModelRunner:
     def _compile_here(self, source: GrammarSource) -> CompiledGrammar:
         """A format from another process (the engine's, for a tensor-parallel rank or the core's
         own process) compiled again here, once per format (~6 ms at 262k tokens). The first
-        also loads the tokenizer and builds llguidance's, in this step: ~5 s at 262k tokens."""
+        also loads the tokenizer and builds llguidance's, in this step: ~3 s at 262k tokens."""
         if self._grammar_compiler is None:
             config = self.model.config
             assert config.source is not None
