@@ -433,3 +433,31 @@ def test_stats_ask_no_worker_without_router_stats(engine, monkeypatch):
     monkeypatch.setattr(executor, "collective_rpc", lambda *a, **k: calls.append(a))
     stats = engine.stats()
     assert calls == [] and stats.expert_tokens is None
+
+
+def test_a_model_without_a_chat_template_is_said_once_and_not_with_one_given(
+    tiny_model_dir, tmp_path, caplog
+):
+    """The tiny llama carries no chat template: its engine warns once that chat uses the
+    family's default (loading its tokenizer elsewhere, as a rank does, says nothing); given
+    --chat-template, it warns not at all."""
+    import logging
+
+    from tokenmill.tokenizer import load_tokenizer
+
+    path = tiny_model_dir("llama")
+    warning = "the model carries no chat template"
+    with caplog.at_level(logging.WARNING):
+        engine = LLMEngine.from_args(model=str(path), max_model_len=128)
+        load_tokenizer(path, "llama")
+    assert caplog.text.count(warning) == 1
+    engine.shutdown()
+    caplog.clear()
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with caplog.at_level(logging.WARNING):
+        engine = LLMEngine.from_args(
+            model=str(path), max_model_len=128, chat_template=str(template)
+        )
+    assert warning not in caplog.text
+    engine.shutdown()

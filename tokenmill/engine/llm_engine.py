@@ -77,6 +77,8 @@ class LLMEngine:
         )
         if args.chat_template is not None:
             self.tokenizer.chat_template = template_text(args.chat_template)
+        elif (warning := self.tokenizer.chat_template_warning()) is not None:
+            logger.warning(warning)
         # The memory plan's line (the worker's) leaves the tokenizer out: it is the engine's.
         after_tokenizer = resident_bytes()
         tokenizer_bytes = (

@@ -10,7 +10,6 @@ NOTE: BOS/EOS are added here from `add_bos`/`add_eos`, never by the backend's po
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -21,8 +20,6 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenmill.tokenizer.chat import ChatTemplate, default_chat_template, end_of_turn_tokens
 from tokenmill.tokenizer.gguf import load_gguf_tokenizer_spec
 from tokenmill.tokenizer.pieces import TokenPieces, token_pieces
-
-logger = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -69,19 +66,12 @@ class Tokenizer:
             if token.special
         )
 
+        # The model carries none: a family's default stands in (chat_template_warning).
+        self.chat_template_is_default = chat_template is None
         if chat_template is None:
             chat_template = default_chat_template(
                 architecture, lambda text: backend.token_to_id(text) is not None
             )
-            if chat_template is None:
-                logger.warning("No chat template in the model and none known for %r", architecture)
-            else:
-                # Often a base model, which continues a chat instead of ending its reply.
-                logger.warning(
-                    "the model carries no chat template (a base model?): chat uses the %s "
-                    "default, and replies may not end; cap them with max_tokens",
-                    architecture,
-                )
         self.chat_template: str | None = chat_template
 
         stop_ids = [eos_token_id] if eos_token_id is not None else []
@@ -91,6 +81,20 @@ class Tokenizer:
                 stop_ids.append(token_id)
         stop_ids.extend(extra_stop_token_ids)
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop_ids))
+
+    def chat_template_warning(self) -> str | None:
+        """What whoever serves chat should warn of this tokenizer's chat template, or None: the
+        model carries none, so a family's default stands in, or none at all. Said where chat
+        is served (LLMEngine), not at every load (ranks, a draft's check, benchmarks)."""
+        if not self.chat_template_is_default:
+            return None
+        if self.chat_template is None:
+            return f"No chat template in the model and none known for {self.architecture!r}"
+        # Often a base model, which continues a chat instead of ending its reply.
+        return (
+            "the model carries no chat template (a base model?): chat uses the "
+            f"{self.architecture} default, and replies may not end; cap them with max_tokens"
+        )
 
     @property
     def backend(self) -> BackendTokenizer:
