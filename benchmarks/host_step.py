@@ -8,12 +8,17 @@ Three parts, each timed per step over --steps steps (the median from the 100th o
   gemma-3-270m's tokenizer (incremental detokenizing, RequestOutputs);
 - a whole engine step (``LLMEngine.step``), on the CUDA-graph runner's path run eagerly on
   the CPU, with a tiny random gemma-3 (six layers: the same six KV groups, a 384-token
-  vocabulary) so the model costs little; its forward (the graph's replay) is timed apart and
-  taken off. Its tokenizer's 381 ordinary tokens are words, so that its random picks
+  vocabulary) so the model costs little; the device's work on a GPU (the forward, the graph's
+  replay, and the greedy pick) is timed apart and taken off. Its tokenizer's 381 ordinary tokens are words, so that its random picks
   detokenize as a real model's text does (``word_tokenizer``; bytes picked at random would
   be invalid UTF-8 nearly half the time, a path real text rarely takes). What is left is everything a GPU step's host does: scheduling, the graph's
   inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
   outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
+
+``--layout llama`` takes Llama's KV layout instead of gemma-3's (one group, every layer
+attending to every token: Llama-3.1-8B's, gpu_check.py's 8B shape) for the scheduler and the
+engine step (a tiny random Llama of the same size). Each KV group is one more block table a
+request keeps, so gemma-3's six cost the scheduler more.
 
 ``--forward none`` leaves the forward out of the timed steps instead (after the first steps,
 whose logits stay in the buffer the sampler reads): the host's work in the caches it would
@@ -29,7 +34,7 @@ step (the runner's inputs less the forward inside them), median ms; "rest" is th
 less their sum (the engine's own calls, the timers themselves).
 
     .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400] [--kinds ...]
-        [--forward cpu|none] [--phases]
+        [--forward cpu|none] [--layout gemma-3|llama] [--phases]
 """
 
 from __future__ import annotations
@@ -55,12 +60,14 @@ from tokenmill.core import RunnerOutput, Scheduler
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.kv_layout import KVLayout, plan_kv_layout
 from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
 from tokenmill.resolve import resolve_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import load_tokenizer
+from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 from tokenmill.worker.model_runner import ModelRunner
@@ -179,20 +186,43 @@ def outputs_ms(config: ModelConfig, num_requests: int, steps: int, kind: str) ->
     return statistics.median(times[100:]) * 1e3
 
 
+def build_toy(path: Path, layout: str) -> str:
+    """The engine step's model at toy size (six layers, 64 wide, a 384-token vocabulary), of
+    gemma-3's KV layout (five sliding-window layers to one global: six KV groups) or Llama's
+    (one group)."""
+    toy = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=4096)  # fmt: skip
+    if layout == "gemma-3":
+        return build_synthetic_gemma(path, **toy, sliding_window=24, query_pre_attn_scalar=16)
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(**toy, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    write_byte_tokenizer(path, config.vocab_size)
+    return str(path)
+
+
 def engine_host_ms(
     num_requests: int,
     steps: int,
     kind: str = "cumulative",
     forward: str = "cpu",
     phases: bool = False,
+    layout: str = "gemma-3",
 ) -> StepTimes:
     """An engine's decode steps at ``num_requests`` whose outputs are of ``kind``
     (SamplingParams.output_kind); ``forward``: "cpu" (run and timed apart) or "none" (left out
-    once the prompts ran); ``phases``: time each of PHASES too."""
+    once the prompts ran); ``phases``: time each of PHASES too; ``layout``: the toy model's
+    (build_toy)."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
     worker.cuda_graphs_supported = lambda device: True
+    # The device's work on a GPU, timed apart: the forward and the greedy pick.
     forward_s: list[float] = []
-    replay = CudaDecodeGraphs.replay
+    pick_s: list[float] = []
+    replay, argmax = CudaDecodeGraphs.replay, TorchKernelBackend.argmax
     run_forward = [True]
 
     def timed_replay(graphs: CudaDecodeGraphs, b: int) -> None:
@@ -201,22 +231,17 @@ def engine_host_ms(
             replay(graphs, b)
         forward_s.append(time.perf_counter() - start)
 
+    def timed_argmax(kernels: TorchKernelBackend, x: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return argmax(kernels, x)
+        finally:
+            pick_s.append(time.perf_counter() - start)
+
     CudaDecodeGraphs.replay = timed_replay  # type: ignore[method-assign]
+    TorchKernelBackend.argmax = timed_argmax  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
-        # gemma-3 at toy size: six layers (five sliding-window, one global: six KV groups)
-        model = build_synthetic_gemma(
-            Path(tmp),
-            vocab_size=384,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            sliding_window=24,
-            query_pre_attn_scalar=16,
-            max_position_embeddings=4096,
-        )
+        model = build_toy(Path(tmp), layout)
         word_tokenizer(Path(tmp), 384)
         engine = LLMEngine.from_args(
             model=model,
@@ -246,25 +271,28 @@ def engine_host_ms(
     def timed_core_step() -> list[RequestUpdate]:
         start = time.perf_counter()
         updates = core_step()
-        core_s.append(time.perf_counter() - start - sum(forward_s))
+        core_s.append(time.perf_counter() - start - sum(forward_s) - sum(pick_s))
         return updates
 
     engine.core.step = timed_core_step  # type: ignore[method-assign]
     with timed_phases(step_times) if phases else contextlib.nullcontext():
         for _ in range(steps):
             forward_s.clear()
+            pick_s.clear()
             step_times.clear()
             start = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - start
             whole.append(elapsed)
-            host.append(elapsed - sum(forward_s))
+            host.append(elapsed - sum(forward_s) - sum(pick_s))
             if phases:
                 step_times["runner inputs"] = step_times.get("runner inputs", 0) - sum(forward_s)
+                step_times["sampling"] = step_times.get("sampling", 0) - sum(pick_s)
                 for name, times in per_phase.items():
                     times.append(step_times.get(name, 0.0))
     engine.shutdown()
     CudaDecodeGraphs.replay = replay  # type: ignore[method-assign]
+    TorchKernelBackend.argmax = argmax  # type: ignore[method-assign]
     result = StepTimes(*(statistics.median(t[100:]) * 1e3 for t in (host, whole, core_s)))
     if phases:
         result.phases = {name: statistics.median(t[100:]) * 1e3 for name, t in per_phase.items()}
@@ -278,13 +306,17 @@ def main() -> None:
     p.add_argument("--kinds", default="cumulative,delta,final_only", help="output kinds")
     p.add_argument("--forward", default="cpu", choices=("cpu", "none"),
                    help="run the forward (timed apart), or leave it out of the timed steps")  # fmt: skip
+    p.add_argument("--layout", default="gemma-3", choices=("gemma-3", "llama"),
+                   help="the KV layout: gemma-3's six groups, or Llama's one")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="where an engine step's host share goes")
     ns = p.parse_args()
     if ns.steps <= 100:
         p.error("--steps must be over 100 (the first 100 are a warm-up)")
     config = load_model_config(resolve_model("gemma-3-270m"))
-    layout = plan_kv_layout(config.layer_windows, 4096, True)
-    print(f"{ns.requests} requests, {layout.num_groups} KV groups, median ms a step:")
+    windows = config.layer_windows if ns.layout == "gemma-3" else [None] * 32
+    layout = plan_kv_layout(windows, 4096, True)
+    print(f"{ns.requests} requests, {ns.layout}'s KV layout ({layout.num_groups} groups), "
+          "median ms a step:")  # fmt: skip
     print(f"  schedule + update_from_output: {scheduler_ms(layout, ns.requests, ns.steps):.2f}")
     # Output kinds: cumulative (a client that reads the whole text each step), delta (a
     # streaming client: the server's SSE), final_only (a response sent whole: the server's
@@ -292,9 +324,9 @@ def main() -> None:
     for kind in ns.kinds.split(","):
         print(f"  [{kind}] output processing (process + collect): "
               f"{outputs_ms(config, ns.requests, ns.steps, kind):.2f}")  # fmt: skip
-        times = engine_host_ms(ns.requests, ns.steps, kind, ns.forward, ns.phases)
+        times = engine_host_ms(ns.requests, ns.steps, kind, ns.forward, ns.phases, ns.layout)
         what = "host share" if ns.forward == "cpu" else "host alone, no forward"
-        print(f"  [{kind}] engine step, {what} (tiny gemma-3, CUDA-graph path): "
+        print(f"  [{kind}] engine step, {what} (tiny {ns.layout}, CUDA-graph path): "
               f"{times.host:.2f} of {times.whole:.2f}; the core's step: {times.core:.2f}")  # fmt: skip
         if times.phases:
             rest = times.host - sum(times.phases.values())

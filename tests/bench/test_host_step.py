@@ -1,5 +1,6 @@
-"""benchmarks/host_step.py end to end at a small size: every part reports a figure, and with
---phases the engine step's host share is split into its phases."""
+"""benchmarks/host_step.py end to end at a small size, in gemma-3's KV layout and Llama's: every
+part reports a figure, and with --phases the engine step's host share is split into its
+phases."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "host_step.py"
 
 
-def test_four_requests_report_each_part_and_the_phases_of_a_step() -> None:
+@pytest.mark.parametrize(("layout", "groups"), [("gemma-3", 6), ("llama", 1)])
+def test_four_requests_report_each_part_and_the_phases_of_a_step(layout, groups) -> None:
     cmd = [sys.executable, str(SCRIPT), "--requests", "4", "--steps", "120", "--kinds", "delta",
-           "--phases"]  # fmt: skip
+           "--phases", "--layout", layout]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert f"{layout}'s KV layout ({groups} groups)" in out
     assert float(re.search(r"schedule \+ update_from_output: (\d+\.\d+)", out).group(1)) > 0
     found = re.search(r"host share .*: (\d+\.\d+) of (\d+\.\d+); the core's step: (\d+\.\d+)", out)
     host, whole, core = map(float, found.groups())
