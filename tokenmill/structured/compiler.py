@@ -242,8 +242,7 @@ class _Vocabulary:
         known = min(backend.get_vocab_size(with_added_tokens=True), vocab_size)
         beyond = range(known, vocab_size)
         self.tokens = [pieces[i] for i in range(known)] + [f"<[{i}]>".encode() for i in beyond]
-        added = backend.get_added_tokens_decoder()
-        self.special_token_ids = [i for i, t in added.items() if t.special and i < known]
+        self.special_token_ids = [i for i in tokenizer.special_token_ids if i < known]
         self.special_token_ids += beyond
         self.eos_token_id = tokenizer.eos_token_id  # the compiler passes its own ends
         self.bos_token_id = tokenizer.bos_token_id
