@@ -217,3 +217,38 @@ def test_token_bytes_give_the_masks_the_tokenizer_file_gives(model, compiler) ->
         assert len(table) == 1 and table[0] in plain
         name = reply.index(tokenizer.encode("Zo", add_special_tokens=False)[0])
         assert table[0] in allowed[1][name] and table[0] not in allowed[0][name]
+
+
+def test_a_tokenizer_without_token_bytes_compiles_from_its_file(tmp_path) -> None:
+    """A decoder whose text is not its tokens' bytes joined (one that strips two leading
+    spaces here) has no token pieces: llguidance reads the tokenizer's JSON instead, and the
+    format still constrains."""
+    import json as json_module
+
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(
+        ["▁", "a", "b", "c", "▁a", "▁b", "ab", "▁ab"])}  # fmt: skip
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 2, 0)]
+    )  # fmt: skip
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json_module.dumps({"eos_token": "</s>"}))
+    tokenizer = load_tokenizer(tmp_path, "llama")
+    assert tokenizer.token_pieces is None
+    vocab_size = 16  # the model's: five ids past the tokenizer's
+    compiled = GrammarCompiler(tokenizer, vocab_size, (2,)).compile(
+        StructuredOutputs(regex="(ab)+")
+    )
+    matcher = compiled.matcher()
+    assert matcher.accept([vocab["a"], vocab["b"]]) == 2
+    masks = allocate_bitmask(1, vocab_size)
+    fill_row(masks, 0, matcher)
+    allowed = {t for t in range(vocab_size) if is_allowed(masks, 0, t)}
+    assert {vocab["a"], 2} <= allowed  # another "ab", or the end
+    assert vocab["b"] not in allowed and vocab["▁a"] not in allowed
+    assert not allowed & set(range(11, vocab_size))
