@@ -245,21 +245,22 @@ def test_metrics_carry_each_models_name(host, client) -> None:
 
 
 def test_loads_and_unloads_leave_nothing_behind(host, client) -> None:
-    """20 load / unload cycles: each runner's process is gone after its unload, and the
-    host's own memory stays where it was."""
+    """10 load / unload cycles: each runner's process is gone after its unload, and the
+    host's own memory stays where it was (10 cycles, not 20: a runner's start is ~4 s on a
+    2-core CI machine, and 1.6 MiB held a cycle still fails the bound)."""
     for name in host.loaded():
         client.generate(model=name, keep_alive=0)
     client.generate(model="alpha")
     client.generate(model="alpha", keep_alive=0)
     before = _resident(host.proc.pid)
     pids = []
-    for _ in range(20):
+    for _ in range(10):
         client.generate(model="alpha")
         health = httpx.get(f"{host.url}/health").json()
         pids += [m["pid"] for m in health["loaded"]]
         client.generate(model="alpha", keep_alive=0)
         assert host.loaded() == []
-    assert len(set(pids)) == 20 and not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert len(set(pids)) == 10 and not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert _resident(host.proc.pid) - before < 16 * 2**20
 
 
