@@ -238,15 +238,14 @@ class _Vocabulary:
     tokenizer's are special, named as llguidance names them (``<[id]>``)."""
 
     def __init__(self, tokenizer: Tokenizer, pieces: TokenPieces, vocab_size: int) -> None:
-        backend = tokenizer.backend
-        known = min(backend.get_vocab_size(with_added_tokens=True), vocab_size)
+        known = min(tokenizer.vocab_size, vocab_size)
         beyond = range(known, vocab_size)
         self.tokens = [pieces[i] for i in range(known)] + [f"<[{i}]>".encode() for i in beyond]
         self.special_token_ids = [i for i in tokenizer.special_token_ids if i < known]
         self.special_token_ids += beyond
         self.eos_token_id = tokenizer.eos_token_id  # the compiler passes its own ends
         self.bos_token_id = tokenizer.bos_token_id
-        self._encode = backend.encode
+        self._encode = tokenizer.backend.encode
 
     def __call__(self, text: str) -> list[int]:
         # TokenizerWrapper first tries bytes; refused, it passes text from then on.
