@@ -46,6 +46,7 @@ from tokenmill.bench.cli import latency, throughput
 from tokenmill.bench.planner import ModelFacts, model_facts
 from tokenmill.config import EngineArgs
 from tokenmill.engine import LLMEngine
+from tokenmill.memory import settle_heap
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 
@@ -557,7 +558,7 @@ def run(ns: argparse.Namespace) -> dict:
         start = time.perf_counter()
         engines.append(LLMEngine(EngineArgs(**(args | overrides))))
         elapsed = time.perf_counter() - start
-        gc.freeze()  # as `tokenmill serve` does after load: collections skip what load made
+        settle_heap()  # as `tokenmill serve` does after load
         return elapsed
 
     part("engine_start_s", start_engine)

@@ -9,11 +9,15 @@ Three parts, each timed per step over --steps steps (the median from the 100th o
 - a whole engine step (``LLMEngine.step``), on the CUDA-graph runner's path run eagerly on
   the CPU, with a tiny random gemma-3 (six layers: the same six KV groups, a 384-token
   vocabulary) so the model costs little; the device's work on a GPU (the forward, the graph's
-  replay, and the greedy pick) is timed apart and taken off. Its tokenizer's 381 ordinary tokens are words, so that its random picks
-  detokenize as a real model's text does (``word_tokenizer``; bytes picked at random would
-  be invalid UTF-8 nearly half the time, a path real text rarely takes). What is left is everything a GPU step's host does: scheduling, the graph's
-  inputs, sampling bookkeeping (the picks themselves are device work there), detokenizing and
-  outputs. As ``tokenmill serve`` does, the garbage collector is frozen after load.
+  replay, and the greedy pick) is timed apart and taken off. Its tokenizer's 381 ordinary
+  tokens are words, so that its random picks detokenize as a real model's text does
+  (``word_tokenizer``; bytes picked at random would be invalid UTF-8 nearly half the time, a
+  path real text rarely takes). What is left is everything a GPU step's host does:
+  scheduling, the graph's inputs, sampling bookkeeping (the picks themselves are device work
+  there), detokenizing and outputs.
+
+Every part runs with the garbage collector as ``tokenmill serve`` sets it after load
+(memory.settle_heap).
 
 ``--layout llama`` takes Llama's KV layout instead of gemma-3's (one group, every layer
 attending to every token: Llama-3.1-8B's, gpu_check.py's 8B shape) for the scheduler and the
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import random
 import statistics
 import sys
@@ -62,6 +65,7 @@ from tokenmill.engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.kernels.torch_backend import TorchKernelBackend
 from tokenmill.kv_layout import KVLayout, plan_kv_layout
+from tokenmill.memory import settle_heap
 from tokenmill.models.loader import load_model_config
 from tokenmill.request import Request
 from tokenmill.resolve import resolve_model
@@ -251,7 +255,7 @@ def engine_host_ms(
             max_num_seqs=num_requests,
             max_num_batched_tokens=8192,
         )
-    gc.freeze()
+    settle_heap()
     params = SamplingParams(
         temperature=0.0, max_tokens=steps + 64, ignore_eos=True, output_kind=kind
     )
@@ -312,6 +316,7 @@ def main() -> None:
     ns = p.parse_args()
     if ns.steps <= 100:
         p.error("--steps must be over 100 (the first 100 are a warm-up)")
+    settle_heap()
     config = load_model_config(resolve_model("gemma-3-270m"))
     windows = config.layer_windows if ns.layout == "gemma-3" else [None] * 32
     layout = plan_kv_layout(windows, 4096, True)

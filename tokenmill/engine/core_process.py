@@ -40,6 +40,7 @@ from tokenmill.config import EngineArgs, EngineConfig, WorkerInfo
 from tokenmill.core.sched_output import RequestUpdate
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.executor.base import accept_child
+from tokenmill.memory import settle_heap
 from tokenmill.outputs import EngineStats
 from tokenmill.request import FinishReason, Request
 
@@ -273,6 +274,7 @@ def _run_core(conn: Connection, args: EngineArgs) -> None:
             logger.exception("the engine core failed to start")
         conn.send(("start_failed", isinstance(e, ValueError), str(e)))
         return
+    settle_heap()  # what loading made lives as long as the core
     conn.send(("started", core.worker, core.config, core.stats()))
     # A thread takes the commands in as they come, so that the front never waits on a send
     # while this thread waits on one of its own (a large prompt against a step's updates).

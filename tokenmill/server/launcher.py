@@ -9,7 +9,6 @@ arrive on open connections meanwhile get 503.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import signal
 import socket
@@ -21,6 +20,7 @@ from fastapi import FastAPI
 
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.memory import settle_heap
 from tokenmill.server.api import create_app
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.state import ServerState
@@ -84,8 +84,5 @@ def run_server(engine_args: EngineArgs, config: ServerConfig, log_level: str = "
 
 def _load_engine(engine_args: EngineArgs) -> AsyncEngine:
     engine = AsyncEngine.from_args(engine_args)
-    # What loading made lives as long as the server: out of the garbage collector's sight, a
-    # full collection need not walk it (the block pool of an H200's 2.7M KV blocks took 0.3 s
-    # a full collection: a stall in whichever step it fell).
-    gc.freeze()
+    settle_heap()  # what loading made lives as long as the server
     return engine

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineArgs
+from tokenmill.memory import settle_heap
 
 if TYPE_CHECKING:
     from tokenmill.worker.worker import Worker
@@ -113,6 +114,7 @@ def serve_rank(conn: Connection, args: EngineArgs, rank: int, port: int) -> None
     init_distributed(rank, args.tensor_parallel_size, port, args.device)
     try:
         worker = Worker(resolve_worker_config(args, tp_rank=rank))
+        settle_heap()  # what loading made lives as long as the rank
         conn.send(("ok", None))
         serve_messages(worker, conn.recv, lambda: conn.send(("ok", None)))
     finally:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineArgs
+from tokenmill.memory import settle_heap
 from tokenmill.worker.distributed import destroy_distributed, init_distributed, serve_messages
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def serve_rank(env: LaunchEnv) -> None:
     control = join(env, args, port)
     try:
         worker = Worker(resolve_worker_config(args, tp_rank=env.rank))
+        settle_heap()  # what loading made lives as long as the rank
         serve_messages(worker, lambda: _receive(control), lambda: None)
     finally:
         destroy_distributed()
