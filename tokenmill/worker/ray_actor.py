@@ -49,6 +49,7 @@ class RankActor:
 
     def start(self, args: EngineArgs, host: str, port: int) -> WorkerInfo:
         """Join the group (blocks until every rank has called this) and load the shard."""
+        from tokenmill.memory import settle_heap
         from tokenmill.worker.distributed import init_distributed
         from tokenmill.worker.worker import Worker, resolve_worker_config
 
@@ -57,6 +58,7 @@ class RankActor:
         if self.size > 1:
             init_distributed(self.rank, self.size, port, device, host=host)
         self.worker = Worker(resolve_worker_config(args, tp_rank=self.rank))
+        settle_heap()  # the actor's process is the rank's: what loading made lives as long
         return self.worker.info
 
     def call(self, method: str, *args: Any) -> Any:
