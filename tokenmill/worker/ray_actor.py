@@ -20,6 +20,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.memory import settle_heap
+
 if TYPE_CHECKING:
     from tokenmill.config import EngineArgs, WorkerInfo
     from tokenmill.worker.worker import Worker
@@ -49,7 +51,6 @@ class RankActor:
 
     def start(self, args: EngineArgs, host: str, port: int) -> WorkerInfo:
         """Join the group (blocks until every rank has called this) and load the shard."""
-        from tokenmill.memory import settle_heap
         from tokenmill.worker.distributed import init_distributed
         from tokenmill.worker.worker import Worker, resolve_worker_config
 
