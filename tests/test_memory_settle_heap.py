@@ -33,16 +33,16 @@ def test_a_step_of_short_lived_objects_runs_no_collection_and_cycles_are_still_f
         print(len(collections), gc.get_freeze_count() >= len(loaded))
 
         class Node:
-            pass
+            __slots__ = ("link", "__weakref__")  # a node links to itself: a cycle
 
         # Garbage in cycles, past the threshold: still collected.
         first = Node()
-        first.self = first
+        first.link = first
         alive = weakref.ref(first)
         del first
         for _ in range(YOUNG_COLLECTION_THRESHOLD):
             node = Node()
-            node.self = node
+            node.link = node
         del node
         print(len(collections) > 0, alive() is None)
         """

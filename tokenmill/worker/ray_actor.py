@@ -59,7 +59,7 @@ class RankActor:
         if self.size > 1:
             init_distributed(self.rank, self.size, port, device, host=host)
         self.worker = Worker(resolve_worker_config(args, tp_rank=self.rank))
-        settle_heap()  # the actor's process is the rank's: what loading made lives as long
+        settle_heap()  # the actor's process is the rank's: what loading made lives as long as it
         return self.worker.info
 
     def call(self, method: str, *args: Any) -> Any:
