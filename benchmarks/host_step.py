@@ -28,6 +28,9 @@ request keeps, so gemma-3's six cost the scheduler more.
 whose logits stay in the buffer the sampler reads): the host's work in the caches it would
 have beside a GPU, where the forward runs on the device. On a CPU the eager forward over
 hundreds of rows evicts the host's data between steps, which the first figure includes.
+``--forward flush`` puts one read of FLUSH_BYTES in the forward's place, on the engine's
+thread: that eviction alone, without the forward's other work. What the host share grows by
+then is what a CPU step pays for the memory its forward streams, not host work of its own.
 
 The core's share is the part of it in ``EngineCore.step`` (schedule, the runner, the
 scheduler's update): the engine step less its output side, what the core takes a step where
@@ -38,7 +41,7 @@ step (the runner's inputs less the forward inside them), median ms; "rest" is th
 less their sum (the engine's own calls, the timers themselves).
 
     .venv/bin/python benchmarks/host_step.py [--requests 256] [--steps 400] [--kinds ...]
-        [--forward cpu|none] [--layout gemma-3|llama] [--phases]
+        [--forward cpu|none|flush] [--layout gemma-3|llama] [--phases]
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import build_synthetic_gemma  # noqa: E402
@@ -75,6 +80,11 @@ from tokenmill.tokenizer.byte_level import write_byte_tokenizer
 from tokenmill.worker import worker
 from tokenmill.worker.cuda_graph import CudaDecodeGraphs
 from tokenmill.worker.model_runner import ModelRunner
+
+# What --forward flush reads in each forward's place: more than a core's caches hold, so the
+# host's data is evicted as a forward's streaming evicts it (the toy's eager forward streams
+# far more: its K/V over hundreds of rows).
+FLUSH_BYTES = 128 << 20
 
 # An engine step's phases (--phases): name, then the method whose calls are its time.
 PHASES = (
@@ -218,9 +228,9 @@ def engine_host_ms(
     layout: str = "gemma-3",
 ) -> StepTimes:
     """An engine's decode steps at ``num_requests`` whose outputs are of ``kind``
-    (SamplingParams.output_kind); ``forward``: "cpu" (run and timed apart) or "none" (left out
-    once the prompts ran); ``phases``: time each of PHASES too; ``layout``: the toy model's
-    (build_toy)."""
+    (SamplingParams.output_kind); ``forward``: "cpu" (run and timed apart), "none" (left out
+    once the prompts ran) or "flush" (a read of FLUSH_BYTES in its place); ``phases``: time
+    each of PHASES too; ``layout``: the toy model's (build_toy)."""
     # The CUDA-graph runner on the CPU: its buffers and inputs as on a GPU, the forward eager.
     worker.cuda_graphs_supported = lambda device: True
     # The device's work on a GPU, timed apart: the forward and the greedy pick.
@@ -228,11 +238,15 @@ def engine_host_ms(
     pick_s: list[float] = []
     replay, argmax = CudaDecodeGraphs.replay, TorchKernelBackend.argmax
     run_forward = [True]
+    # numpy's sum reads it on one thread, the engine's: the caches its host work runs in.
+    flush = np.ones(FLUSH_BYTES // 4, np.float32) if forward == "flush" else None
 
     def timed_replay(graphs: CudaDecodeGraphs, b: int) -> None:
         start = time.perf_counter()
         if run_forward[0]:
             replay(graphs, b)
+        elif flush is not None:
+            flush.sum()
         forward_s.append(time.perf_counter() - start)
 
     def timed_argmax(kernels: TorchKernelBackend, x: Any) -> Any:
@@ -308,8 +322,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kinds", default="cumulative,delta,final_only", help="output kinds")
-    p.add_argument("--forward", default="cpu", choices=("cpu", "none"),
-                   help="run the forward (timed apart), or leave it out of the timed steps")  # fmt: skip
+    p.add_argument("--forward", default="cpu", choices=("cpu", "none", "flush"),
+                   help="run the forward (timed apart), leave it out of the timed steps, or "
+                   "read a buffer larger than the caches in its place")  # fmt: skip
     p.add_argument("--layout", default="gemma-3", choices=("gemma-3", "llama"),
                    help="the KV layout: gemma-3's six groups, or Llama's one")  # fmt: skip
     p.add_argument("--phases", action="store_true", help="where an engine step's host share goes")
@@ -330,7 +345,8 @@ def main() -> None:
         print(f"  [{kind}] output processing (process + collect): "
               f"{outputs_ms(config, ns.requests, ns.steps, kind):.2f}")  # fmt: skip
         times = engine_host_ms(ns.requests, ns.steps, kind, ns.forward, ns.phases, ns.layout)
-        what = "host share" if ns.forward == "cpu" else "host alone, no forward"
+        what = {"cpu": "host share", "none": "host alone, no forward",
+                "flush": "host share after a cache flush"}[ns.forward]  # fmt: skip
         print(f"  [{kind}] engine step, {what} (tiny {ns.layout}, CUDA-graph path): "
               f"{times.host:.2f} of {times.whole:.2f}; the core's step: {times.core:.2f}")  # fmt: skip
         if times.phases:

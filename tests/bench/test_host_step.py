@@ -1,6 +1,6 @@
-"""benchmarks/host_step.py end to end at a small size, in gemma-3's KV layout and Llama's: every
-part reports a figure, and with --phases the engine step's host share is split into its
-phases."""
+"""benchmarks/host_step.py end to end at a small size, in gemma-3's KV layout and Llama's (the
+latter with a cache flush in the forward's place): every part reports a figure, and with
+--phases the engine step's host share is split into its phases."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import pytest
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "host_step.py"
 
 
-@pytest.mark.parametrize(("layout", "groups"), [("gemma-3", 6), ("llama", 1)])
-def test_four_requests_report_each_part_and_the_phases_of_a_step(layout, groups) -> None:
+@pytest.mark.parametrize(
+    ("layout", "groups", "forward"), [("gemma-3", 6, "cpu"), ("llama", 1, "flush")]
+)
+def test_four_requests_report_each_part_and_the_phases_of_a_step(layout, groups, forward) -> None:
     cmd = [sys.executable, str(SCRIPT), "--requests", "4", "--steps", "120", "--kinds", "delta",
-           "--phases", "--layout", layout]  # fmt: skip
+           "--phases", "--layout", layout, "--forward", forward]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     assert f"{layout}'s KV layout ({groups} groups)" in out
     assert float(re.search(r"schedule \+ update_from_output: (\d+\.\d+)", out).group(1)) > 0
