@@ -29,7 +29,7 @@ def _run(model: str, device: torch.device, **args: object) -> list[tuple[list[in
         model=model, device=str(device), kv_cache_memory="8MiB", max_model_len=256,
         max_num_seqs=8, **args,
     )  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(prompt, params, request_id=str(i))
     finals = {}
